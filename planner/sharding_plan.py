@@ -1,0 +1,36 @@
+"""Plan generators for hand-built plans, the PGAS twins of ``torchrec.distributed.sharding_plan``."""
+
+import dataclasses
+from typing import Optional
+
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.sharding_plan import ParameterShardingGenerator, row_wise
+from torchrec.distributed.types import ModuleSharder, ParameterSharding
+
+from torchrec_pgas.types import PGAS_ROW_WISE
+
+
+def pgas_row_wise(compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
+    """Like ``row_wise()``: the same ``ceil(N/W)`` shards and ``EnumerableShardingSpec``,
+    so checkpoints interchange with ``row_wise``; only the sharding type differs.
+
+    Example::
+
+        plan = construct_module_sharding_plan(
+            ebc, {"t0": pgas_row_wise(), "t1": row_wise()}, sharder=PgasEmbeddingBagCollectionSharder()
+        )
+    """
+    stock = row_wise(compute_kernel=compute_kernel or EmbeddingComputeKernel.FUSED.value)
+
+    def _generator(
+        param: nn.Parameter,
+        local_size: int,
+        world_size: int,
+        device_type: str,
+        sharder: ModuleSharder[nn.Module],
+    ) -> ParameterSharding:
+        ps = stock(param, local_size, world_size, device_type, sharder)
+        return dataclasses.replace(ps, sharding_type=PGAS_ROW_WISE)
+
+    return _generator

@@ -1,0 +1,70 @@
+"""Build torchrec-pgas; the CUDA extension ``torchrec_pgas._C`` when nvcc and CUDA torch exist.
+
+``TORCH_PGAS_NO_CUDA=1`` (or no nvcc) gives a pure-Python install whose ``shm``
+backend runs on CPU.
+"""
+
+import glob
+import importlib.util
+import os
+import shutil
+
+from setuptools import setup
+
+PACKAGES = ["torchrec_pgas", "torchrec_pgas.sharding", "torchrec_pgas.planner"]
+PACKAGE_DIR = {"torchrec_pgas.planner": "planner"}
+
+
+def _nvshmem_root() -> str:
+    """The nvidia-nvshmem wheel torch depends on: link the same host library torch loads."""
+    if os.environ.get("NVSHMEM_DIR"):
+        return os.environ["NVSHMEM_DIR"]
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-nvshmem-cu13 is not installed (pip install torch pulls it)")
+    return list(spec.submodule_search_locations)[0]
+
+
+def _extensions():  # type: ignore[no-untyped-def]
+    if os.environ.get("TORCH_PGAS_NO_CUDA") == "1" or shutil.which("nvcc") is None:
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    if torch.version.cuda is None:
+        return [], {}
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    root = _nvshmem_root()
+    ext = CUDAExtension(
+        name="torchrec_pgas._C",
+        sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
+        include_dirs=[os.path.abspath("csrc"), f"{root}/include"],
+        library_dirs=[f"{root}/lib"],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17"],
+            # -rdc: NVSHMEM device calls are resolved by the device link below.
+            "nvcc": ["-O3", "-rdc=true", "-std=c++17", "--expt-relaxed-constexpr"],
+            "nvcc_dlink": ["-dlink", f"-L{root}/lib", "-lnvshmem_device"],
+        },
+        extra_link_args=[
+            "-lcuda",
+            "-l:libnvshmem_host.so.3",
+            "-l:libnvshmem_device.a",
+            f"-Wl,-rpath,{root}/lib",
+        ],
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="torchrec-pgas",
+    version="0.1.0",
+    description="TorchRec sharding plugin: NVSHMEM one-sided communication fused into embedding kernels",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    python_requires=">=3.10",
+)

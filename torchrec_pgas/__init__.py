@@ -1,0 +1,37 @@
+"""torchrec-pgas: TorchRec embedding-bag sharding over one-sided PGAS communication.
+
+Add ``PgasEmbeddingBagCollectionSharder`` to ``DistributedModelParallel`` and plan
+tables as ``pgas_row_wise`` (see ``torchrec_pgas.planner``).
+"""
+
+from torchrec_pgas.embeddingbag import (
+    PgasEmbeddingBagCollectionSharder,
+    PgasShardedEmbeddingBagCollection,
+)
+from torchrec_pgas.runtime import PgasRuntime, finalize_all, init
+from torchrec_pgas.types import (
+    PGAS_ROW_WISE,
+    PgasBackendType,
+    PgasCapacityError,
+    PgasConfig,
+    PgasError,
+    PgasInputError,
+    PgasPeerAbortError,
+    PgasTimeoutError,
+)
+
+__all__ = [
+    "PGAS_ROW_WISE",
+    "PgasBackendType",
+    "PgasCapacityError",
+    "PgasConfig",
+    "PgasEmbeddingBagCollectionSharder",
+    "PgasError",
+    "PgasInputError",
+    "PgasPeerAbortError",
+    "PgasRuntime",
+    "PgasShardedEmbeddingBagCollection",
+    "PgasTimeoutError",
+    "finalize_all",
+    "init",
+]

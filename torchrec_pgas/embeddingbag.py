@@ -1,0 +1,132 @@
+"""The sharder users add to DistributedModelParallel, and the ShardedEBC it builds."""
+
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingContext
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.types import (
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding, strip_pgas_fused_params
+from torchrec_pgas.types import (
+    FUSED_PARAM_PGAS_CONFIG,
+    PGAS_ROW_WISE,
+    PGAS_SHARDING_TYPES,
+    PgasConfig,
+    pgas_config_from_fused_params,
+)
+
+
+_SUM_THEN_DIVIDE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+
+class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """ShardedEBC that also knows the PGAS sharding types; everything else is stock."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # TorchRec's mean callback (installed when a stock RW/TWRW table uses
+        # MEAN) divides every feature it does not list as SUM by the bag length.
+        # Only RW/TWRW run MEAN as SUM in the TBE; every other sharding (the PGAS
+        # ones, which divide in their finalize, and TW/CW, whose TBE already
+        # averages) must be listed as SUM or it is divided twice. Stock TorchRec
+        # 1.6.1 misses the TW/CW case: a MEAN table_wise table next to a MEAN
+        # row_wise table in one EBC comes out divided twice.
+        for config in self._embedding_bag_configs:
+            if self.module_sharding_plan[config.name].sharding_type not in _SUM_THEN_DIVIDE:
+                self._pooling_type_to_rs_features[PoolingType.SUM.value].extend(
+                    config.feature_names
+                )
+
+    @classmethod
+    def create_embedding_bag_sharding(
+        cls,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding[
+        EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor
+    ]:
+        config = pgas_config_from_fused_params(sharding_infos[0].fused_params)
+        infos = [strip_pgas_fused_params(i, FUSED_PARAM_PGAS_CONFIG) for i in sharding_infos]
+        if infos[0].param_sharding.sharding_type == PGAS_ROW_WISE:
+            return PgasRwPooledEmbeddingSharding(
+                infos, env, device, pgas_config=config, qcomm_codecs_registry=qcomm_codecs_registry
+            )
+        return super().create_embedding_bag_sharding(
+            infos, env, device, permute_embeddings, qcomm_codecs_registry
+        )
+
+
+class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Drop-in replacement for ``EmbeddingBagCollectionSharder`` adding ``pgas_row_wise``.
+
+    Tables planned with stock sharding types are sharded exactly as before.
+
+    Args:
+        fused_params: as for the stock sharder (TBE optimizer, output dtype,
+            ``bounds_check_mode``; PGAS shardings default to ``FATAL``).
+        pgas_config: sizes of the symmetric buffers and the peer wait timeout.
+    """
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+        pgas_config: Optional[PgasConfig] = None,
+        sharded_module_order_overwrite: Optional[List[str]] = None,
+    ) -> None:
+        fused = dict(fused_params or {})
+        fused[FUSED_PARAM_PGAS_CONFIG] = pgas_config or PgasConfig()
+        super().__init__(
+            fused_params=fused,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            sharded_module_order_overwrite=sharded_module_order_overwrite,
+        )
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> PgasShardedEmbeddingBagCollection:
+        return PgasShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return super().sharding_types(compute_device_type) + list(PGAS_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if sharding_type in PGAS_SHARDING_TYPES:
+            # The PGAS lookup reads TBE weight storage: the HBM/DDR-resident TBE.
+            return [EmbeddingComputeKernel.FUSED.value]
+        return super().compute_kernels(sharding_type, compute_device_type)
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedEmbeddingBagCollection]:
+        return PgasShardedEmbeddingBagCollection

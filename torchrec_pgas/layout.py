@@ -1,0 +1,79 @@
+"""Byte layout of the symmetric buffer of one ``pgas_row_wise`` sharding.
+
+Every rank holds the same buffer (sizes are plan-time constants)::
+
+    index region   [slot][src] blocks, written by rank ``src`` (the requester)
+        header   int64[4]        epoch, local batch B, nnz, reserved
+        lengths  int64[F*Bmax]   bucketized bag lengths, [f][b] order, B used
+        ids      int64[C]        local row offsets into this rank's shards
+        weights  float32[C]      per-sample weights (weighted EBCs only)
+    output region  [slot][owner] blocks, written by rank ``owner``
+        partial  [Bmax, D] in the output dtype (<= 4 bytes), rows 0..B-1 used
+
+``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
+lookup). The signal pad holds one index slot and one output slot per peer;
+peers store the epoch there after the block is complete.
+"""
+
+from dataclasses import dataclass
+
+_ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class RwLayout:
+    world_size: int
+    num_features: int
+    max_batch: int
+    ids_capacity: int
+    dim_sum: int
+    weighted: bool
+    num_slots: int = 2
+    max_output_bytes: int = 4  # partials are stored in the TBE output dtype
+
+    header_off: int = 0
+    lengths_off: int = 32
+
+    @property
+    def ids_off(self) -> int:
+        return _align(self.lengths_off + 8 * self.num_features * self.max_batch)
+
+    @property
+    def weights_off(self) -> int:
+        return _align(self.ids_off + 8 * self.ids_capacity)
+
+    @property
+    def index_block_bytes(self) -> int:
+        return _align(self.weights_off + (4 * self.ids_capacity if self.weighted else 0))
+
+    @property
+    def output_block_bytes(self) -> int:
+        return _align(self.max_output_bytes * self.max_batch * self.dim_sum)
+
+    @property
+    def output_region_off(self) -> int:
+        return self.num_slots * self.world_size * self.index_block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.output_region_off + self.num_slots * self.world_size * self.output_block_bytes
+
+    @property
+    def num_signal_slots(self) -> int:
+        return 2 * self.world_size
+
+    def index_block(self, slot: int, src: int) -> int:
+        return (slot * self.world_size + src) * self.index_block_bytes
+
+    def output_block(self, slot: int, owner: int) -> int:
+        return self.output_region_off + (slot * self.world_size + owner) * self.output_block_bytes
+
+    def index_signal(self, src: int) -> int:
+        return src
+
+    def output_signal(self, owner: int) -> int:
+        return self.world_size + owner

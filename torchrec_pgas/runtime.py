@@ -1,0 +1,228 @@
+"""The PGAS runtime: symmetric buffers, one-sided puts, epoch signals.
+
+One small API with two backends behind it:
+
+* ``shm`` (CPU): every rank's symmetric heap is a POSIX shared-memory segment that
+  all local ranks map; a put is a copy into the peer's mapping, a signal is a
+  store into the peer's signal pad.
+* ``nvshmem`` (CUDA): the NVSHMEM symmetric heap; puts and signals are issued on
+  the current CUDA stream (see ``torchrec_pgas.nvshmem_backend``).
+
+``torch.distributed`` is used only to bootstrap (agree on names, exchange ids,
+barriers at allocation time); a step never calls a collective.
+
+Signals carry a monotonically increasing *epoch* rather than a flag that is
+reset: a waiter for epoch ``e`` waits until the word is ``>= e``, so a peer that
+is already at step ``e + 1`` can never be mistaken for one at ``e - 1`` and no
+reset can race with a late reader.
+"""
+
+import abc
+import atexit
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from torchrec_pgas.types import PgasBackendType, PgasError
+
+# Signal pads start with a small control area: word 0 holds ``aborting_rank + 1``
+# (0 = healthy); words 1.. hold the abort reason as UTF-8 bytes.
+ABORT_WORD: int = 0
+ABORT_MSG_WORDS: int = 31
+PAD_HEADER_WORDS: int = 1 + ABORT_MSG_WORDS
+
+
+@dataclass
+class SymmetricBuffer:
+    """A named region of the same size on every rank; ``local`` is this rank's part."""
+
+    name: str
+    nbytes: int
+    local: torch.Tensor  # uint8, this rank's segment
+
+    def view(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
+        """Typed view of ``numel`` elements of this rank's segment at byte ``offset``."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        _check_range(self, offset, numel * esize)
+        return self.local[offset : offset + numel * esize].view(dtype)
+
+
+@dataclass
+class SignalPad:
+    """Per-rank int64 words written by peers: a control header, then ``num_slots`` slots."""
+
+    name: str
+    num_slots: int
+    words: torch.Tensor  # int64 [PAD_HEADER_WORDS + num_slots], this rank's pad
+
+
+def _check_range(buf: SymmetricBuffer, offset: int, nbytes: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
+        raise PgasError(
+            f"access [{offset}, {offset + nbytes}) is outside symmetric buffer "
+            f"'{buf.name}' of {buf.nbytes} bytes"
+        )
+
+
+class PgasRuntime(abc.ABC):
+    """One process's handle on the PGAS world of a process group."""
+
+    backend_type: PgasBackendType
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+        self.pg = pg
+        self.rank: int = dist.get_rank(pg)
+        self.world_size: int = dist.get_world_size(pg)
+        self.device = device
+        self._buffers: Dict[str, SymmetricBuffer] = {}
+        self._pads: Dict[str, SignalPad] = {}
+
+    # ---- allocation (collective) -------------------------------------------
+    def alloc(self, name: str, nbytes: int) -> SymmetricBuffer:
+        """Collective: a buffer of ``nbytes`` on every rank; re-allocating a name reuses it."""
+        if name in self._buffers:
+            buf = self._buffers[name]
+            if buf.nbytes != nbytes:
+                raise PgasError(
+                    f"symmetric buffer '{name}' exists with {buf.nbytes} bytes, asked for {nbytes}"
+                )
+            return buf
+        self._agree("alloc", name, nbytes)
+        buf = SymmetricBuffer(name, nbytes, self._alloc_bytes(name, max(nbytes, 8)))
+        buf.local = buf.local[:nbytes]
+        self._buffers[name] = buf
+        return buf
+
+    def alloc_signals(self, name: str, num_slots: int) -> SignalPad:
+        """Collective: a zeroed signal pad with ``num_slots`` epoch slots on every rank."""
+        if name in self._pads:
+            pad = self._pads[name]
+            if pad.num_slots != num_slots:
+                raise PgasError(f"signal pad '{name}' exists with {pad.num_slots} slots")
+            return pad
+        self._agree("alloc_signals", name, num_slots)
+        nwords = PAD_HEADER_WORDS + num_slots
+        words = self._alloc_bytes("sig:" + name, nwords * 8).view(torch.int64)
+        pad = SignalPad(name, num_slots, words)
+        self._pads[name] = pad
+        return pad
+
+    def _agree(self, what: str, name: str, size: int) -> None:
+        """Every rank must allocate the same names with the same sizes, in the same order."""
+        mine = (what, name, size)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.pg)
+        if any(g != mine for g in gathered):
+            raise PgasError(f"ranks disagree on a collective allocation: {gathered}")
+
+    # ---- data movement ------------------------------------------------------
+    def put(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None:
+        """One-sided: copy ``src``'s bytes into ``peer``'s part of ``buf`` at byte ``offset``."""
+        self._check_peer(peer)
+        nbytes = src.numel() * src.element_size()
+        _check_range(buf, offset, nbytes)
+        if nbytes:
+            self._put_bytes(buf, peer, offset, src.contiguous().view(-1).view(torch.uint8))
+
+    def signal(self, pad: SignalPad, peer: int, slot: int, epoch: int) -> None:
+        """Set ``peer``'s ``slot`` to ``epoch``, ordered after this rank's earlier puts."""
+        self._check_peer(peer)
+        if not 0 <= slot < pad.num_slots:
+            raise PgasError(f"signal slot {slot} outside pad '{pad.name}' of {pad.num_slots}")
+        self._signal_word(pad, peer, PAD_HEADER_WORDS + slot, epoch)
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size:
+            raise PgasError(f"peer rank {peer} outside world of size {self.world_size}")
+
+    @abc.abstractmethod
+    def _alloc_bytes(self, name: str, nbytes: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _put_bytes(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _signal_word(self, pad: SignalPad, peer: int, word: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def wait(
+        self, pad: SignalPad, slots: Sequence[int], epoch: int, timeout_s: float, what: str
+    ) -> None:
+        """Block until every local ``slot`` of ``pad`` is ``>= epoch``.
+
+        Raises ``PgasPeerAbortError`` if a peer aborted the pad, and
+        ``PgasTimeoutError`` (naming ``what`` and the missing sources) after
+        ``timeout_s``.
+        """
+
+    @abc.abstractmethod
+    def abort(self, pad: SignalPad, reason: str) -> None:
+        """Tell every rank that waits on ``pad`` that this rank gave up, and why."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    def finalize(self) -> None:
+        self._buffers.clear()
+        self._pads.clear()
+
+
+def encode_abort(rank: int, reason: str) -> Tuple[int, torch.Tensor]:
+    """The abort word and the reason packed into ABORT_MSG_WORDS int64 words."""
+    raw = reason.encode("utf-8")[: ABORT_MSG_WORDS * 8 - 1]
+    buf = torch.zeros(ABORT_MSG_WORDS * 8, dtype=torch.uint8)
+    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return rank + 1, buf.view(torch.int64)
+
+
+def decode_abort(words: torch.Tensor) -> Tuple[int, str]:
+    """(aborting rank, reason) from a pad's control header on the CPU."""
+    rank = int(words[ABORT_WORD]) - 1
+    raw = words[1:PAD_HEADER_WORDS].contiguous().view(torch.uint8).tolist()
+    msg = bytes(raw).split(b"\0", 1)[0].decode("utf-8", errors="replace")
+    return rank, msg
+
+
+_RUNTIMES: Dict[Tuple[int, str], PgasRuntime] = {}
+
+
+def init(
+    pg: Optional[dist.ProcessGroup] = None,
+    backend: Optional[PgasBackendType] = None,
+    device: Optional[torch.device] = None,
+) -> PgasRuntime:
+    """Collective: the PGAS runtime of ``pg`` (default world), created on first use.
+
+    ``backend`` defaults to ``nvshmem`` for a CUDA ``device`` and ``shm`` otherwise.
+    """
+    pg = pg if pg is not None else dist.group.WORLD
+    assert pg is not None, "torch.distributed must be initialized before torchrec_pgas.init"
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if (
+            backend == PgasBackendType.NVSHMEM
+        ) else torch.device("cpu")
+    if backend is None:
+        backend = PgasBackendType.NVSHMEM if device.type == "cuda" else PgasBackendType.SHM
+    key = (id(pg), backend.value)  # the runtime holds ``pg``, so the id stays unique
+    if key not in _RUNTIMES:
+        if backend == PgasBackendType.SHM:
+            from torchrec_pgas.shm_backend import ShmRuntime
+
+            _RUNTIMES[key] = ShmRuntime(pg, device)
+        else:
+            from torchrec_pgas.nvshmem_backend import NvshmemRuntime
+
+            _RUNTIMES[key] = NvshmemRuntime(pg, device)
+    return _RUNTIMES[key]
+
+
+def finalize_all() -> None:
+    """Release every runtime of this process (also run at interpreter exit)."""
+    while _RUNTIMES:
+        _, rt = _RUNTIMES.popitem()
+        rt.finalize()
+
+
+atexit.register(finalize_all)

@@ -1,0 +1,268 @@
+"""Validation harness: the same EBCs sharded by stock TorchRec and by torchrec-pgas.
+
+Builds a model of two EBCs (one weighted) from identical weights, shards it
+twice with ``DistributedModelParallel`` (the reference plan maps every PGAS type
+to its stock twin, e.g. ``pgas_row_wise`` -> ``row_wise``), feeds both the same
+per-rank inputs and compares outputs per key.
+
+Tolerance: row-wise sums partial pools from several ranks, and stock TorchRec's
+reduce-scatter and our rank-ordered sum add them in different orders, so RW is
+not bit-exact (stock RW vs unsharded differs by ~1e-8 too). fp32 outputs must
+agree within ``atol=1e-5, rtol=1e-5``.
+"""
+
+import copy
+import dataclasses
+import datetime
+import os
+import random
+import socket
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.planner.sharding_plan import pgas_row_wise
+from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
+
+ATOL: float = 1e-5
+RTOL: float = 1e-5
+
+STOCK_TWIN: Dict[str, str] = {PGAS_ROW_WISE: "row_wise"}
+_GENERATORS: Dict[str, Callable[[], Any]] = {
+    PGAS_ROW_WISE: pgas_row_wise,
+    "row_wise": lambda: row_wise(compute_kernel="fused"),
+    "table_wise": lambda: table_wise(rank=0, compute_kernel="fused"),
+}
+
+
+def default_tables(prefix: str = "t") -> List[EmbeddingBagConfig]:
+    """Different dims, rows not divisible by W, a shared table, MEAN and SUM,
+    and a table smaller than the world (a rank owns no rows of it)."""
+    return [
+        EmbeddingBagConfig(name=f"{prefix}0", num_embeddings=100, embedding_dim=8,
+                           feature_names=[f"{prefix}f0"]),
+        EmbeddingBagConfig(name=f"{prefix}1", num_embeddings=37, embedding_dim=16,
+                           feature_names=[f"{prefix}f1", f"{prefix}f1b"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name=f"{prefix}2", num_embeddings=10, embedding_dim=4,
+                           feature_names=[f"{prefix}f2"]),
+        EmbeddingBagConfig(name=f"{prefix}3", num_embeddings=2, embedding_dim=12,
+                           feature_names=[f"{prefix}f3"], pooling=PoolingType.MEAN),
+    ]
+
+
+class TwoEbcModel(nn.Module):
+    """An unweighted and a weighted EBC side by side, like TorchRec's TestSparseNN."""
+
+    def __init__(
+        self, tables: List[EmbeddingBagConfig], weighted_tables: List[EmbeddingBagConfig], seed: int = 0
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)  # every rank must build the same global weights
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        self.webc = EmbeddingBagCollection(
+            tables=weighted_tables, is_weighted=True, device=torch.device("cpu")
+        )
+
+    def forward(self, kjt: KeyedJaggedTensor, wkjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        out = self.ebc(kjt).to_dict()
+        out.update({"w:" + k: v for k, v in self.webc(wkjt).to_dict().items()})
+        return out
+
+
+def random_kjt(
+    tables: Sequence[EmbeddingBagConfig],
+    batch: int,
+    gen: torch.Generator,
+    max_len: int = 5,
+    weighted: bool = False,
+    empty: bool = False,
+) -> KeyedJaggedTensor:
+    """Features in table order; lengths in [0, max_len] (empty bags included)."""
+    keys, lengths, values = [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            lens = torch.randint(0, max_len + 1, (batch,), generator=gen)
+            if empty:
+                lens.zero_()
+            keys.append(f)
+            lengths.append(lens)
+            values.append(torch.randint(0, t.num_embeddings, (int(lens.sum()),), generator=gen))
+    vals = torch.cat(values)
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=vals,
+        lengths=torch.cat(lengths),
+        weights=torch.rand(vals.numel(), generator=gen) if weighted else None,
+        stride=batch,
+    )
+
+
+def build_plan(
+    model: TwoEbcModel,
+    types: Dict[str, str],
+    world_size: int,
+    device_type: str,
+    sharder: EmbeddingBagCollectionSharder,
+) -> ShardingPlan:
+    plan = {}
+    for path, ebc in (("ebc", model.ebc), ("webc", model.webc)):
+        gens = {
+            cfg.name: _GENERATORS[types[cfg.name]]() for cfg in ebc.embedding_bag_configs()
+        }
+        plan[path] = construct_module_sharding_plan(
+            ebc, gens, sharder=sharder, local_size=world_size, world_size=world_size,
+            device_type=device_type,
+        )
+    return ShardingPlan(plan)
+
+
+def shard(
+    model: TwoEbcModel,
+    types: Dict[str, str],
+    pg: dist.ProcessGroup,
+    device: torch.device,
+    config: Optional[PgasConfig] = None,
+    fused_params: Optional[Dict[str, Any]] = None,
+    stock: bool = False,
+) -> DistributedModelParallel:
+    """DMP over a deep copy of ``model`` with the given per-table sharding types.
+
+    ``stock=True`` uses TorchRec's own sharder (the reference); the plan must
+    then name stock types only.
+    """
+    sharder = (
+        EmbeddingBagCollectionSharder(fused_params=fused_params)
+        if stock
+        else PgasEmbeddingBagCollectionSharder(fused_params=fused_params, pgas_config=config)
+    )
+    dmp = DistributedModelParallel(
+        copy.deepcopy(model),
+        env=ShardingEnv.from_process_group(pg),
+        device=device,
+        plan=build_plan(model, types, dist.get_world_size(pg), device.type, sharder),
+        sharders=[sharder],
+    )
+    copy_state_dict(dmp.state_dict(), model.state_dict())
+    return dmp
+
+
+def copy_state_dict(local: Dict[str, Any], global_: Dict[str, torch.Tensor]) -> None:
+    """Copy full tensors of an unsharded model into the local shards of a sharded one."""
+    for name, tensor in local.items():
+        src = global_[name].detach()
+        if isinstance(tensor, ShardedTensor):
+            for shard in tensor.local_shards():
+                rows, cols = shard.metadata.shard_offsets
+                n, d = shard.tensor.shape
+                shard.tensor.copy_(src[rows : rows + n, cols : cols + d])
+        else:
+            tensor.copy_(src)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Per output key: max |pgas - stock|, and the two forward times in ms."""
+
+    max_abs_diff: Dict[str, float]
+    pgas_ms: float
+    stock_ms: float
+
+
+def compare_with_stock(
+    model: TwoEbcModel,
+    types: Dict[str, str],
+    batches: Sequence[Tuple[KeyedJaggedTensor, KeyedJaggedTensor]],
+    pg: dist.ProcessGroup,
+    device: torch.device,
+    config: Optional[PgasConfig] = None,
+) -> Comparison:
+    """Shard ``model`` with ``types`` and with their stock twins; run every batch on both."""
+    stock_types = {t: STOCK_TWIN.get(st, st) for t, st in types.items()}
+    pgas = shard(model, types, pg, device, config)
+    stock = shard(model, stock_types, pg, device, stock=True)
+    diffs: Dict[str, float] = {}
+    times = {"pgas": 0.0, "stock": 0.0}
+    with torch.no_grad():
+        for kjt, wkjt in batches:
+            kjt, wkjt = kjt.to(device), wkjt.to(device)
+            outs = {}
+            for name, m in (("pgas", pgas), ("stock", stock)):
+                t0 = time.perf_counter()
+                outs[name] = m(kjt, wkjt)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[name] += time.perf_counter() - t0
+            assert outs["pgas"].keys() == outs["stock"].keys()
+            for k in outs["stock"]:
+                a, b = outs["pgas"][k].float(), outs["stock"][k].float()
+                torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{k}: {m}")
+                diffs[k] = max(diffs.get(k, 0.0), float((a - b).abs().max()) if a.numel() else 0.0)
+    n = max(1, len(batches))
+    return Comparison(diffs, 1e3 * times["pgas"] / n, 1e3 * times["stock"] / n)
+
+
+# ---- multi-process launcher ------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, queue: Any, args: Tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        queue.put((rank, fn(rank, world_size, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; its results by rank.
+
+    A failure in any rank raises here (with that rank's traceback).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(
+        _worker,
+        args=(fn, world_size, _free_port(), queue, args),
+        nprocs=world_size,
+        start_method="spawn",
+    )
+    results: Dict[int, Any] = {}
+    while not queue.empty():
+        rank, value = queue.get()
+        results[rank] = value
+    return [results[r] for r in range(world_size)]
+
+
+def seeded(seed: int) -> torch.Generator:
+    random.seed(seed)
+    return torch.Generator().manual_seed(seed)

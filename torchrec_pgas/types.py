@@ -1,0 +1,109 @@
+"""Public types of torchrec-pgas: sharding-type names, the per-sharder config, errors."""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Dict, Optional
+
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+PGAS_ROW_WISE: str = "pgas_row_wise"
+"""Row-wise sharding whose index dist and output dist are one-sided PGAS puts."""
+
+PGAS_SHARDING_TYPES = (PGAS_ROW_WISE,)
+
+# Key under which the sharder passes its PgasConfig through TorchRec's per-table
+# fused_params (the same channel TorchRec uses for its own "__register_*" keys);
+# it is stripped again before the params reach FBGEMM's TBE.
+FUSED_PARAM_PGAS_CONFIG: str = "__pgas_config"
+
+
+class PgasBackendType(Enum):
+    """Where the symmetric heap lives and who moves the bytes."""
+
+    SHM = "shm"  # CPU: POSIX shared memory mapped by every local rank
+    NVSHMEM = "nvshmem"  # CUDA: NVSHMEM symmetric heap, GPU-initiated puts
+
+
+@dataclass(frozen=True)
+class PgasConfig:
+    """Sizing knobs for the symmetric buffers of one PGAS sharding.
+
+    The buffers are allocated once, collectively, when the module is sharded, so
+    they are sized for a maximum step; a larger step raises before anything is
+    written.
+
+    Args:
+        max_local_batch_size: largest local batch (KJT stride) a rank may feed.
+        ids_per_source_capacity: most ids one rank may send to one owner in one
+            step. ``None`` means ``max_local_batch_size * num_features *
+            avg_pooling_capacity`` for each sharding.
+        avg_pooling_capacity: the mean ids per bag that the default capacity
+            covers even if every id of a step lands on one owner.
+        wait_timeout_s: how long a rank waits for a peer's signal before it
+            raises (a peer that crashed or diverged must not hang the job).
+    """
+
+    max_local_batch_size: int = 4096
+    ids_per_source_capacity: Optional[int] = None
+    avg_pooling_capacity: int = 32
+    wait_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_local_batch_size <= 0:
+            raise ValueError(
+                f"PgasConfig.max_local_batch_size must be > 0, got {self.max_local_batch_size}"
+            )
+        if self.ids_per_source_capacity is not None and self.ids_per_source_capacity <= 0:
+            raise ValueError(
+                "PgasConfig.ids_per_source_capacity must be > 0 or None, got "
+                f"{self.ids_per_source_capacity}"
+            )
+        if self.avg_pooling_capacity <= 0:
+            raise ValueError(
+                f"PgasConfig.avg_pooling_capacity must be > 0, got {self.avg_pooling_capacity}"
+            )
+        if self.wait_timeout_s <= 0:
+            raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+
+    def ids_capacity(self, num_features: int) -> int:
+        if self.ids_per_source_capacity is not None:
+            return self.ids_per_source_capacity
+        return max(1, self.max_local_batch_size * num_features * self.avg_pooling_capacity)
+
+
+def pgas_config_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> PgasConfig:
+    if fused_params and FUSED_PARAM_PGAS_CONFIG in fused_params:
+        return fused_params[FUSED_PARAM_PGAS_CONFIG]
+    return PgasConfig()
+
+
+def bounds_check_mode_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> BoundsCheckMode:
+    """FATAL unless the user asked otherwise (FBGEMM's own default is WARNING).
+
+    ``NONE`` is promoted to ``IGNORE``: ids decide addresses of one-sided writes
+    into other ranks' memory, so they are always checked.
+    """
+    mode = (fused_params or {}).get("bounds_check_mode", BoundsCheckMode.FATAL)
+    if mode == BoundsCheckMode.NONE:
+        return BoundsCheckMode.IGNORE
+    return mode
+
+
+class PgasError(RuntimeError):
+    """A PGAS step cannot proceed; the sharded module must be rebuilt."""
+
+
+class PgasInputError(PgasError, ValueError):
+    """Bad step input: an out-of-range id, mismatched batch sizes, and the like."""
+
+
+class PgasCapacityError(PgasError, ValueError):
+    """A step needs more symmetric-buffer space than the config allows."""
+
+
+class PgasPeerAbortError(PgasError):
+    """Another rank aborted the step this rank was waiting on."""
+
+
+class PgasTimeoutError(PgasError, TimeoutError):
+    """A peer did not signal within ``PgasConfig.wait_timeout_s``."""
