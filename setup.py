@@ -43,7 +43,18 @@ def _extensions():  # type: ignore[no-untyped-def]
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17"],
             # -rdc: NVSHMEM device calls are resolved by the device link below.
-            "nvcc": ["-O3", "-rdc=true", "-std=c++17", "--expt-relaxed-constexpr"],
+            "nvcc": [
+                "-O3",
+                "-rdc=true",
+                "-std=c++17",
+                "--expt-relaxed-constexpr",
+                # torch defines these to keep half arithmetic out of its own
+                # kernels; NVSHMEM's reduction headers need it.
+                "-U__CUDA_NO_HALF_OPERATORS__",
+                "-U__CUDA_NO_HALF_CONVERSIONS__",
+                "-U__CUDA_NO_HALF2_OPERATORS__",
+                "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            ],
             "nvcc_dlink": ["-dlink", f"-L{root}/lib", "-lnvshmem_device"],
         },
         extra_link_args=[

@@ -70,6 +70,9 @@ class PgasRuntime(abc.ABC):
     """One process's handle on the PGAS world of a process group."""
 
     backend_type: PgasBackendType
+    # Tear down at interpreter exit? Not for NVSHMEM, whose teardown is
+    # collective and would hang behind a rank that already died.
+    finalize_at_exit: bool = True
 
     def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
         self.pg = pg
@@ -157,6 +160,9 @@ class PgasRuntime(abc.ABC):
         ``timeout_s``.
         """
 
+    def check(self) -> None:
+        """Raise an error a device-side wait recorded (no-op where waits block the host)."""
+
     @abc.abstractmethod
     def abort(self, pad: SignalPad, reason: str) -> None:
         """Tell every rank that waits on ``pad`` that this rank gave up, and why."""
@@ -219,10 +225,17 @@ def init(
 
 
 def finalize_all() -> None:
-    """Release every runtime of this process (also run at interpreter exit)."""
+    """Collective: release every runtime of this process."""
     while _RUNTIMES:
         _, rt = _RUNTIMES.popitem()
         rt.finalize()
 
 
-atexit.register(finalize_all)
+def _finalize_at_exit() -> None:
+    for key, rt in list(_RUNTIMES.items()):
+        if rt.finalize_at_exit:
+            del _RUNTIMES[key]
+            rt.finalize()
+
+
+atexit.register(_finalize_at_exit)

@@ -227,11 +227,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, queue: Any, args: Tuple) -> None:
+def _worker(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, queue: Any, backend: str, args: Tuple
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -243,16 +247,17 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, queue
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; its results by rank.
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; its results by rank.
 
-    A failure in any rank raises here (with that rank's traceback).
+    ``backend="nccl"`` puts rank r on ``cuda:r``. A failure in any rank raises
+    here (with that rank's traceback).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(
         _worker,
-        args=(fn, world_size, _free_port(), queue, args),
+        args=(fn, world_size, _free_port(), queue, backend, args),
         nprocs=world_size,
         start_method="spawn",
     )

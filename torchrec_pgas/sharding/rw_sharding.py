@@ -234,6 +234,7 @@ class PgasRwPipeline:
             self.rt.wait(self.pad, [lay.index_signal(src)], epoch, timeout, f"index data from rank {src}")
             block = lay.index_block(slot, src)
             h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
+            self.rt.check()
             if h_batch != batch:
                 raise self._fail(
                     PgasInputError(
@@ -277,7 +278,9 @@ class PgasRwPipeline:
         if self._mean_features is not None:
             out = out / self._mean_divisor(kjt)
         out = out.to(out_dtype)
-        return _NoBackward.apply(out) if torch.is_grad_enabled() else out
+        if torch.is_grad_enabled():  # a backward through here must raise, not skip
+            return _NoBackward.apply(out.requires_grad_())
+        return out
 
     def _mean_divisor(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """[B, D] divisor, like TorchRec RW: bag length (or weight sum) + eps; 1 for sum."""

@@ -1,0 +1,108 @@
+// Host-API data movement of the PGAS runtime: put, signal, wait (torch.ops.torchrec_pgas).
+//
+// These are the generic building blocks behind PgasRuntime.put/signal/wait on
+// the nvshmem backend; the fused row-wise kernels do the same inside one launch.
+//
+// Memory layout: every buffer is symmetric (nvshmem_align), so a *local*
+// address names the same offset on every PE. A signal pad is an int64 array:
+//   [0]        abort word: aborting rank + 1, 0 while healthy
+//   [1..31]    abort reason (UTF-8)
+//   [32..]     epoch slots
+//
+// Protocol: put(dst, src, peer) moves the bytes and completes them
+// (nvshmem_quiet) before the kernel ends; signal(word, epoch, peer) then
+// stores the epoch into the peer's word. Both run on the current stream, so
+// a signal never overtakes the puts issued before it. wait() spins on the
+// local slots until each is >= epoch (acquire loads), gives up when the abort
+// word is set or after a timeout, and reports either into a pinned status word
+// that the host reads after synchronizing.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "pgas_common.cuh"
+
+namespace torchrec_pgas {
+namespace {
+
+constexpr int kPutThreads = 512;
+constexpr size_t kPutChunk = size_t(1) << 20;  // bytes per block
+
+__global__ void put_kernel(uint8_t* dst, const uint8_t* src, size_t nbytes, int peer) {
+  const size_t begin = static_cast<size_t>(blockIdx.x) * kPutChunk;
+  const size_t len = min(kPutChunk, nbytes - begin);
+  nvshmemx_putmem_nbi_block(dst + begin, src + begin, len, peer);
+  __syncthreads();
+  if (threadIdx.x == 0) nvshmem_quiet();
+}
+
+__global__ void signal_kernel(uint64_t* word, uint64_t value, int peer) {
+  nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, peer);
+}
+
+// One thread per waited slot.
+__global__ void wait_kernel(const int64_t* pad, const int64_t* slots, int num_slots, int64_t epoch,
+                            int64_t timeout_ns, int64_t* status) {
+  const int i = threadIdx.x;
+  if (i >= num_slots) return;
+  const int64_t* word = pad + slots[i];
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_sys(word) < epoch) {
+    if (ld_volatile(pad) != 0) {
+      status[0] = kStatusPeerAbort;
+      return;
+    }
+    if (global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+      status[0] = kStatusTimeout;
+      status[1] = slots[i];
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+void pgas_put(const at::Tensor& dst, const at::Tensor& src, int64_t peer) {
+  TORCH_CHECK(dst.is_cuda() && src.is_cuda() && dst.is_contiguous() && src.is_contiguous(),
+              "pgas_put: contiguous CUDA tensors expected");
+  const size_t nbytes = src.numel() * src.element_size();
+  TORCH_CHECK(static_cast<size_t>(dst.numel() * dst.element_size()) >= nbytes,
+              "pgas_put: destination of ", dst.numel() * dst.element_size(),
+              " bytes is smaller than the source of ", nbytes);
+  TORCH_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_put: peer ", peer, " outside world");
+  TORCH_CHECK(nvshmem_ptr(dst.data_ptr(), nvshmem_my_pe()) != nullptr,
+              "pgas_put: destination is not symmetric memory");
+  if (nbytes == 0) return;
+  const unsigned blocks = static_cast<unsigned>((nbytes + kPutChunk - 1) / kPutChunk);
+  put_kernel<<<blocks, kPutThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<uint8_t*>(dst.data_ptr()), static_cast<const uint8_t*>(src.data_ptr()), nbytes,
+      static_cast<int>(peer));
+  PGAS_CUDA_CHECK(cudaGetLastError());
+}
+
+void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer) {
+  TORCH_CHECK(word.is_cuda() && word.scalar_type() == at::kLong && word.numel() == 1,
+              "pgas_signal: one int64 CUDA word expected");
+  TORCH_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_signal: peer ", peer, " outside world");
+  signal_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<uint64_t*>(word.data_ptr()), static_cast<uint64_t>(value),
+      static_cast<int>(peer));
+  PGAS_CUDA_CHECK(cudaGetLastError());
+}
+
+void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, int64_t timeout_ns,
+               const at::Tensor& status) {
+  TORCH_CHECK(pad.is_cuda() && pad.scalar_type() == at::kLong, "pgas_wait: int64 CUDA pad expected");
+  TORCH_CHECK(slots.is_cuda() && slots.scalar_type() == at::kLong && slots.numel() <= 1024,
+              "pgas_wait: at most 1024 int64 CUDA slot indices expected");
+  TORCH_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 2,
+              "pgas_wait: status must be a pinned int64 host tensor of 2 words");
+  if (slots.numel() == 0) return;
+  wait_kernel<<<1, static_cast<unsigned>(slots.numel()), 0, at::cuda::getCurrentCUDAStream()>>>(
+      pad.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<int>(slots.numel()), epoch,
+      timeout_ns, status.data_ptr<int64_t>());
+  PGAS_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace torchrec_pgas

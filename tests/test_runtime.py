@@ -1,0 +1,108 @@
+"""Unit tests of the PGAS runtime on the shm backend (real processes, real shared memory)."""
+
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchrec_pgas
+from torchrec_pgas.runtime import PAD_HEADER_WORDS
+from torchrec_pgas.testing import run_distributed
+from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
+
+
+def _puts_signals_epochs(rank: int, world: int) -> Dict[str, object]:
+    rt = torchrec_pgas.init(backend=PgasBackendType.SHM)
+    assert rt.backend_type == PgasBackendType.SHM
+    assert torchrec_pgas.init(backend=PgasBackendType.SHM) is rt  # one runtime per group
+    buf = rt.alloc("data", 64 * world)
+    again = rt.alloc("data", 64 * world)  # named, reused
+    assert again is buf
+    pad = rt.alloc_signals("sig", world)
+    assert int(pad.words.abs().sum()) == 0  # zeroed; nobody signals before the barrier
+    rt.barrier()
+    out: Dict[str, object] = {}
+    for epoch in (1, 2, 3):
+        # Every rank writes its 16 floats into slot [rank] of every peer, then signals.
+        payload = torch.full((16,), float(100 * epoch + rank))
+        for peer in range(world):
+            rt.put(buf, peer, rank * 64, payload)
+            rt.signal(pad, peer, rank, epoch)
+        rt.wait(pad, list(range(world)), epoch, timeout_s=30, what="payloads")
+        got = buf.view(torch.float32, 0, 16 * world).view(world, 16)[:, 0].tolist()
+        out[f"epoch{epoch}"] = got
+        # Nobody may overwrite before everybody has read this epoch.
+        rt.barrier()
+    # A wait for an epoch no peer has reached times out, naming what it waited for.
+    with pytest.raises(PgasTimeoutError, match="nothing-coming"):
+        rt.wait(pad, [(rank + 1) % world], 99, timeout_s=0.2, what="nothing-coming")
+    # Out-of-range puts and signals raise before touching memory.
+    with pytest.raises(PgasError, match="outside symmetric buffer"):
+        rt.put(buf, 0, 64 * world - 4, torch.zeros(2))
+    with pytest.raises(PgasError, match="outside symmetric buffer"):
+        rt.put(buf, 0, -8, torch.zeros(1))
+    with pytest.raises(PgasError, match="peer rank"):
+        rt.put(buf, world, 0, torch.zeros(1))
+    with pytest.raises(PgasError, match="signal slot"):
+        rt.signal(pad, 0, world, 1)
+    with pytest.raises(PgasError, match="exists with"):
+        rt.alloc("data", 8)
+    rt.barrier()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_puts_signals_epochs(world: int) -> None:
+    results = run_distributed(_puts_signals_epochs, world)
+    for got in results:
+        for epoch in (1, 2, 3):
+            assert got[f"epoch{epoch}"] == [100.0 * epoch + r for r in range(world)]
+
+
+def _abort_propagates(rank: int, world: int) -> str:
+    rt = torchrec_pgas.init()
+    pad = rt.alloc_signals("abortable", world)
+    if rank == 1:
+        rt.abort(pad, "feature 'f' has id -3")
+        return "aborted"
+    try:
+        rt.wait(pad, [1], 1, timeout_s=60, what="rank 1")
+    except PgasPeerAbortError as e:
+        return str(e)
+    return "no error"
+
+
+def test_abort_wakes_waiting_peers() -> None:
+    results = run_distributed(_abort_propagates, 3)
+    assert results[1] == "aborted"
+    for r in (0, 2):
+        assert "rank 1 aborted 'abortable': feature 'f' has id -3" in results[r]
+
+
+def _disagreeing_alloc(rank: int, world: int) -> str:
+    rt = torchrec_pgas.init()
+    try:
+        rt.alloc(f"buf{rank}", 16)
+    except PgasError as e:
+        return str(e)
+    return "no error"
+
+
+def test_collective_alloc_must_agree() -> None:
+    for msg in run_distributed(_disagreeing_alloc, 2):
+        assert "disagree on a collective allocation" in msg
+
+
+def _signals_are_per_source(rank: int, world: int) -> List[int]:
+    rt = torchrec_pgas.init()
+    pad = rt.alloc_signals("per_source", world)
+    rt.signal(pad, 0, rank, 10 + rank)
+    rt.barrier()
+    return pad.words[PAD_HEADER_WORDS:].tolist()
+
+
+def test_signals_land_in_the_source_slot() -> None:
+    results = run_distributed(_signals_are_per_source, 3)
+    assert results[0] == [10, 11, 12]
+    assert results[1] == [0, 0, 0] and results[2] == [0, 0, 0]

@@ -1,0 +1,110 @@
+"""CUDA backend: the NVSHMEM symmetric heap, puts and signals on the current stream.
+
+Bootstrap follows DeepEP/pplx: rank 0 makes an NVSHMEM unique id, the process
+group broadcasts it, every rank calls ``nvshmemx_init_attr`` from our extension
+(which also registers our device state when PyTorch's symmetric memory already
+initialized NVSHMEM in this process). NVLink multicast stays off.
+
+Waits are device-side: ``wait`` enqueues a kernel that spins until the signals
+arrive, so the host never blocks in a step. A timeout or a peer's abort is
+written to a pinned status word; ``check`` raises it on the host after the
+stream has been synchronized.
+"""
+
+import os
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad, SymmetricBuffer, decode_abort, encode_abort
+from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
+
+_STATUS_TIMEOUT = 1
+_STATUS_PEER_ABORT = 2
+
+
+def load_extension() -> None:
+    """Import ``torchrec_pgas._C`` (registers ``torch.ops.torchrec_pgas``) or explain why not."""
+    try:
+        import torchrec_pgas._C  # noqa: F401
+    except ImportError as e:
+        raise PgasError(
+            "the nvshmem backend needs the CUDA extension torchrec_pgas._C; build it with "
+            "`pip install --no-build-isolation .` on a machine with nvcc (not TORCH_PGAS_NO_CUDA=1)"
+        ) from e
+
+
+class NvshmemRuntime(PgasRuntime):
+    backend_type = PgasBackendType.NVSHMEM
+    finalize_at_exit = False
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(pg, device)
+        load_extension()
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # multicast off (shared hosts)
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+        ops = torch.ops.torchrec_pgas
+        uid = ops.unique_id() if self.rank == 0 else None
+        box: List[object] = [uid]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        ops.init(box[0], self.rank, self.world_size)
+        self._status = torch.zeros(2, dtype=torch.int64).pin_memory()
+        self._allocs: List[torch.Tensor] = []
+
+    def _alloc_bytes(self, name: str, nbytes: int) -> torch.Tensor:
+        buf = torch.ops.torchrec_pgas.alloc(nbytes)
+        self._allocs.append(buf)
+        return buf
+
+    def _put_bytes(self, buf: SymmetricBuffer, peer: int, offset: int, src: torch.Tensor) -> None:
+        dst = buf.local[offset : offset + src.numel()]
+        torch.ops.torchrec_pgas.put(dst, src.to(self.device), peer)
+
+    def _signal_word(self, pad: SignalPad, peer: int, word: int, value: int) -> None:
+        torch.ops.torchrec_pgas.signal(pad.words[word : word + 1], value, peer)
+
+    def wait(
+        self, pad: SignalPad, slots: Sequence[int], epoch: int, timeout_s: float, what: str
+    ) -> None:
+        """Stream-ordered: work enqueued after this sees the signals; see ``check``."""
+        idx = torch.tensor([PAD_HEADER_WORDS + s for s in slots], dtype=torch.int64)
+        torch.ops.torchrec_pgas.wait(
+            pad.words, idx.to(self.device, non_blocking=True), epoch, int(timeout_s * 1e9), self._status
+        )
+        self._last_wait = (pad, what, epoch)
+
+    def check(self) -> None:
+        """Raise a device-reported timeout or peer abort (call after a stream sync)."""
+        code = int(self._status[0])
+        if code == 0:
+            return
+        pad, what, epoch = self._last_wait
+        self._status.zero_()
+        if code == _STATUS_PEER_ABORT:
+            rank, msg = decode_abort(pad.words[:PAD_HEADER_WORDS].cpu())
+            raise PgasPeerAbortError(f"rank {rank} aborted '{pad.name}': {msg}")
+        raise PgasTimeoutError(
+            f"rank {self.rank} timed out on '{pad.name}' waiting for {what} (epoch {epoch}, "
+            f"slot {int(self._status[1])})"
+        )
+
+    def abort(self, pad: SignalPad, reason: str) -> None:
+        word, msg = encode_abort(self.rank, reason)
+        header = torch.cat([torch.tensor([word]), msg]).to(self.device)
+        for peer in range(self.world_size):
+            # Reason first, then the abort word (put completes before the signal).
+            torch.ops.torchrec_pgas.put(pad.words[1:PAD_HEADER_WORDS], header[1:], peer)
+            torch.ops.torchrec_pgas.signal(pad.words[:1], word, peer)
+
+    def barrier(self) -> None:
+        torch.ops.torchrec_pgas.barrier_all()
+
+    def finalize(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for buf in reversed(self._allocs):
+            torch.ops.torchrec_pgas.free(buf)
+        self._allocs.clear()
+        super().finalize()
+        torch.ops.torchrec_pgas.finalize()
