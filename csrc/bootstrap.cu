@@ -61,6 +61,12 @@ at::Tensor pgas_alloc(int64_t nbytes) {
   return at::from_blob(ptr, {nbytes}, [](void*) {}, opts);
 }
 
+// Address of `local`'s counterpart on `pe` for plain loads/stores (NVLink
+// peer mapping), or 0 when that PE is reachable only through puts.
+int64_t pgas_peer_ptr(const at::Tensor& local, int64_t pe) {
+  return reinterpret_cast<int64_t>(nvshmem_ptr(local.data_ptr(), static_cast<int>(pe)));
+}
+
 void pgas_free(const at::Tensor& buf) { nvshmem_free(buf.data_ptr()); }
 
 void pgas_barrier_all() { nvshmemx_barrier_all_on_stream(at::cuda::getCurrentCUDAStream()); }

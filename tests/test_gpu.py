@@ -1,23 +1,41 @@
-"""GPU tests (2+ GPUs): the nvshmem backend against stock TorchRec with NCCL."""
+"""GPU tests (2+ GPUs): the nvshmem backend and the fused kernels against stock TorchRec + NCCL."""
 
 import dataclasses
-from typing import Dict, List
+import random
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
-from torchrec.modules.embedding_configs import PoolingType
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_pgas
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
-from torchrec_pgas.testing import TwoEbcModel, compare_with_stock, default_tables, random_kjt, run_distributed, seeded
-from torchrec_pgas.types import PGAS_ROW_WISE, PgasBackendType, PgasConfig
+from torchrec_pgas.testing import (
+    TwoEbcModel,
+    check_errors,
+    compare_with_stock,
+    default_tables,
+    random_kjt,
+    run_distributed,
+    seeded,
+    shard,
+)
+from torchrec_pgas.types import PGAS_ROW_WISE, PgasBackendType, PgasConfig, PgasError, PgasInputError
 
 pytestmark = pytest.mark.gpu
+WORLD = 2
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank)
 
 
 def _runtime_roundtrip(rank: int, world: int) -> List[float]:
-    rt = torchrec_pgas.init(backend=PgasBackendType.NVSHMEM, device=torch.device("cuda", rank))
+    rt = torchrec_pgas.init(backend=PgasBackendType.NVSHMEM, device=_device(rank))
     buf = rt.alloc("gpu_data", 64 * world)
     pad = rt.alloc_signals("gpu_sig", world)
     got: List[float] = []
@@ -35,23 +53,265 @@ def _runtime_roundtrip(rank: int, world: int) -> List[float]:
 
 
 def test_nvshmem_runtime_puts_and_signals() -> None:
-    world = 2
-    for got in run_distributed(_runtime_roundtrip, world, backend="nccl"):
-        assert got == [10.0 + r for r in range(world)] + [20.0 + r for r in range(world)]
+    for got in run_distributed(_runtime_roundtrip, WORLD, backend="nccl"):
+        assert got == [10.0 + r for r in range(WORLD)] + [20.0 + r for r in range(WORLD)]
+
+
+def _sum_model(seed: int = 0) -> TwoEbcModel:
+    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
+    return TwoEbcModel(default_tables("t"), wtables, seed=seed)
 
 
 def _harness(rank: int, world: int) -> Dict[str, float]:
-    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    model = TwoEbcModel(default_tables("t"), wtables)
+    model = _sum_model()
     gen = seeded(rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
     batches = [(random_kjt(t, 8, gen), random_kjt(w, 8, gen, weighted=True)) for _ in range(4)]
     types = {c.name: PGAS_ROW_WISE for c in t + w}
     return compare_with_stock(
-        model, types, batches, dist.group.WORLD, torch.device("cuda", rank), PgasConfig(max_local_batch_size=8)
+        model, types, batches, dist.group.WORLD, _device(rank), PgasConfig(max_local_batch_size=8)
     ).max_abs_diff
 
 
 def test_harness_on_nvshmem_matches_stock_nccl() -> None:
-    for diffs in run_distributed(_harness, 2, backend="nccl"):
+    for diffs in run_distributed(_harness, WORLD, backend="nccl"):
         assert len(diffs) == 10
+
+
+# ---- randomized differential test ---------------------------------------------------
+
+_DTYPES = [(DataType.FP32, SparseType.FP32), (DataType.FP16, SparseType.FP32),
+           (DataType.FP16, SparseType.FP16), (DataType.BF16, SparseType.BF16)]
+
+
+def _random_case(seed: int, world: int) -> Tuple[TwoEbcModel, Dict[str, str], Dict[str, Any]]:
+    rnd = random.Random(seed)
+    data_type, out_type = rnd.choice(_DTYPES)
+
+    def tables(prefix: str, weighted: bool) -> List[EmbeddingBagConfig]:
+        out = []
+        for i in range(rnd.randint(1, 5)):
+            out.append(EmbeddingBagConfig(
+                name=f"{prefix}{i}",
+                num_embeddings=rnd.choice([world * world, world + 1, rnd.randint(world * world, 5000)]),
+                embedding_dim=4 * rnd.randint(1, 48),
+                feature_names=[f"{prefix}{i}f{j}" for j in range(rnd.choice([1, 1, 2]))],
+                pooling=PoolingType.SUM if weighted else rnd.choice([PoolingType.SUM, PoolingType.MEAN]),
+                data_type=data_type,
+            ))
+        return out
+
+    model = TwoEbcModel(tables("t", False), tables("w", True), seed=seed)
+    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    shape = {
+        "batch": rnd.randint(1, 64),
+        "max_len": rnd.choice([0, 1, 4, 16, 40]),
+        "skew": rnd.random() < 0.3,  # most ids in rank 0's block
+        "fused_params": {"output_dtype": out_type},
+        "tol": 1e-5 if (data_type, out_type) == (DataType.FP32, SparseType.FP32) else 2e-2,
+    }
+    return model, types, shape
+
+
+def _skewed(kjt: KeyedJaggedTensor, tables: List[EmbeddingBagConfig], world: int, gen: torch.Generator) -> KeyedJaggedTensor:
+    """Rewrite ids so ~90% land in the first row block (owned by rank 0)."""
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    values = kjt.values().clone()
+    start = 0
+    for key, n in zip(kjt.keys(), kjt.length_per_key()):
+        block = (rows[key] + world - 1) // world
+        hot = torch.rand(n, generator=gen) < 0.9
+        values[start : start + n] = torch.where(hot, values[start : start + n] % block, values[start : start + n])
+        start += n
+    return KeyedJaggedTensor(kjt.keys(), values, kjt.weights_or_none(), kjt.lengths(), stride=kjt.stride())
+
+
+def _differential(rank: int, world: int, seeds: List[int]) -> int:
+    for seed in seeds:
+        model, types, shape = _random_case(seed, world)
+        gen = seeded(seed * 31 + rank)
+        t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+        batches = []
+        for _ in range(2):
+            kjt = random_kjt(t, shape["batch"], gen, shape["max_len"])
+            wkjt = random_kjt(w, shape["batch"], gen, shape["max_len"], weighted=True)
+            if shape["skew"]:
+                kjt, wkjt = _skewed(kjt, t, world, gen), _skewed(wkjt, w, world, gen)
+            batches.append((kjt, wkjt))
+        try:
+            compare_with_stock(
+                model, types, batches, dist.group.WORLD, _device(rank),
+                PgasConfig(max_local_batch_size=64), fused_params=shape["fused_params"], tol=shape["tol"],
+            )
+        except Exception as e:
+            raise AssertionError(f"seed {seed}, shape {shape}: {e}") from e
+    return len(seeds)
+
+
+def test_random_configs_match_stock_200() -> None:
+    seeds = list(range(200))
+    assert run_distributed(_differential, WORLD, seeds, backend="nccl") == [200] * WORLD
+
+
+# ---- back-to-back steps (epoch / signal races) -------------------------------------------
+
+
+def _back_to_back(rank: int, world: int, steps: int) -> int:
+    model = _sum_model()
+    dev = _device(rank)
+    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=32))
+    stock = shard(model, {k: "row_wise" for k in types}, dist.group.WORLD, dev, stock=True)
+    gen = seeded(100 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    inputs = [
+        (random_kjt(t, 32, gen, 8).to(dev), random_kjt(w, 32, gen, 8, weighted=True).to(dev))
+        for _ in range(steps)
+    ]
+    sampled = {}
+    with torch.no_grad():
+        for i, (kjt, wkjt) in enumerate(inputs):  # no host sync between steps
+            out = pgas(kjt, wkjt)
+            if i % 50 == 7:
+                sampled[i] = {k: v.clone() for k, v in out.items()}
+        check_errors(pgas)
+        for i, got in sampled.items():
+            ref = stock(*inputs[i])
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"step {i} {k}: {m}")
+    return len(sampled)
+
+
+def test_1000_back_to_back_steps() -> None:
+    assert run_distributed(_back_to_back, WORLD, 1000, backend="nccl") == [20] * WORLD
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def _bad_id(rank: int, world: int) -> Dict[str, Any]:
+    model = _sum_model()
+    dev = _device(rank)
+    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8))
+    stock = shard(model, {k: "row_wise" for k in types}, dist.group.WORLD, dev, stock=True)
+    before = {k: v.local_shards()[0].tensor.clone() for k, v in pgas.state_dict().items()}
+    gen = seeded(rank)
+    kjt = random_kjt(model.ebc.embedding_bag_configs(), 8, gen, 4).to(dev)
+    wkjt = random_kjt(model.webc.embedding_bag_configs(), 8, gen, 4, weighted=True).to(dev)
+    values = kjt.values().clone()
+    n0 = int(kjt.length_per_key()[0])
+    if rank == 1:
+        values[n0] = 10_000  # first id of tf1 (table t1, 37 rows)
+    bad = KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride())
+    result: Dict[str, Any] = {}
+    with torch.no_grad():
+        out = pgas(bad, wkjt)
+        try:
+            check_errors(pgas)
+            result["error"] = None
+        except PgasError as e:
+            result["error"] = f"{type(e).__name__}: {e}"
+        ref = stock(kjt, wkjt)  # rank 0's input is untouched: its output must be exact
+        result["diff"] = max(float((out[k] - ref[k]).abs().max()) for k in ref if k != "tf1")
+    after = pgas.state_dict()
+    result["weights_intact"] = all(torch.equal(after[k].local_shards()[0].tensor, v) for k, v in before.items())
+    return result
+
+
+def test_out_of_range_id_raises_and_never_corrupts_the_peer() -> None:
+    r0, r1 = run_distributed(_bad_id, WORLD, backend="nccl")
+    assert r1["error"] == "PgasInputError: pgas_row_wise: feature 'tf1' (table 't1') has id 10000 outside [0, 37)"
+    assert r0["error"] is None
+    assert r0["diff"] < 1e-5 and r1["diff"] < 1e-5  # every other feature is right on both ranks
+    assert r0["weights_intact"] and r1["weights_intact"]
+
+
+def _batch_mismatch(rank: int, world: int) -> str:
+    model = _sum_model()
+    dev = _device(rank)
+    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8, wait_timeout_s=10))
+    gen = seeded(rank)
+    b = 4 if rank == 0 else 3
+    with torch.no_grad():
+        pgas(random_kjt(model.ebc.embedding_bag_configs(), b, gen).to(dev),
+             random_kjt(model.webc.embedding_bag_configs(), b, gen, weighted=True).to(dev))
+    try:
+        check_errors(pgas)
+    except PgasInputError as e:
+        return str(e)
+    return "no error"
+
+
+def test_batch_mismatch_raises_on_both_ranks() -> None:
+    for msg in run_distributed(_batch_mismatch, WORLD, backend="nccl"):
+        assert "equal local batch sizes" in msg and "has 3" in msg and "has 4" in msg, msg
+
+
+def _warning_mode(rank: int, world: int) -> float:
+    model = _sum_model()
+    dev = _device(rank)
+    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8),
+                 fused_params={"bounds_check_mode": BoundsCheckMode.IGNORE})
+    gen = seeded(rank)
+    kjt = random_kjt(model.ebc.embedding_bag_configs(), 8, gen).to(dev)
+    wkjt = random_kjt(model.webc.embedding_bag_configs(), 8, gen, weighted=True).to(dev)
+    values = kjt.values().clone()
+    values[0] = -7
+    fixed = values.clone()
+    fixed[0] = 0
+    with torch.no_grad():
+        got = pgas(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=8), wkjt)["tf0"]
+        check_errors(pgas)
+        ref = model.to(dev)(KeyedJaggedTensor(kjt.keys(), fixed, None, kjt.lengths(), stride=8), wkjt)["tf0"]
+    return float((got - ref).abs().max())
+
+
+def test_ignore_mode_reads_row_zero() -> None:
+    assert max(run_distributed(_warning_mode, WORLD, backend="nccl")) < 1e-5
+
+
+# ---- CUDA graph capture ---------------------------------------------------------------------
+
+
+def _graph(rank: int, world: int) -> float:
+    model = _sum_model()
+    dev = _device(rank)
+    tables = model.ebc.embedding_bag_configs()
+    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=16))
+    sebc = pgas.module.ebc
+    gen = seeded(rank)
+    lens = torch.full((sum(len(t.feature_names) for t in tables) * 16,), 3)
+    static_values = torch.zeros(int(lens.sum()), dtype=torch.int64, device=dev)
+    static = KeyedJaggedTensor(
+        [f for t in tables for f in t.feature_names], static_values, None, lens.to(dev), stride=16,
+        length_per_key=[48] * (len(lens) // 16), offset_per_key=[48 * i for i in range(len(lens) // 16 + 1)],
+    )
+
+    def fill() -> torch.Tensor:
+        vals = torch.cat([torch.randint(0, t.num_embeddings, (48 * len(t.feature_names),), generator=gen) for t in tables])
+        static_values.copy_(vals)
+        return vals
+
+    with torch.no_grad():
+        fill()
+        sebc(static).to_dict()  # eager warm-up: first-call setup happens outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = sebc(static).values()
+        worst = 0.0
+        for _ in range(5):
+            vals = fill()
+            graph.replay()
+            ref = model.ebc.to(dev)(KeyedJaggedTensor(static.keys(), vals.to(dev), None, lens.to(dev), stride=16)).values()
+            worst = max(worst, float((out - ref).abs().max()))
+        check_errors(pgas)
+    return worst
+
+
+def test_forward_replays_in_a_cuda_graph() -> None:
+    assert max(run_distributed(_graph, WORLD, backend="nccl")) < 1e-5

@@ -19,7 +19,8 @@ def test_blocks_are_disjoint_aligned_and_in_bounds(
     spans = []
     for slot, peer in itertools.product(range(lay.num_slots), range(world)):
         i = lay.index_block(slot, peer)
-        assert lay.lengths_off >= 32 and lay.ids_off >= lay.lengths_off + 8 * features * batch
+        assert lay.offsets_off >= 32 and lay.lengths_off >= lay.offsets_off + 8 * (features * batch + 1)
+        assert lay.ids_off >= lay.lengths_off + 4 * features * batch
         assert lay.weights_off >= lay.ids_off + 8 * cap
         spans.append((i, i + lay.index_block_bytes))
         o = lay.output_block(slot, peer)

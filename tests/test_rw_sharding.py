@@ -147,7 +147,7 @@ def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
     pos_tf1 = int(good.length_per_key()[0])
     attempt("too_large", with_id(good, pos_tf1, 37) if rank == 1 else good, wgood)
     attempt("negative", with_id(good, 0, -5) if rank == 0 else good, wgood)
-    attempt("capacity", good, wgood, config=PgasConfig(max_local_batch_size=16, ids_per_source_capacity=2))
+    attempt("capacity", good, wgood, config=PgasConfig(max_local_batch_size=16, max_ids_per_rank=2))
     small, wsmall = _batches(model, rank, batch=3 if rank == 1 else 4)[0]
     attempt("batch_mismatch", small, wsmall)
     big, wbig = _batches(model, rank, batch=17)[0]
@@ -173,7 +173,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
     assert r0["negative"] == "PgasInputError: pgas_row_wise: feature 'tf0' (table 't0') has id -5 outside [0, 100)"
     assert r1["negative"].startswith("PgasPeerAbortError: rank 0 aborted")
     assert "PgasCapacityError" in r0["capacity"] + r1["capacity"]
-    assert "above the capacity of 2 ids per source" in r0["capacity"] + r1["capacity"]
+    assert "ids in one step, above the capacity of 2" in r0["capacity"] + r1["capacity"]
     for r in (r0, r1):
         assert "equal local batch sizes" in r["batch_mismatch"]
         assert "has 3" in r["batch_mismatch"] and "has 4" in r["batch_mismatch"]

@@ -7,6 +7,7 @@ tables as ``pgas_row_wise`` (see ``torchrec_pgas.planner``).
 from torchrec_pgas.embeddingbag import (
     PgasEmbeddingBagCollectionSharder,
     PgasShardedEmbeddingBagCollection,
+    check_errors,
 )
 from torchrec_pgas.runtime import PgasRuntime, finalize_all, init
 from torchrec_pgas.types import (
@@ -32,6 +33,7 @@ __all__ = [
     "PgasRuntime",
     "PgasShardedEmbeddingBagCollection",
     "PgasTimeoutError",
+    "check_errors",
     "finalize_all",
     "init",
 ]

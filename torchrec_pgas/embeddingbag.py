@@ -3,6 +3,7 @@
 from typing import Any, Dict, List, Optional, Type
 
 import torch
+from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingContext
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -20,7 +21,11 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding, strip_pgas_fused_params
+from torchrec_pgas.sharding.rw_sharding import (
+    PgasRwPooledEmbeddingSharding,
+    PgasRwPooledEmbeddingsLookup,
+    strip_pgas_fused_params,
+)
 from torchrec_pgas.types import (
     FUSED_PARAM_PGAS_CONFIG,
     PGAS_ROW_WISE,
@@ -130,3 +135,15 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     @property
     def sharded_module_type(self) -> Type[ShardedEmbeddingBagCollection]:
         return PgasShardedEmbeddingBagCollection
+
+
+def check_errors(module: nn.Module) -> None:
+    """Synchronize and raise what the GPU recorded for finished PGAS steps.
+
+    Fused kernels never sync with the host; a bad id (FATAL), a batch-size
+    mismatch or a peer's abort is raised at the next forward of the module at
+    the latest, or here.
+    """
+    for m in module.modules():
+        if isinstance(m, PgasRwPooledEmbeddingsLookup):
+            m.check()

@@ -3,12 +3,20 @@
 Every rank holds the same buffer (sizes are plan-time constants)::
 
     index region   [slot][src] blocks, written by rank ``src`` (the requester)
-        header   int64[4]        epoch, local batch B, nnz, reserved
-        lengths  int64[F*Bmax]   bucketized bag lengths, [f][b] order, B used
-        ids      int64[C]        local row offsets into this rank's shards
-        weights  float32[C]      per-sample weights (weighted EBCs only)
+        header   int64[4]          epoch, local batch B, nnz, reserved
+        offsets  int64[F*Bmax+1]   start of each bag's span in ``ids``, [f][b] order
+        lengths  int32[F*Bmax]     how many ids of bag (f, b) this owner holds
+        ids      int64[C]          local row offsets into this rank's shards
+        weights  float32[C]        per-sample weights (weighted EBCs only)
     output region  [slot][owner] blocks, written by rank ``owner``
         partial  [Bmax, D] in the output dtype (<= 4 bytes), rows 0..B-1 used
+
+Reading rule for the owner, on both backends: bag ``fb`` is
+``ids[offsets[fb] : offsets[fb] + lengths[fb]]`` and every position is below
+``nnz <= C``. The CPU backend compacts (offsets are the prefix sums of this
+owner's lengths); the GPU index-dist kernel keeps each bag at the requester's
+own offsets and packs this owner's ids at the start of the bag's span, which
+needs no scan across bags.
 
 ``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
 lookup). The signal pad holds one index slot and one output slot per peer;
@@ -36,11 +44,15 @@ class RwLayout:
     max_output_bytes: int = 4  # partials are stored in the TBE output dtype
 
     header_off: int = 0
-    lengths_off: int = 32
+    offsets_off: int = 32
+
+    @property
+    def lengths_off(self) -> int:
+        return _align(self.offsets_off + 8 * (self.num_features * self.max_batch + 1))
 
     @property
     def ids_off(self) -> int:
-        return _align(self.lengths_off + 8 * self.num_features * self.max_batch)
+        return _align(self.lengths_off + 4 * self.num_features * self.max_batch)
 
     @property
     def weights_off(self) -> int:

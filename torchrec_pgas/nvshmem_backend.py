@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad, SymmetricBuffer, decode_abort, encode_abort
 from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
 
+DEFAULT_HEAP_BYTES = 2 << 30
 _STATUS_TIMEOUT = 1
 _STATUS_PEER_ABORT = 2
 
@@ -39,10 +40,14 @@ class NvshmemRuntime(PgasRuntime):
     backend_type = PgasBackendType.NVSHMEM
     finalize_at_exit = False
 
-    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device, heap_hint: int = 0) -> None:
         super().__init__(pg, device)
         load_extension()
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # multicast off (shared hosts)
+        # The heap is sized once, at init: leave room for the other shardings
+        # of the model (each allocates its own buffer) unless the user chose.
+        if "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(DEFAULT_HEAP_BYTES, 4 * heap_hint))
         torch.cuda.set_device(device)
         torch.cuda.init()
         ops = torch.ops.torchrec_pgas
@@ -54,7 +59,15 @@ class NvshmemRuntime(PgasRuntime):
         self._allocs: List[torch.Tensor] = []
 
     def _alloc_bytes(self, name: str, nbytes: int) -> torch.Tensor:
-        buf = torch.ops.torchrec_pgas.alloc(nbytes)
+        try:
+            buf = torch.ops.torchrec_pgas.alloc(nbytes)
+        except RuntimeError as e:
+            raise PgasError(
+                f"cannot allocate {nbytes} bytes of symmetric memory for '{name}' from the "
+                f"NVSHMEM heap (NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE')}): "
+                "set NVSHMEM_SYMMETRIC_SIZE to the sum over all PGAS shardings before the first "
+                "one is built, or lower PgasConfig.max_local_batch_size / max_ids_per_rank"
+            ) from e
         self._allocs.append(buf)
         return buf
 

@@ -198,10 +198,13 @@ def init(
     pg: Optional[dist.ProcessGroup] = None,
     backend: Optional[PgasBackendType] = None,
     device: Optional[torch.device] = None,
+    heap_hint: int = 0,
 ) -> PgasRuntime:
     """Collective: the PGAS runtime of ``pg`` (default world), created on first use.
 
-    ``backend`` defaults to ``nvshmem`` for a CUDA ``device`` and ``shm`` otherwise.
+    ``backend`` defaults to ``nvshmem`` for a CUDA ``device`` and ``shm``
+    otherwise. ``heap_hint``: bytes the first user will allocate, so the
+    NVSHMEM heap can be sized before it exists.
     """
     pg = pg if pg is not None else dist.group.WORLD
     assert pg is not None, "torch.distributed must be initialized before torchrec_pgas.init"
@@ -220,7 +223,7 @@ def init(
         else:
             from torchrec_pgas.nvshmem_backend import NvshmemRuntime
 
-            _RUNTIMES[key] = NvshmemRuntime(pg, device)
+            _RUNTIMES[key] = NvshmemRuntime(pg, device, heap_hint)
     return _RUNTIMES[key]
 
 

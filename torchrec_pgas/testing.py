@@ -37,7 +37,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
@@ -192,11 +192,17 @@ def compare_with_stock(
     pg: dist.ProcessGroup,
     device: torch.device,
     config: Optional[PgasConfig] = None,
+    fused_params: Optional[Dict[str, Any]] = None,
+    tol: float = ATOL,
 ) -> Comparison:
-    """Shard ``model`` with ``types`` and with their stock twins; run every batch on both."""
+    """Shard ``model`` with ``types`` and with their stock twins; run every batch on both.
+
+    ``tol`` (absolute and relative) is for fp32; half-precision weights or
+    outputs need ~1e-2.
+    """
     stock_types = {t: STOCK_TWIN.get(st, st) for t, st in types.items()}
-    pgas = shard(model, types, pg, device, config)
-    stock = shard(model, stock_types, pg, device, stock=True)
+    pgas = shard(model, types, pg, device, config, fused_params)
+    stock = shard(model, stock_types, pg, device, fused_params=fused_params, stock=True)
     diffs: Dict[str, float] = {}
     times = {"pgas": 0.0, "stock": 0.0}
     with torch.no_grad():
@@ -209,10 +215,11 @@ def compare_with_stock(
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[name] += time.perf_counter() - t0
+            check_errors(pgas)
             assert outs["pgas"].keys() == outs["stock"].keys()
             for k in outs["stock"]:
                 a, b = outs["pgas"][k].float(), outs["stock"][k].float()
-                torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{k}: {m}")
+                torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{k}: {m}")
                 diffs[k] = max(diffs.get(k, 0.0), float((a - b).abs().max()) if a.numel() else 0.0)
     n = max(1, len(batches))
     return Comparison(diffs, 1e3 * times["pgas"] / n, 1e3 * times["stock"] / n)

@@ -34,17 +34,17 @@ class PgasConfig:
 
     Args:
         max_local_batch_size: largest local batch (KJT stride) a rank may feed.
-        ids_per_source_capacity: most ids one rank may send to one owner in one
-            step. ``None`` means ``max_local_batch_size * num_features *
+        max_ids_per_rank: most ids (KJT values) one rank may feed one sharding
+            in one step. ``None`` means ``max_local_batch_size * num_features *
             avg_pooling_capacity`` for each sharding.
         avg_pooling_capacity: the mean ids per bag that the default capacity
-            covers even if every id of a step lands on one owner.
+            covers.
         wait_timeout_s: how long a rank waits for a peer's signal before it
             raises (a peer that crashed or diverged must not hang the job).
     """
 
     max_local_batch_size: int = 4096
-    ids_per_source_capacity: Optional[int] = None
+    max_ids_per_rank: Optional[int] = None
     avg_pooling_capacity: int = 32
     wait_timeout_s: float = 120.0
 
@@ -53,10 +53,9 @@ class PgasConfig:
             raise ValueError(
                 f"PgasConfig.max_local_batch_size must be > 0, got {self.max_local_batch_size}"
             )
-        if self.ids_per_source_capacity is not None and self.ids_per_source_capacity <= 0:
+        if self.max_ids_per_rank is not None and self.max_ids_per_rank <= 0:
             raise ValueError(
-                "PgasConfig.ids_per_source_capacity must be > 0 or None, got "
-                f"{self.ids_per_source_capacity}"
+                f"PgasConfig.max_ids_per_rank must be > 0 or None, got {self.max_ids_per_rank}"
             )
         if self.avg_pooling_capacity <= 0:
             raise ValueError(
@@ -66,8 +65,8 @@ class PgasConfig:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
 
     def ids_capacity(self, num_features: int) -> int:
-        if self.ids_per_source_capacity is not None:
-            return self.ids_per_source_capacity
+        if self.max_ids_per_rank is not None:
+            return self.max_ids_per_rank
         return max(1, self.max_local_batch_size * num_features * self.avg_pooling_capacity)
 
 

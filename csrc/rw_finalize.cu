@@ -1,0 +1,168 @@
+// pgas_row_wise stage 3 (requester): wait for the W owners, reduce, mean-pool.
+//
+// Reads the W partial blocks [slot][owner] of this rank's output region, each
+// already in the final [B, D] layout, and sums them in rank order (fixed order:
+// results do not depend on arrival order) into a fresh [B, D] tensor. MEAN
+// features divide by the bag's divisor (length or weight sum, + 1e-6, as
+// TorchRec's row-wise mean) that index_dist stored in bag_div[slot].
+//
+// Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
+// CTA streams 4-element vectors (grid-stride). The last CTA publishes the
+// step's error record to pinned host memory, clears it and advances the stage
+// epoch.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "rw_pipeline.cuh"
+
+namespace torchrec_pgas {
+
+RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                        const at::Tensor& features, const at::Tensor& state,
+                        const at::Tensor& bag_div, const at::Tensor& status,
+                        at::IntArrayRef cfg, int64_t batch, int64_t nnz);
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float4 load4_cg(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+
+__device__ __forceinline__ float4 load4_cg(const at::Half* p) {
+  const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ float4 load4_cg(const at::BFloat16* p) {
+  const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+__device__ __forceinline__ void store4(at::Half* p, float4 v) {
+  __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+  uint2 raw;
+  raw.x = *reinterpret_cast<uint32_t*>(&a);
+  raw.y = *reinterpret_cast<uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+__device__ __forceinline__ void store4(at::BFloat16* p, float4 v) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  uint2 raw;
+  raw.x = *reinterpret_cast<uint32_t*>(&a);
+  raw.y = *reinterpret_cast<uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+template <typename out_t>
+__global__ void __launch_bounds__(kThreads)
+    rw_finalize_kernel(RwParams p, out_t* __restrict__ out, const int32_t* __restrict__ col_feature) {
+  __shared__ int64_t s_epoch;
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    s_epoch = p.state[kCtrFinal] + 1;
+    s_ok = 1;
+  }
+  __syncthreads();
+  const int64_t epoch = s_epoch;
+  const int64_t slot = epoch % p.num_slots;
+  if (threadIdx.x < p.world) {
+    const int owner = threadIdx.x;
+    if (!wait_epoch(p, p.pad + kPadHeaderWords + p.world + owner, epoch, 2, owner)) s_ok = 0;
+  }
+  __syncthreads();
+
+  const int64_t vecs_per_row = p.dim_sum / 4;
+  const int64_t num_vecs = p.batch * vecs_per_row;
+  const float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < num_vecs;
+       v += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t b = v / vecs_per_row;
+    const int64_t col = (v - b * vecs_per_row) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (s_ok) {
+      for (int owner = 0; owner < p.world; ++owner) {
+        const out_t* part = reinterpret_cast<const out_t*>(p.buf + output_block(p, slot, owner));
+        const float4 x = load4_cg(part + b * p.dim_sum + col);
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+      }
+      const int32_t f = col_feature[col / 4];
+      if (p.features[f].is_mean) {
+        const float d = bag_div[f * p.batch + b] + kMeanEps;
+        acc.x /= d;
+        acc.y /= d;
+        acc.z /= d;
+        acc.w /= d;
+      }
+    }
+    store4(out + b * p.dim_sum + col, acc);
+  }
+
+  __syncthreads();
+  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneFinal, gridDim.x)) {
+    // Publish this step's error record (single writer: plain stores to host).
+    if (p.state[kErrCode] != kErrNone) {
+      for (int i = 1; i < 4; ++i) p.status[i] = p.state[kErrCode + i];
+      __threadfence_system();
+      p.status[0] = p.state[kErrCode];
+      for (int i = 0; i < 4; ++i) p.state[kErrCode + i] = 0;
+    }
+    p.state[kCtrFinal] = epoch;
+  }
+}
+
+}  // namespace
+
+at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                       const at::Tensor& features, const at::Tensor& col_feature,
+                       const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
+                       at::IntArrayRef cfg, int64_t batch, at::ScalarType out_dtype) {
+  const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
+  TORCH_CHECK(p.dim_sum % 4 == 0 && col_feature.numel() == p.dim_sum / 4 &&
+                  col_feature.scalar_type() == at::kInt && col_feature.is_cuda(),
+              "rw_finalize: col_feature must map every 4 columns to a feature");
+  const auto dtype = out_dtype;
+  auto out = at::empty({batch, p.dim_sum}, buf.options().dtype(dtype));
+  const int64_t vecs = batch * p.dim_sum / 4;
+  const unsigned grid =
+      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads, 1056)));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int32_t* cf = col_feature.data_ptr<int32_t>();
+  switch (dtype) {
+    case at::kFloat:
+      rw_finalize_kernel<float><<<grid, kThreads, 0, stream>>>(p, out.data_ptr<float>(), cf);
+      break;
+    case at::kHalf:
+      rw_finalize_kernel<at::Half><<<grid, kThreads, 0, stream>>>(p, out.data_ptr<at::Half>(), cf);
+      break;
+    case at::kBFloat16:
+      rw_finalize_kernel<at::BFloat16><<<grid, kThreads, 0, stream>>>(p, out.data_ptr<at::BFloat16>(), cf);
+      break;
+    default:
+      TORCH_CHECK(false, "rw_finalize: output dtype must be float32, float16 or bfloat16");
+  }
+  PGAS_CUDA_CHECK(cudaGetLastError());
+  return out;
+}
+
+at::Tensor rw_finalize_meta(const at::Tensor& buf, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, at::IntArrayRef cfg, int64_t batch,
+                            at::ScalarType out_dtype) {
+  TORCH_CHECK(cfg.size() == 17, "rw_finalize: layout config must have 17 entries");
+  return at::empty({batch, cfg[10]},
+                   buf.options().dtype(out_dtype).device(at::kMeta));
+}
+
+}  // namespace torchrec_pgas

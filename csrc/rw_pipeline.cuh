@@ -1,0 +1,166 @@
+// pgas_row_wise on the GPU: parameters and helpers shared by the three stage kernels.
+//
+// Symmetric buffer (same on every rank; torchrec_pgas/layout.py is the source
+// of truth for the offsets, passed in as RwParams):
+//
+//   index region   [slot][src] blocks, written by requester `src`
+//     header   int64[4]         epoch, local batch B, nnz, reserved
+//     offsets  int64[F*Bmax+1]  the requester's own CSR offsets of its bags
+//     lengths  int32[F*Bmax]    ids of bag fb that this owner holds
+//     ids      int64[C]         local rows, packed at the start of each bag's span
+//     weights  float[C]         per-sample weights (weighted only)
+//   output region  [slot][owner] blocks, written by owner `owner`
+//     partial  out_t[Bmax][D]   the owner's partial pool of every bag, final layout
+//
+// slot = epoch % num_slots. Signal pad (int64): [0] abort word, [1..31] abort
+// reason, then 2W epoch slots: index slot `src` (requester -> owner) and
+// output slot `W + owner` (owner -> requester).
+//
+// Synchronization protocol, one step = three kernels on the current stream:
+//   index_dist (requester): every CTA stores ids/lengths/offsets straight into
+//     each owner's index block through NVLink peer pointers, then
+//     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
+//     the epoch into every owner's index slot (st.release.sys).
+//   lookup (owner): CTA (x, k) serves source (rank + 1 + k) % W, so remote
+//     sources are scheduled first and the local one last; thread 0 spins
+//     (ld.acquire.sys) on that source's index slot, the CTA pools its share of
+//     the bags and stores each partial vector into the requester's output
+//     block; the last CTA of the source fences and stores the epoch into the
+//     requester's output slot.
+//   finalize (requester): W threads spin on the W output slots, then the CTA
+//     sums the partials in rank order (and divides MEAN bags) into the output.
+// Each stage keeps its own device-side epoch counter (state[kCtr*]), read by
+// every CTA at entry and advanced by the stage's last CTA, so no host value
+// changes between steps and the three launches can be captured in a CUDA
+// graph. Waits give up after `timeout_ns` or when the pad's abort word is set;
+// errors go to a device record that finalize copies to pinned host memory.
+#pragma once
+
+#include <cstdint>
+
+#include "pgas_common.cuh"
+
+namespace torchrec_pgas {
+
+constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
+constexpr int kMaxWorld = 64;
+constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
+
+enum WeightDtype : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum BoundsMode : int32_t { kBoundsFatal = 0, kBoundsWarning = 1, kBoundsIgnore = 2 };
+
+// Error codes of the device error record (torchrec_pgas/gpu_pipeline.py decodes them).
+enum ErrorCode : int64_t {
+  kErrNone = 0,
+  kErrBadId = 1,  // a: feature, b: id                       (FATAL)
+  kErrBatchMismatch = 2,  // a: src rank, b: its B, c: this B
+  kErrTimeout = 3,  // a: stage (0 index, 1 lookup, 2 finalize), b: peer
+  kErrPeerAbort = 4,  // a: aborting rank
+  kErrCorrupt = 5,  // a: src rank, b: what (0 header, 1 span, 2 row)
+  kErrBadIdWarn = 6,  // a: feature, b: id                  (WARNING, replaced by 0)
+};
+
+// state[] words: per-stage epoch counters, per-stage done counters, the error
+// record, then one done counter per source for the lookup.
+enum StateWord : int {
+  kCtrIndex = 0,
+  kCtrLookup = 1,
+  kCtrFinal = 2,
+  kDoneIndex = 3,
+  kDoneLookup = 4,
+  kDoneFinal = 5,
+  kErrCode = 8,  // kErrCode..kErrCode+3: code, a, b, c
+  kDoneSrc = 16,  // + k for the k-th source of the lookup grid
+  kStateWords = 16 + kMaxWorld,
+};
+
+// One row per feature of the sharding, in sharding feature order (int64[8]).
+struct RwFeature {
+  int64_t weights;  // address of this rank's shard of the table: [local_rows][dim]
+  int64_t local_rows;
+  int64_t block;  // ceil(N / W): rows per owner
+  int64_t hash_size;  // N
+  int64_t dim;
+  int64_t out_col;  // first column in the [B, D] output
+  int64_t dtype;  // WeightDtype
+  int64_t is_mean;
+};
+
+struct RwParams {
+  uint8_t* buf;  // this rank's symmetric buffer
+  int64_t* pad;  // this rank's signal pad
+  const int64_t* peer_bufs;  // [W] addresses of every rank's buffer (nvshmem_ptr)
+  const int64_t* peer_pads;  // [W] addresses of every rank's pad
+  const RwFeature* features;  // [F]
+  int64_t* state;  // [kStateWords] device scratch
+  float* bag_div;  // [num_slots][F*Bmax] MEAN divisors of this rank's bags
+  int64_t* status;  // [4] pinned host mirror of the error record
+  // layout (bytes)
+  int64_t index_block_bytes, output_region_off, output_block_bytes;
+  int64_t offsets_off, lengths_off, ids_off, weights_off;
+  int64_t num_slots, max_batch, capacity, dim_sum, num_features;
+  int64_t timeout_ns;
+  int32_t rank, world, weighted, bounds_mode;
+  int64_t batch, nnz;  // this step, this rank
+};
+
+__device__ __forceinline__ int64_t index_block(const RwParams& p, int64_t slot, int src) {
+  return (slot * p.world + src) * p.index_block_bytes;
+}
+
+__device__ __forceinline__ int64_t output_block(const RwParams& p, int64_t slot, int owner) {
+  return p.output_region_off + (slot * p.world + owner) * p.output_block_bytes;
+}
+
+__device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// First error of a step wins; the record is copied to the host by finalize.
+__device__ __forceinline__ void record_error(const RwParams& p, int64_t code, int64_t a,
+                                             int64_t b = 0, int64_t c = 0) {
+  unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kErrCode);
+  if (atomicCAS(word, 0ull, static_cast<unsigned long long>(code)) == 0ull) {
+    p.state[kErrCode + 1] = a;
+    p.state[kErrCode + 2] = b;
+    p.state[kErrCode + 3] = c;
+  }
+}
+
+// Spin until *slot >= epoch. False (and an error recorded) on timeout or abort.
+__device__ __forceinline__ bool wait_epoch(const RwParams& p, const int64_t* slot, int64_t epoch,
+                                           int stage, int peer) {
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_sys(slot) < epoch) {
+    const int64_t abort_word = ld_volatile(p.pad);
+    if (abort_word != 0) {
+      record_error(p, kErrPeerAbort, abort_word - 1);
+      return false;
+    }
+    if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
+      record_error(p, kErrTimeout, stage, peer);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Tell `peer` this rank gave up on the step (its waits then fail fast).
+__device__ __forceinline__ void abort_peer(const RwParams& p, int peer) {
+  int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[peer]);
+  st_release_sys(peer_pad, p.rank + 1);
+}
+
+// Last-CTA pattern: true in exactly one thread of the last CTA to arrive.
+// Call from thread 0 after __syncthreads(); the fence publishes this CTA's
+// stores (peer stores included) before the count.
+__device__ __forceinline__ bool last_to_arrive(int64_t* counter, int64_t arrivals) {
+  __threadfence_system();
+  const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
+  if (old + 1 != static_cast<unsigned long long>(arrivals)) return false;
+  *counter = 0;  // stream order: the next launch starts after this one ends
+  __threadfence_system();
+  return true;
+}
+
+}  // namespace torchrec_pgas

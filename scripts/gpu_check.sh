@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call: install the TorchRec bundle, build the extension, run the GPU
+# tests, compute-sanitizer on a small 2-rank case, and the first timing table.
+#
+#   bash scripts/gpu_check.sh [quick|full]      # logs and results under $OUT
+#
+# Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+PY=/opt/torch/.venv/bin/python3
+[ -x "$PY" ] || PY=$(command -v python3)
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+
+{
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo "${GIT_COMMIT:-unknown}")"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -4
+} | tee "$OUT/summary.txt"
+
+log "install devbundle"
+bash .devbundle/install_on_device.sh /tmp/site > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site
+
+log "build extension"
+"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log" | tee -a "$OUT/summary.txt"; exit 1; }
+"$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
+
+if [ "$MODE" = quick ]; then
+  TESTS="tests/test_gpu.py -k runtime_puts or harness or bad_id or graph"
+else
+  TESTS="tests/test_gpu.py"
+fi
+log "GPU tests ($MODE)"
+timeout 420 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS} > "$OUT/gpu_tests.log" 2>&1
+echo "pytest exit $?" | tee -a "$OUT/summary.txt"
+grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/summary.txt"
+
+if [ "$MODE" = full ]; then
+  log "compute-sanitizer memcheck, 2 ranks"
+  timeout 240 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+    "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
+  echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"
+
+  log "timing: stock row_wise vs pgas_row_wise"
+  timeout 300 "$PY" -m torch.distributed.run --nproc_per_node=2 -m benchmarks.rw_timing \
+    --out "$OUT/rw_timing.json" > "$OUT/rw_timing.log" 2>&1
+  echo "timing exit $?" | tee -a "$OUT/summary.txt"
+  tail -10 "$OUT/rw_timing.log" | tee -a "$OUT/summary.txt"
+fi
+log "done"

@@ -1,0 +1,470 @@
+"""The three stages of one ``pgas_row_wise`` step, on each backend.
+
+``PgasRwPipeline`` holds what both paths share: the symmetric buffer and its
+layout, the signal pad, the host-side checks that need no device sync, and the
+FIFO step counters. Two paths implement the stages:
+
+* ``HostRwPipeline`` writes the algorithm against the runtime API (put,
+  signal, wait) with torch ops and the stock TBE lookup; it is what the
+  ``shm`` CPU backend runs.
+* ``DeviceRwPipeline`` launches the fused kernels of ``csrc/rw_*.cu`` (three
+  launches per step whatever the number of tables, no host sync, graph
+  capturable); it is what the ``nvshmem`` backend runs.
+"""
+
+import bisect
+import itertools
+import warnings
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from torch import nn
+from torchrec.distributed.types import ShardingEnv
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas import runtime as pgas_runtime
+from torchrec_pgas.layout import RwLayout
+from torchrec_pgas.types import (
+    PgasCapacityError,
+    PgasConfig,
+    PgasError,
+    PgasInputError,
+    PgasPeerAbortError,
+    PgasTimeoutError,
+)
+
+MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
+
+PoolFn = Callable[[KeyedJaggedTensor], torch.Tensor]
+
+
+class _NoBackward(torch.autograd.Function):
+    """Makes a training step fail loudly instead of silently skipping embedding grads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise NotImplementedError(
+            "pgas_row_wise has no backward pass yet: shard the tables you train "
+            "with 'row_wise' (the state_dict is the same, so checkpoints move freely)"
+        )
+
+
+def no_backward(out: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():  # a backward through here must raise, not skip
+        return _NoBackward.apply(out.requires_grad_())
+    return out
+
+
+class PgasRwPipeline:
+    """State shared by the three stage modules of one ``pgas_row_wise`` sharding.
+
+    Each stage keeps its own FIFO step counter, the way a GPU stream would; the
+    k-th lookup consumes the k-th index dist. Two buffer slots (epoch parity)
+    let one index dist run ahead of the lookup, as TorchRec's train pipelines
+    do; deeper run-ahead raises.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        env: ShardingEnv,
+        device: torch.device,
+        feature_names: List[str],
+        feature_tables: List[str],
+        feature_hash_sizes: List[int],
+        feature_dims: List[int],
+        feature_is_mean: List[bool],
+        is_weighted: bool,
+        config: PgasConfig,
+        bounds_check_mode: BoundsCheckMode,
+    ) -> None:
+        num_features = len(feature_names)
+        world_size = env.world_size
+        self.layout = RwLayout(
+            world_size=world_size,
+            num_features=num_features,
+            max_batch=config.max_local_batch_size,
+            ids_capacity=config.ids_capacity(num_features),
+            dim_sum=sum(feature_dims),
+            weighted=is_weighted,
+        )
+        self.rt = pgas_runtime.init(env.process_group, device=device, heap_hint=self.layout.nbytes)
+        self.rank = self.rt.rank
+        self.world_size = self.rt.world_size
+        self.device = device
+        self.feature_names = feature_names
+        self.feature_tables = feature_tables
+        self.feature_hash_sizes = feature_hash_sizes
+        self.feature_dims = feature_dims
+        self.feature_is_mean = feature_is_mean
+        self.config = config
+        self.bounds_check_mode = bounds_check_mode
+        self.buf = self.rt.alloc(name, self.layout.nbytes)
+        self.pad = self.rt.alloc_signals(name, self.layout.num_signal_slots)
+        self.issued = 0  # index dists issued (epochs are 1-based)
+        self.looked_up = 0  # lookups completed
+
+    def _fail(self, err: PgasError) -> PgasError:
+        """Abort the pad so peers waiting on this rank raise instead of hanging."""
+        self.rt.abort(self.pad, str(err))
+        return err
+
+    def bad_id_message(self, f: int, value: int) -> str:
+        return (
+            f"pgas_row_wise: feature '{self.feature_names[f]}' (table "
+            f"'{self.feature_tables[f]}') has id {value} outside [0, {self.feature_hash_sizes[f]})"
+        )
+
+    def _check_step(self, kjt: KeyedJaggedTensor) -> None:
+        """Checks on host-known sizes only (no device sync), before anything is written."""
+        lay = self.layout
+        if kjt.variable_stride_per_key():
+            raise self._fail(
+                PgasInputError("pgas_row_wise does not support variable batch size per feature")
+            )
+        batch = kjt.stride()
+        if batch > lay.max_batch:
+            raise self._fail(
+                PgasCapacityError(
+                    f"pgas_row_wise: local batch size {batch} exceeds "
+                    f"PgasConfig.max_local_batch_size={lay.max_batch}"
+                )
+            )
+        if self.issued - self.looked_up >= lay.num_slots:
+            raise self._fail(
+                PgasError(
+                    f"pgas_row_wise: {self.issued - self.looked_up} index dists are already "
+                    f"in flight; at most {lay.num_slots} may run ahead of the lookup"
+                )
+            )
+        nnz = kjt.values().numel()
+        if nnz > lay.ids_capacity:
+            raise self._fail(
+                PgasCapacityError(
+                    f"pgas_row_wise: rank {self.rank} has {nnz} ids in one step, above "
+                    f"the capacity of {lay.ids_capacity} (PgasConfig.max_ids_per_rank / "
+                    "avg_pooling_capacity)"
+                )
+            )
+
+    def _next_lookup_epoch(self) -> int:
+        if self.looked_up >= self.issued:
+            raise self._fail(PgasError("pgas_row_wise: lookup called without an index dist"))
+        self.looked_up += 1
+        return self.looked_up
+
+    def index_dist(self, kjt: KeyedJaggedTensor) -> None:
+        raise NotImplementedError
+
+    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+        """Owner and requester stages; returns the final ``[B, D]`` pooled output.
+
+        ``pool`` is the stock TBE lookup of a received KJT, ``tbes`` the TBE
+        modules whose weight storage the fused kernels read directly.
+        """
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise errors the device recorded (after a stream sync); no-op on the host path."""
+
+
+class HostRwPipeline(PgasRwPipeline):
+    """The algorithm over the runtime API, with torch ops and the stock TBE lookup."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        device = self.device
+        self._hash_sizes = torch.tensor(self.feature_hash_sizes, dtype=torch.int64, device=device)
+        self._block_sizes = torch.tensor(
+            [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes],
+            dtype=torch.int64,
+            device=device,
+        )
+        # Mean pooling: divisor columns, 1 for sum features (applied after the sum).
+        self._mean_features: Optional[torch.Tensor] = None
+        if any(self.feature_is_mean):
+            self._mean_features = torch.tensor(self.feature_is_mean, device=device)
+            self._dims = torch.tensor(self.feature_dims, device=device)
+        self._warned: set = set()
+
+    def _order(self) -> List[int]:
+        """Remote peers first (their bytes travel), this rank last."""
+        return [(self.rank + 1 + k) % self.world_size for k in range(self.world_size)]
+
+    def _check_ids(self, kjt: KeyedJaggedTensor, values: torch.Tensor) -> torch.Tensor:
+        """Apply the bounds-check mode; ids decide the owner and the remote address."""
+        per_feature = kjt.length_per_key()
+        hash_per_id = torch.repeat_interleave(
+            self._hash_sizes, torch.tensor(per_feature, device=values.device)
+        )
+        bad = (values < 0) | (values >= hash_per_id)
+        if not bool(bad.any()):
+            return values
+        pos = int(torch.nonzero(bad)[0])
+        f = bisect.bisect_right(list(itertools.accumulate(per_feature)), pos)
+        msg = self.bad_id_message(f, int(values[pos]))
+        if self.bounds_check_mode == BoundsCheckMode.FATAL:
+            raise self._fail(PgasInputError(msg))
+        if self.bounds_check_mode == BoundsCheckMode.WARNING and f not in self._warned:
+            self._warned.add(f)
+            warnings.warn(msg + "; such ids read row 0 (BoundsCheckMode.WARNING)")
+        return torch.where(bad, torch.zeros_like(values), values)
+
+    def index_dist(self, kjt: KeyedJaggedTensor) -> None:
+        self._check_step(kjt)
+        lay = self.layout
+        batch = kjt.stride()
+        values = self._check_ids(kjt, kjt.values().to(torch.int64))
+        weights = kjt.weights_or_none()
+        lengths, ids, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+            kjt.lengths().view(-1).to(torch.int64),
+            values,
+            bucketize_pos=False,
+            sequence=False,
+            block_sizes=self._block_sizes,
+            my_size=self.world_size,
+            weights=weights.float() if weights is not None else None,
+        )
+        per_dest = lengths.view(self.world_size, -1)  # [dest][f][b]
+        counts = per_dest.sum(1).tolist()
+        self.issued += 1
+        epoch = self.issued
+        slot = epoch % lay.num_slots
+        starts = [0] + torch.tensor(counts).cumsum(0).tolist()
+        block = lay.index_block(slot, self.rank)
+        for dest in self._order():
+            n, start = counts[dest], starts[dest]
+            dest_lengths = per_dest[dest]
+            header = torch.tensor([epoch, batch, n, 0], dtype=torch.int64)
+            self.rt.put(self.buf, dest, block + lay.header_off, header)
+            self.rt.put(
+                self.buf, dest, block + lay.offsets_off,
+                torch.ops.fbgemm.asynchronous_complete_cumsum(dest_lengths),
+            )
+            self.rt.put(self.buf, dest, block + lay.lengths_off, dest_lengths.to(torch.int32))
+            self.rt.put(self.buf, dest, block + lay.ids_off, ids[start : start + n])
+            if lay.weighted:
+                self.rt.put(self.buf, dest, block + lay.weights_off, bucket_weights[start : start + n])
+            self.rt.signal(self.pad, dest, lay.index_signal(self.rank), epoch)
+
+    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+        lay = self.layout
+        epoch = self._next_lookup_epoch()
+        slot = epoch % lay.num_slots
+        batch = kjt.stride()
+        timeout = self.config.wait_timeout_s
+        out_dtype: Optional[torch.dtype] = None
+        for src in self._order():
+            self.rt.wait(self.pad, [lay.index_signal(src)], epoch, timeout, f"index data from rank {src}")
+            block = lay.index_block(slot, src)
+            h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
+            self.rt.check()
+            if h_batch != batch:
+                raise self._fail(
+                    PgasInputError(
+                        "pgas_row_wise requires equal local batch sizes on all ranks: rank "
+                        f"{src} has {h_batch}, rank {self.rank} has {batch}"
+                    )
+                )
+            lengths = self.buf.view(torch.int32, block + lay.lengths_off, lay.num_features * batch)
+            # nnz and lengths decide what the TBE reads: check them like any address.
+            if h_epoch != epoch or not 0 <= nnz <= lay.ids_capacity or int(lengths.sum()) != nnz:
+                raise self._fail(
+                    PgasError(f"corrupt index header from rank {src}: epoch {h_epoch}, nnz {nnz}")
+                )
+            received = KeyedJaggedTensor(  # compacted: offsets are the prefix sums of lengths
+                keys=self.feature_names,
+                values=self.buf.view(torch.int64, block + lay.ids_off, nnz),
+                lengths=lengths.to(torch.int64),
+                weights=self.buf.view(torch.float32, block + lay.weights_off, nnz) if lay.weighted else None,
+                stride=batch,
+            )
+            with torch.no_grad():
+                partial = pool(received)
+            out_dtype = partial.dtype
+            self.rt.put(self.buf, src, lay.output_block(slot, self.rank), partial)
+            self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
+        self.rt.wait(
+            self.pad,
+            [lay.output_signal(s) for s in range(self.world_size)],
+            epoch,
+            timeout,
+            "partial pooled outputs",
+        )
+        assert out_dtype is not None
+        out = torch.zeros(batch, lay.dim_sum, dtype=torch.float32, device=self.device)
+        for s in range(self.world_size):  # rank order: deterministic sums
+            out += self.buf.view(out_dtype, lay.output_block(slot, s), batch * lay.dim_sum).view(
+                batch, lay.dim_sum
+            )
+        if self._mean_features is not None:
+            out = out / self._mean_divisor(kjt)
+        return no_backward(out.to(out_dtype))
+
+    def _mean_divisor(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, D] divisor, like TorchRec RW: bag length (or weight sum) + eps; 1 for sum."""
+        assert self._mean_features is not None
+        weights = kjt.weights_or_none()
+        if weights is not None:
+            lengths = torch.ops.fbgemm.segment_sum_csr(1, kjt.offsets().int(), weights.float())
+        else:
+            lengths = kjt.lengths().float()
+        per_bag = lengths.view(len(self.feature_names), -1) + MEAN_EPS  # [F, B]
+        per_bag = torch.where(self._mean_features[:, None], per_bag, torch.ones_like(per_bag))
+        return torch.repeat_interleave(per_bag.t(), self._dims, dim=1)
+
+
+# Error codes of the device record (csrc/rw_pipeline.cuh, ErrorCode).
+_ERR_BAD_ID, _ERR_BATCH, _ERR_TIMEOUT, _ERR_ABORT, _ERR_CORRUPT, _ERR_BAD_ID_WARN = 1, 2, 3, 4, 5, 6
+_STATE_WORDS = 16 + 64  # kStateWords
+_WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_BOUNDS_MODES = {BoundsCheckMode.FATAL: 0, BoundsCheckMode.WARNING: 1, BoundsCheckMode.IGNORE: 2}
+
+
+class DeviceRwPipeline(PgasRwPipeline):
+    """Three fused kernel launches per step on the current stream; no host sync.
+
+    Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
+    in a pinned record that the next step reads without syncing; ``check()``
+    synchronizes first.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        lay, dev = self.layout, self.device
+        ops = torch.ops.torchrec_pgas
+        peers = [
+            [ops.peer_ptr(self.buf.local, pe) for pe in range(self.world_size)],
+            [ops.peer_ptr(self.pad.words, pe) for pe in range(self.world_size)],
+        ]
+        unreachable = [pe for pe, ptr in enumerate(peers[0]) if ptr == 0]
+        if unreachable:
+            raise PgasError(
+                f"ranks {unreachable} are not reachable by load/store from rank {self.rank} "
+                "(pgas_row_wise on GPUs needs one NVLink domain for now)"
+            )
+        self._peers = torch.tensor(peers, dtype=torch.int64, device=dev)
+        out_cols = list(itertools.accumulate([0] + self.feature_dims[:-1]))
+        self._feature_rows = [
+            # weights, local_rows, dtype are filled from the TBEs at the first lookup
+            [0, 0, (n + self.world_size - 1) // self.world_size, n, d, c, 0, int(m)]
+            for n, d, c, m in zip(self.feature_hash_sizes, self.feature_dims, out_cols, self.feature_is_mean)
+        ]
+        self._features = torch.tensor(self._feature_rows, dtype=torch.int64, device=dev)
+        self._weights_key: List[int] = []
+        self._col_feature = torch.tensor(
+            [f for f, d in enumerate(self.feature_dims) for _ in range(d // 4)], dtype=torch.int32, device=dev
+        )
+        self._state = torch.zeros(_STATE_WORDS, dtype=torch.int64, device=dev)
+        self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=dev)
+        self._status = torch.zeros(4, dtype=torch.int64).pin_memory()
+        self._cfg = [
+            lay.index_block_bytes, lay.output_region_off, lay.output_block_bytes,
+            lay.offsets_off, lay.lengths_off, lay.ids_off, lay.weights_off,
+            lay.num_slots, lay.max_batch, lay.ids_capacity, lay.dim_sum, lay.num_features,
+            int(self.config.wait_timeout_s * 1e9), self.rank, self.world_size,
+            int(lay.weighted), _BOUNDS_MODES[self.bounds_check_mode],
+        ]
+        self._max_dim = max(self.feature_dims)
+        self._out_dtype = torch.float32
+        self._tbe_key: List[int] = []
+
+    def index_dist(self, kjt: KeyedJaggedTensor) -> None:
+        self._raise_recorded()
+        self._check_step(kjt)
+        weights = kjt.weights_or_none()
+        self.issued += 1
+        torch.ops.torchrec_pgas.rw_index_dist(
+            kjt.values(),
+            kjt.offsets().to(torch.int64),
+            weights.float() if weights is not None else None,
+            self.buf.local, self.pad.words, self._peers, self._features, self._state,
+            self._bag_div, self._status, self._cfg, kjt.stride(),
+        )
+
+    def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
+        """Point the feature table at the TBEs' weight storage (again only if it moved).
+
+        Per step this costs one pointer read per TBE group, not per table.
+        """
+        key = [t.weights_dev.data_ptr() for t in tbes]
+        if key == self._tbe_key:
+            return
+        weights = [w for t in tbes for w in _per_feature(t)]
+        out_dtypes = {SparseType.from_int(t.output_dtype).as_dtype() for t in tbes}
+        if len(weights) != len(self.feature_names) or len(out_dtypes) != 1:
+            raise PgasError(
+                f"pgas_row_wise: {len(weights)} TBE features with output dtypes {out_dtypes} "
+                f"for the {len(self.feature_names)} features of the sharding"
+            )
+        for f, w in enumerate(weights):
+            if w.dtype not in _WEIGHT_DTYPES or not w.is_cuda or w.dim() != 2 or w.stride(0) != w.size(1):
+                raise PgasError(
+                    f"pgas_row_wise: feature '{self.feature_names[f]}' has weights of dtype "
+                    f"{w.dtype} on {w.device}; the GPU lookup reads row-major fp32/fp16/bf16 HBM"
+                )
+            row = self._feature_rows[f]
+            row[0], row[1], row[6] = w.data_ptr(), w.size(0), _WEIGHT_DTYPES[w.dtype]
+        self._features.copy_(torch.tensor(self._feature_rows, dtype=torch.int64))
+        self._out_dtype = out_dtypes.pop()
+        self._tbe_key = key
+
+    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+        self._next_lookup_epoch()
+        self._bind_weights(tbes)
+        ops = torch.ops.torchrec_pgas
+        args = (self.buf.local, self.pad.words, self._peers, self._features)
+        ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
+                      kjt.stride(), self._max_dim, self._out_dtype)
+        out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
+                              self._cfg, kjt.stride(), self._out_dtype)
+        return no_backward(out)
+
+    def check(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        """Raise (or warn about) the error record of a finished step; no sync."""
+        code, a, b, c = self._status.tolist()
+        if code == 0:
+            return
+        self._status.zero_()
+        if code == _ERR_BAD_ID_WARN:
+            if self.bounds_check_mode == BoundsCheckMode.WARNING:
+                warnings.warn(self.bad_id_message(a, b) + "; such ids read row 0 (BoundsCheckMode.WARNING)")
+            return
+        if code == _ERR_BAD_ID:
+            raise PgasInputError(self.bad_id_message(a, b))
+        if code == _ERR_BATCH:
+            raise PgasInputError(
+                "pgas_row_wise requires equal local batch sizes on all ranks: rank "
+                f"{a} has {b}, rank {self.rank} has {c}"
+            )
+        if code == _ERR_TIMEOUT:
+            stage = ("index data", "index data", "partial pooled outputs")[a]
+            raise PgasTimeoutError(
+                f"rank {self.rank} waited {self.config.wait_timeout_s:.0f}s for {stage} from rank {b}: "
+                "a peer crashed, diverged, or is not running this step"
+            )
+        if code == _ERR_ABORT:
+            raise PgasPeerAbortError(f"rank {a} aborted the pgas_row_wise step (see its error)")
+        raise PgasError(f"pgas_row_wise: corrupt data from rank {a} (kind {b})")
+
+
+def _per_feature(tbe: nn.Module) -> List[torch.Tensor]:
+    """A TBE's weight views ``[local_rows, dim]``, one per feature it serves."""
+    tables = tbe.split_embedding_weights()
+    return [tables[t] for t in tbe.feature_table_map]
+
+
+def make_rw_pipeline(device: torch.device, **kwargs: Any) -> PgasRwPipeline:
+    """Fused kernels on CUDA (nvshmem backend), the runtime-API path on CPU (shm)."""
+    cls = DeviceRwPipeline if device.type == "cuda" else HostRwPipeline
+    return cls(device=device, **kwargs)
