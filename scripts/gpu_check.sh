@@ -16,7 +16,7 @@ PY=/opt/torch/.venv/bin/python3
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 
 {
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo "${GIT_COMMIT:-unknown}")"
+  echo "commit: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -4
 } | tee "$OUT/summary.txt"
@@ -30,13 +30,10 @@ log "build extension"
   || { tail -30 "$OUT/build.log" | tee -a "$OUT/summary.txt"; exit 1; }
 "$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
 
-if [ "$MODE" = quick ]; then
-  TESTS="tests/test_gpu.py -k runtime_puts or harness or bad_id or graph"
-else
-  TESTS="tests/test_gpu.py"
-fi
+TESTS=(tests/test_gpu.py)
+[ "$MODE" = quick ] && TESTS+=(-k "runtime_puts or harness or bad_id or graph")
 log "GPU tests ($MODE)"
-timeout 420 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS} > "$OUT/gpu_tests.log" 2>&1
+timeout 420 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" | tee -a "$OUT/summary.txt"
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/summary.txt"
 
