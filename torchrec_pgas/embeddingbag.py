@@ -4,6 +4,7 @@ from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingContext
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -145,5 +146,10 @@ def check_errors(module: nn.Module) -> None:
     the latest, or here.
     """
     for m in module.modules():
-        if isinstance(m, PgasRwPooledEmbeddingsLookup):
-            m.check()
+        if isinstance(m, PgasShardedEmbeddingBagCollection):
+            # ShardedEBC keeps its lookups in a plain list (not registered modules).
+            for lookup in m._lookups:
+                while isinstance(lookup, DistributedDataParallel):
+                    lookup = lookup.module
+                if isinstance(lookup, PgasRwPooledEmbeddingsLookup):
+                    lookup.check()
