@@ -12,6 +12,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.embeddingbag import pgas_lookups
 from torchrec_pgas.testing import (
     TwoEbcModel,
     compare_with_stock,
@@ -70,6 +71,7 @@ def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
     pgas = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
     stock = shard(model, _all(model, "row_wise"), dist.group.WORLD, CPU, stock=True)
     return {
+        "lookups": len(list(pgas_lookups(pgas))),
         "diffs": cmp.max_abs_diff,
         "same_state_dict": _metadata(pgas.state_dict()) == _metadata(stock.state_dict()),
         "keys": sorted(pgas.state_dict().keys()),
@@ -83,6 +85,7 @@ def test_matches_stock_row_wise(world: int) -> None:
     for res in run_distributed(_matches_stock, world):
         # compare_with_stock asserted closeness per batch; every key was seen.
         assert len(res["diffs"]) == 10
+        assert res["lookups"] == 2  # check_errors reaches both EBCs' PGAS lookups
         assert res["same_state_dict"]
         assert "ebc.embedding_bags.t1.weight" in res["keys"]
         assert res["optim_keys"] == res["stock_optim_keys"] and res["optim_keys"]

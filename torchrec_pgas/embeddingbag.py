@@ -1,6 +1,6 @@
 """The sharder users add to DistributedModelParallel, and the ShardedEBC it builds."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Type
 
 import torch
 from torch import nn
@@ -145,6 +145,12 @@ def check_errors(module: nn.Module) -> None:
     mismatch or a peer's abort is raised at the next forward of the module at
     the latest, or here.
     """
+    for lookup in pgas_lookups(module):
+        lookup.check()
+
+
+def pgas_lookups(module: nn.Module) -> Iterator[PgasRwPooledEmbeddingsLookup]:
+    """The PGAS lookup modules inside ``module`` (a DMP or a sharded model)."""
     for m in module.modules():
         if isinstance(m, PgasShardedEmbeddingBagCollection):
             # ShardedEBC keeps its lookups in a plain list (not registered modules).
@@ -152,4 +158,4 @@ def check_errors(module: nn.Module) -> None:
                 while isinstance(lookup, DistributedDataParallel):
                     lookup = lookup.module
                 if isinstance(lookup, PgasRwPooledEmbeddingsLookup):
-                    lookup.check()
+                    yield lookup
