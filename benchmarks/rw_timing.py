@@ -112,6 +112,8 @@ def _graphed(dmp: DistributedModelParallel, inputs: List[KeyedJaggedTensor]) -> 
         out = dmp(kjt).values()
 
     def run(x: KeyedJaggedTensor) -> torch.Tensor:
+        # `kjt` must outlive the graph: its lazily computed offsets are read by it.
+        assert kjt.values() is static_values
         static_values.copy_(x.values())
         graph.replay()
         return out

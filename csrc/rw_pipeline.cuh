@@ -46,7 +46,7 @@ constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
 constexpr int kMaxWorld = 64;
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
-enum WeightDtype : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum WeightDtype : int32_t { kF32 = 0, kF16 = 1 };
 enum BoundsMode : int32_t { kBoundsFatal = 0, kBoundsWarning = 1, kBoundsIgnore = 2 };
 
 // Error codes of the device error record (torchrec_pgas/gpu_pipeline.py decodes them).

@@ -39,7 +39,8 @@ grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -20 | te
 
 if [ "$MODE" = full ]; then
   log "compute-sanitizer memcheck, 2 ranks"
-  timeout 240 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+  # API errors are NCCL probing kernel images of other archs at init; count memory errors.
+  timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 9 \
     "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
   grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"

@@ -80,8 +80,10 @@ def test_harness_on_nvshmem_matches_stock_nccl() -> None:
 
 # ---- randomized differential test ---------------------------------------------------
 
+# (weights, output). FBGEMM 1.6's training TBE rejects bf16 weights
+# ("cache_precision bf16 not supported"), so bf16 appears as an output dtype.
 _DTYPES = [(DataType.FP32, SparseType.FP32), (DataType.FP16, SparseType.FP32),
-           (DataType.FP16, SparseType.FP16), (DataType.BF16, SparseType.BF16)]
+           (DataType.FP16, SparseType.FP16), (DataType.FP32, SparseType.BF16)]
 
 
 def _random_case(seed: int, world: int) -> Tuple[TwoEbcModel, Dict[str, str], Dict[str, Any]]:

@@ -323,7 +323,8 @@ class HostRwPipeline(PgasRwPipeline):
 # Error codes of the device record (csrc/rw_pipeline.cuh, ErrorCode).
 _ERR_BAD_ID, _ERR_BATCH, _ERR_TIMEOUT, _ERR_ABORT, _ERR_CORRUPT, _ERR_BAD_ID_WARN = 1, 2, 3, 4, 5, 6
 _STATE_WORDS = 16 + 64  # kStateWords
-_WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# FBGEMM 1.6's training TBE cannot hold bf16 weights (its cache_precision check).
+_WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1}
 _BOUNDS_MODES = {BoundsCheckMode.FATAL: 0, BoundsCheckMode.WARNING: 1, BoundsCheckMode.IGNORE: 2}
 
 
@@ -407,7 +408,7 @@ class DeviceRwPipeline(PgasRwPipeline):
             if w.dtype not in _WEIGHT_DTYPES or not w.is_cuda or w.dim() != 2 or w.stride(0) != w.size(1):
                 raise PgasError(
                     f"pgas_row_wise: feature '{self.feature_names[f]}' has weights of dtype "
-                    f"{w.dtype} on {w.device}; the GPU lookup reads row-major fp32/fp16/bf16 HBM"
+                    f"{w.dtype} on {w.device}; the GPU lookup reads row-major fp32/fp16 HBM"
                 )
             row = self._feature_rows[f]
             row[0], row[1], row[6] = w.data_ptr(), w.size(0), _WEIGHT_DTYPES[w.dtype]
