@@ -162,9 +162,10 @@ def main() -> None:
                 if rank == 0:
                     print(json.dumps(row), flush=True)
     if rank == 0:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        commit = os.environ.get("GIT_COMMIT") or (git.stdout.strip() if git.returncode == 0 else "unknown")
         meta = {"device": torch.cuda.get_device_name(device), "world_size": dist.get_world_size(),
-                "torch": torch.__version__, "commit": commit or os.environ.get("GIT_COMMIT", "unknown")}
+                "torch": torch.__version__, "commit": commit}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"{'pool':>4} {'batch':>6} {'stock p50':>10} {'pgas p50':>9} {'graph p50':>9} {'x eager':>8} {'x graph':>8}")

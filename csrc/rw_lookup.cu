@@ -90,7 +90,7 @@ __device__ __forceinline__ Vec4 load4(const RwFeature& f, int64_t row, int64_t c
     const float4 v = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(f.weights) + i));
     return {v.x, v.y, v.z, v.w};
   }
-  // kF16 (FBGEMM 1.6's training TBE rejects bf16 weights, see gpu_pipeline).
+  // kF16 (FBGEMM 1.6's training TBE rejects bf16 weights, see rw_pipeline.py).
   const uint2 raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(f.weights) + i));
   const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
   const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));

@@ -49,7 +49,7 @@ constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 enum WeightDtype : int32_t { kF32 = 0, kF16 = 1 };
 enum BoundsMode : int32_t { kBoundsFatal = 0, kBoundsWarning = 1, kBoundsIgnore = 2 };
 
-// Error codes of the device error record (torchrec_pgas/gpu_pipeline.py decodes them).
+// Error codes of the device error record (torchrec_pgas/sharding/rw_pipeline.py decodes them).
 enum ErrorCode : int64_t {
   kErrNone = 0,
   kErrBadId = 1,  // a: feature, b: id                       (FATAL)

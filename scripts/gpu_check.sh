@@ -45,6 +45,11 @@ if [ "$MODE" = full ]; then
   echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
   grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"
 
+  log "demo (the make demo job) on nvshmem"
+  timeout 120 "$PY" examples/demo.py > "$OUT/demo.log" 2>&1
+  echo "demo exit $?" | tee -a "$OUT/summary.txt"
+  sed -n '/^pgas_row_wise vs stock/,$p' "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+
   log "timing: stock row_wise vs pgas_row_wise"
   timeout 300 "$PY" -m torch.distributed.run --nproc_per_node=2 -m benchmarks.rw_timing \
     --out "$OUT/rw_timing.json" > "$OUT/rw_timing.log" 2>&1

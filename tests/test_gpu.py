@@ -78,6 +78,25 @@ def test_harness_on_nvshmem_matches_stock_nccl() -> None:
         assert len(diffs) == 10
 
 
+def _after_torch_symm_mem(rank: int, world: int) -> Dict[str, float]:
+    """torch's NVSHMEM symmetric memory initializes NVSHMEM first; ours must join it."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.set_backend("NVSHMEM")
+    theirs = symm_mem.empty(256, device=_device(rank))
+    symm_mem.rendezvous(theirs, group=dist.group.WORLD)
+    theirs.fill_(float(rank))
+    diffs = _harness(rank, world)
+    torch.cuda.synchronize()
+    assert float(theirs.sum()) == 256.0 * rank  # torch's buffer is untouched by our heap
+    return diffs
+
+
+def test_coexists_with_torch_nvshmem_symmetric_memory() -> None:
+    for diffs in run_distributed(_after_torch_symm_mem, WORLD, backend="nccl"):
+        assert len(diffs) == 10
+
+
 # ---- randomized differential test ---------------------------------------------------
 
 # (weights, output). FBGEMM 1.6's training TBE rejects bf16 weights
