@@ -12,8 +12,6 @@
 // epoch.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include "rw_pipeline.cuh"
 
@@ -27,40 +25,6 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float4 load4_cg(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
-
-__device__ __forceinline__ float4 load4_cg(const at::Half* p) {
-  const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-
-__device__ __forceinline__ float4 load4_cg(const at::BFloat16* p) {
-  const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-
-__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-
-__device__ __forceinline__ void store4(at::Half* p, float4 v) {
-  __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
-  uint2 raw;
-  raw.x = *reinterpret_cast<uint32_t*>(&a);
-  raw.y = *reinterpret_cast<uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-
-__device__ __forceinline__ void store4(at::BFloat16* p, float4 v) {
-  __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  uint2 raw;
-  raw.x = *reinterpret_cast<uint32_t*>(&a);
-  raw.y = *reinterpret_cast<uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
 
 template <typename out_t>
 __global__ void __launch_bounds__(kThreads)
@@ -91,11 +55,7 @@ __global__ void __launch_bounds__(kThreads)
     if (s_ok) {
       for (int owner = 0; owner < p.world; ++owner) {
         const out_t* part = reinterpret_cast<const out_t*>(p.buf + output_block(p, slot, owner));
-        const float4 x = load4_cg(part + b * p.dim_sum + col);
-        acc.x += x.x;
-        acc.y += x.y;
-        acc.z += x.z;
-        acc.w += x.w;
+        fma4(acc, 1.f, load4_cg(part + b * p.dim_sum + col));
       }
       const int32_t f = col_feature[col / 4];
       if (p.features[f].is_mean) {

@@ -19,8 +19,6 @@
 // stores the epoch into the requester's output slot (st.release.sys).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include "rw_pipeline.cuh"
 
@@ -79,48 +77,15 @@ namespace {
 
 constexpr int kThreads = 256;
 
-struct Vec4 {
-  float x, y, z, w;
-};
-
-// 4 consecutive elements of a row, widened to fp32.
-__device__ __forceinline__ Vec4 load4(const RwFeature& f, int64_t row, int64_t col) {
+// 4 consecutive elements of a row of this rank's shard, widened to fp32
+// (read-only for the whole kernel: the non-coherent path is fine).
+__device__ __forceinline__ float4 load_row4(const RwFeature& f, int64_t row, int64_t col) {
   const int64_t i = row * f.dim + col;
   if (f.dtype == kF32) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(f.weights) + i));
-    return {v.x, v.y, v.z, v.w};
+    return __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(f.weights) + i));
   }
   // kF16 (FBGEMM 1.6's training TBE rejects bf16 weights, see rw_pipeline.py).
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(f.weights) + i));
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-  return {a.x, a.y, b.x, b.y};
-}
-
-template <typename out_t>
-__device__ __forceinline__ void store4(out_t* dst, const Vec4& v);
-
-template <>
-__device__ __forceinline__ void store4<float>(float* dst, const Vec4& v) {
-  *reinterpret_cast<float4*>(dst) = make_float4(v.x, v.y, v.z, v.w);
-}
-
-template <>
-__device__ __forceinline__ void store4<at::Half>(at::Half* dst, const Vec4& v) {
-  __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
-  uint2 raw;
-  raw.x = *reinterpret_cast<uint32_t*>(&a);
-  raw.y = *reinterpret_cast<uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(dst) = raw;
-}
-
-template <>
-__device__ __forceinline__ void store4<at::BFloat16>(at::BFloat16* dst, const Vec4& v) {
-  __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  uint2 raw;
-  raw.x = *reinterpret_cast<uint32_t*>(&a);
-  raw.y = *reinterpret_cast<uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(dst) = raw;
+  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(f.weights) + i)));
 }
 
 constexpr int kUnroll = 4;  // rows in flight per lane
@@ -180,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
         continue;
       }
       for (int64_t col = 4 * g_lane; col < feat.dim; col += 4 * group_lanes) {
-        Vec4 acc = {0.f, 0.f, 0.f, 0.f};
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int64_t j = 0; j < n; j += kUnroll) {
           int64_t rows[kUnroll];
           float ws[kUnroll];
@@ -194,20 +159,15 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
               rows[u] = -1;
             }
           }
-          Vec4 v[kUnroll];
+          float4 v[kUnroll];
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
-            v[u] = rows[u] >= 0 ? load4(feat, rows[u], col) : Vec4{0.f, 0.f, 0.f, 0.f};
+            v[u] = rows[u] >= 0 ? load_row4(feat, rows[u], col) : make_float4(0.f, 0.f, 0.f, 0.f);
           }
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            acc.x += ws[u] * v[u].x;
-            acc.y += ws[u] * v[u].y;
-            acc.z += ws[u] * v[u].z;
-            acc.w += ws[u] * v[u].w;
-          }
+          for (int u = 0; u < kUnroll; ++u) fma4(acc, ws[u], v[u]);
         }
-        store4<out_t>(out + b * p.dim_sum + feat.out_col + col, acc);
+        store4(out + b * p.dim_sum + feat.out_col + col, acc);
       }
     }
   }

@@ -38,6 +38,11 @@
 
 #include <cstdint>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "pgas_common.cuh"
 
 namespace torchrec_pgas {
@@ -161,6 +166,50 @@ __device__ __forceinline__ bool last_to_arrive(int64_t* counter, int64_t arrival
   *counter = 0;  // stream order: the next launch starts after this one ends
   __threadfence_system();
   return true;
+}
+
+// ---- 4-element vectors: every row, column block and output is a multiple of 4 ----
+
+__device__ __forceinline__ float4 half4_to_float4(uint2 raw) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 raw) {
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// L2-only loads (ld.global.cg) for data a peer wrote during this kernel's life.
+__device__ __forceinline__ float4 load4_cg(const float* p) {
+  return __ldcg(reinterpret_cast<const float4*>(p));
+}
+__device__ __forceinline__ float4 load4_cg(const c10::Half* p) {
+  return half4_to_float4(__ldcg(reinterpret_cast<const uint2*>(p)));
+}
+__device__ __forceinline__ float4 load4_cg(const c10::BFloat16* p) {
+  return bf16x4_to_float4(__ldcg(reinterpret_cast<const uint2*>(p)));
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+__device__ __forceinline__ void store4(c10::Half* p, float4 v) {
+  __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
+}
+
+__device__ __forceinline__ void store4(c10::BFloat16* p, float4 v) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float w, float4 x) {
+  acc.x += w * x.x;
+  acc.y += w * x.y;
+  acc.z += w * x.z;
+  acc.w += w * x.w;
 }
 
 }  // namespace torchrec_pgas
