@@ -7,7 +7,7 @@ group), otherwise ``shm`` on CPU (gloo). Prints one row per table: the largest
 
 import argparse
 import dataclasses
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist

@@ -4,7 +4,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchrec_pgas
 from torchrec_pgas.runtime import PAD_HEADER_WORDS

@@ -24,11 +24,8 @@ from torchrec_pgas.testing import (
 )
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
-    PgasCapacityError,
     PgasConfig,
     PgasError,
-    PgasInputError,
-    PgasPeerAbortError,
 )
 
 CPU = torch.device("cpu")
