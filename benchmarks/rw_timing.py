@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors
 from torchrec_pgas.planner import pgas_row_wise
+from torchrec_pgas.testing import fill_embeddings_
 
 TABLES, ROWS, DIM = 8, 1_000_000, 64
 BATCHES = [128, 1024, 4096, 16384]
@@ -58,13 +59,7 @@ def _shard(pgas: bool, device: torch.device) -> DistributedModelParallel:
                                           local_size=world, world_size=world, device_type="cuda")
     dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    plan=ShardingPlan({"": plan}), sharders=[sharder])
-    # Same weights on both sides: a function of the global row, no global copy.
-    for name, st in dmp.state_dict().items():
-        t = int(name.split(".")[-2][1:])
-        for shard in st.local_shards():
-            rows = torch.arange(shard.tensor.shape[0], device=device) + shard.metadata.shard_offsets[0]
-            cols = torch.arange(DIM, device=device)
-            shard.tensor.copy_(torch.sin(rows[:, None] * 0.37 + cols[None, :] * 1.3 + t) * 0.1)
+    fill_embeddings_(dmp)  # same weights on both sides
     return dmp
 
 

@@ -50,6 +50,14 @@ if [ "$MODE" = full ]; then
   echo "demo exit $?" | tee -a "$OUT/summary.txt"
   sed -n '/^pgas_row_wise vs stock/,$p' "$OUT/demo.log" | tee -a "$OUT/summary.txt"
 
+  log "DLRM inference: stock vs pgas (samples/s)"
+  for sharding in nccl pgas; do
+    timeout 120 "$PY" -m torch.distributed.run --nproc_per_node=2 -m examples.dlrm.run --sharding "$sharding" \
+      --batch-size 4096 --steps 50 --max-rows 1000000 --validate > "$OUT/dlrm_$sharding.log" 2>&1
+    echo "dlrm $sharding exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "^DLRM|^validate" "$OUT/dlrm_$sharding.log" | tee -a "$OUT/summary.txt"
+  done
+
   log "timing: stock row_wise vs pgas_row_wise"
   timeout 300 "$PY" -m torch.distributed.run --nproc_per_node=2 -m benchmarks.rw_timing \
     --out "$OUT/rw_timing.json" > "$OUT/rw_timing.log" 2>&1
