@@ -22,6 +22,8 @@ fi
 "${PIP[@]}" --no-deps torchrec==1.6.1 tensordict==0.12.4 pyvers==0.2.3 iopath==0.1.9 portalocker==4.4.2
 "${PIP[@]}" torchmetrics==1.0.3 pyre-extensions tqdm pyyaml tabulate cloudpickle orjson packaging \
   importlib-metadata pytest pytest-timeout
+# torchx 0.7.0 (the last release) pins urllib3<1.27; the nightly installs cleanly.
+"${PIP[@]}" torchx-nightly==2026.10.26
 
 # fbgemm 1.6.0 predates its own compatibility-table entry for torch 2.11 and
 # warns on every import; add the entry (the same one the GPU devbundle carries).
