@@ -2,7 +2,10 @@
 # One device call: install the TorchRec bundle, build the extension, run the GPU
 # tests, compute-sanitizer on a small 2-rank case, and the first timing table.
 #
-#   bash scripts/gpu_check.sh [quick|full]      # logs and results under $OUT
+#   bash scripts/gpu_check.sh [quick|full|dlrm]   # logs and results under $OUT
+#
+# quick: a few GPU tests; full: all of it; dlrm: only the DLRM example through
+# torchx (stock vs PGAS inference samples/s).
 #
 # Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
 set -uo pipefail
@@ -29,6 +32,20 @@ log "build extension"
 "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log" | tee -a "$OUT/summary.txt"; exit 1; }
 "$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
+
+if [ "$MODE" = dlrm ]; then
+  # torchx launches torchrun from PATH; the bundle's torchx (0.7.0) runs local_cwd.
+  for sharding in nccl pgas; do
+    log "torchx DLRM inference, --sharding $sharding"
+    timeout 150 "$PY" -m torchx.cli.main run -s local_cwd torchrec_pgas/components.py:dlrm --nproc_per_node 2 \
+      --gpus_per_node 2 -- --sharding "$sharding" --batch-size 4096 --steps 50 --max-rows 1000000 --validate \
+      > "$OUT/torchx_dlrm_$sharding.log" 2>&1
+    echo "torchx dlrm $sharding exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "DLRM|validate|job finished|Error" "$OUT/torchx_dlrm_$sharding.log" | tail -6 | tee -a "$OUT/summary.txt"
+  done
+  log "done"
+  exit 0
+fi
 
 TESTS=(tests/test_gpu.py)
 [ "$MODE" = quick ] && TESTS+=(-k "out_of_range or mismatch or ignore or graph")
