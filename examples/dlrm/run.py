@@ -165,7 +165,7 @@ def main() -> None:
                         device, args.batch_size, False, 0.0)
         _, ours, _ = run(dmp, first, device, False, 0.0, 0)
         _, theirs, _ = run(other, first, device, False, 0.0, 0)
-        diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(ours, theirs)))
+        diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(ours, theirs)), device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         ok = float(diff) <= 1e-5
         if rank == 0:
