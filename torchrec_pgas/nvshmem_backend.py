@@ -21,8 +21,7 @@ from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad, Symm
 from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
 
 DEFAULT_HEAP_BYTES = 2 << 30
-_STATUS_TIMEOUT = 1
-_STATUS_PEER_ABORT = 2
+_STATUS_PEER_ABORT = 2  # csrc/pgas_common.cuh DeviceStatus; 1 is a timeout
 
 
 def load_extension() -> None:
