@@ -8,8 +8,7 @@
 //
 // Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
 // CTA streams 4-element vectors (grid-stride). The last CTA publishes the
-// step's error record to pinned host memory, clears it and advances the stage
-// epoch.
+// step's error record to pinned host memory and clears it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -32,7 +31,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int64_t s_epoch;
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
-    s_epoch = p.state[kCtrFinal] + 1;
+    // The lookup of this step (just before on this stream) advanced its epoch;
+    // taking it from there keeps the two in step even if a finalize never ran.
+    s_epoch = p.state[kCtrLookup];
     s_ok = 1;
   }
   __syncthreads();
@@ -78,7 +79,6 @@ __global__ void __launch_bounds__(kThreads)
       p.status[0] = p.state[kErrCode];
       for (int i = 0; i < 4; ++i) p.state[kErrCode + i] = 0;
     }
-    p.state[kCtrFinal] = epoch;
   }
 }
 

@@ -45,8 +45,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarps + warp; bag < num_bags;
        bag += static_cast<int64_t>(gridDim.x) * kWarps) {
     const RwFeature& feat = p.features[bag / p.batch];
-    const int64_t begin = offsets[bag];
-    const int64_t end = offsets[bag + 1];
+    int64_t begin = offsets[bag];
+    int64_t end = offsets[bag + 1];
+    // The local KJT's offsets decide addresses in the owners' buffers.
+    if (begin < 0 || end < begin || end > p.nnz) {
+      if (lane == 0) record_error(p, kErrCorrupt, p.rank, 1);
+      begin = end = 0;
+    }
     for (int d = lane; d < p.world; d += 32) s_count[warp][d] = 0;
     __syncwarp();
     float divisor = 0.f;  // bag length, or the sum of its weights

@@ -92,7 +92,7 @@ constexpr int kUnroll = 4;  // rows in flight per lane
 
 template <typename out_t>
 __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int group_lanes) {
-  __shared__ int64_t s_epoch;
+  __shared__ int64_t s_epoch, s_nnz;
   __shared__ int s_ok;
   const int k = blockIdx.y;
   const int src = (p.rank + 1 + k) % p.world;
@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
     }
     if (!ok) abort_peer(p, src);
     s_epoch = epoch;
+    s_nnz = ok ? __ldcg(header + 2) : 0;  // the value checked above
     s_ok = ok;
   }
   __syncthreads();
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
 
   if (s_ok) {
     const uint8_t* block = p.buf + index_block(p, slot, src);
-    const int64_t nnz = __ldcg(reinterpret_cast<const int64_t*>(block) + 2);
+    const int64_t nnz = s_nnz;
     const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
     const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
     const int64_t* ids = reinterpret_cast<const int64_t*>(block + p.ids_off);
@@ -140,8 +141,11 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
       const RwFeature& feat = p.features[f];
       const int64_t begin = __ldcg(offsets + bag);
       const int64_t n = __ldcg(lengths + bag);
-      if (begin < 0 || n < 0 || begin + n > nnz) {
-        if (g_lane == 0) record_error(p, kErrCorrupt, src, 1);
+      if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
+        if (g_lane == 0) {
+          record_error(p, kErrCorrupt, src, 1);
+          abort_peer(p, src);  // its output for this bag is not written
+        }
         continue;
       }
       for (int64_t col = 4 * g_lane; col < feat.dim; col += 4 * group_lanes) {
@@ -156,6 +160,7 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
             ws[u] = live ? (weights ? __ldcg(weights + begin + j + u) : 1.f) : 0.f;
             if (live && (rows[u] < 0 || rows[u] >= feat.local_rows)) {
               record_error(p, kErrCorrupt, src, 2);
+              abort_peer(p, src);
               rows[u] = -1;
             }
           }

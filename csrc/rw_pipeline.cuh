@@ -29,11 +29,13 @@
 //     requester's output slot.
 //   finalize (requester): W threads spin on the W output slots, then the CTA
 //     sums the partials in rank order (and divides MEAN bags) into the output.
-// Each stage keeps its own device-side epoch counter (state[kCtr*]), read by
-// every CTA at entry and advanced by the stage's last CTA, so no host value
-// changes between steps and the three launches can be captured in a CUDA
-// graph. Waits give up after `timeout_ns` or when the pad's abort word is set;
-// errors go to a device record that finalize copies to pinned host memory.
+// index_dist and lookup keep device-side epoch counters (state[kCtr*]), read
+// by every CTA at entry and advanced by the stage's last CTA; finalize reads
+// the lookup's. No host value changes between steps, so the three launches can
+// be captured in a CUDA graph. Waits give up after `timeout_ns` or when the
+// pad's abort word is set (checked again once the signal has arrived); errors
+// go to a device record that finalize copies to pinned host memory. A rank
+// that skips a source's data aborts that source before signalling it.
 #pragma once
 
 #include <cstdint>
@@ -69,8 +71,7 @@ enum ErrorCode : int64_t {
 // record, then one done counter per source for the lookup.
 enum StateWord : int {
   kCtrIndex = 0,
-  kCtrLookup = 1,
-  kCtrFinal = 2,
+  kCtrLookup = 1,  // finalize uses the epoch of the lookup before it
   kDoneIndex = 3,
   kDoneLookup = 4,
   kDoneFinal = 5,
@@ -121,11 +122,18 @@ __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// First error of a step wins; the record is copied to the host by finalize.
+// First error of a step wins, except that a fatal error replaces a WARNING-mode
+// bad-id record (which must not hide a timeout or an abort). Finalize copies the
+// record to the host.
 __device__ __forceinline__ void record_error(const RwParams& p, int64_t code, int64_t a,
                                              int64_t b = 0, int64_t c = 0) {
   unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kErrCode);
-  if (atomicCAS(word, 0ull, static_cast<unsigned long long>(code)) == 0ull) {
+  const unsigned long long mine = static_cast<unsigned long long>(code);
+  unsigned long long old = atomicCAS(word, 0ull, mine);
+  if (old == static_cast<unsigned long long>(kErrBadIdWarn) && code != kErrBadIdWarn) {
+    old = atomicCAS(word, old, mine) == old ? 0ull : old;
+  }
+  if (old == 0ull) {
     p.state[kErrCode + 1] = a;
     p.state[kErrCode + 2] = b;
     p.state[kErrCode + 3] = c;
@@ -133,19 +141,23 @@ __device__ __forceinline__ void record_error(const RwParams& p, int64_t code, in
 }
 
 // Spin until *slot >= epoch. False (and an error recorded) on timeout or abort.
+// The abort word is checked once more after the signal arrived: a peer that
+// gave up on this rank's data aborts first and signals after (release order),
+// so its signal must not make stale data look complete.
 __device__ __forceinline__ bool wait_epoch(const RwParams& p, const int64_t* slot, int64_t epoch,
                                            int stage, int peer) {
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(slot) < epoch) {
-    const int64_t abort_word = ld_volatile(p.pad);
-    if (abort_word != 0) {
-      record_error(p, kErrPeerAbort, abort_word - 1);
-      return false;
-    }
+    if (ld_volatile(p.pad) != 0) break;
     if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
       record_error(p, kErrTimeout, stage, peer);
       return false;
     }
+  }
+  const int64_t abort_word = ld_volatile(p.pad);
+  if (abort_word != 0) {
+    record_error(p, kErrPeerAbort, abort_word - 1);
+    return false;
   }
   return true;
 }

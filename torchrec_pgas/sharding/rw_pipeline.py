@@ -375,19 +375,32 @@ class DeviceRwPipeline(PgasRwPipeline):
         self._max_dim = max(self.feature_dims)
         self._out_dtype = torch.float32
         self._tbe_key: List[int] = []
+        # Recorded after each finalize, per slot (see index_dist).
+        self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        self._raise_recorded()
+        try:
+            self._raise_recorded()
+        except PgasError as e:  # peers wait for this step's data: tell them why it will not come
+            raise self._fail(e)
         self._check_step(kjt)
         weights = kjt.weights_or_none()
+        stream = torch.cuda.current_stream(self.device)
+        if not torch.cuda.is_current_stream_capturing():
+            # TorchRec's train pipelines run the input dist on their own stream:
+            # reusing a slot must wait for the finalize that last read it.
+            stream.wait_event(self._slot_free[(self.issued + 1) % self.layout.num_slots])
+        try:
+            torch.ops.torchrec_pgas.rw_index_dist(
+                kjt.values(),
+                kjt.offsets().to(torch.int64),
+                weights.float() if weights is not None else None,
+                self.buf.local, self.pad.words, self._peers, self._features, self._state,
+                self._bag_div, self._status, self._cfg, kjt.stride(),
+            )
+        except RuntimeError as e:
+            raise self._fail(PgasError(f"pgas_row_wise index dist failed to launch: {e}")) from e
         self.issued += 1
-        torch.ops.torchrec_pgas.rw_index_dist(
-            kjt.values(),
-            kjt.offsets().to(torch.int64),
-            weights.float() if weights is not None else None,
-            self.buf.local, self.pad.words, self._peers, self._features, self._state,
-            self._bag_div, self._status, self._cfg, kjt.stride(),
-        )
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -417,14 +430,21 @@ class DeviceRwPipeline(PgasRwPipeline):
         self._tbe_key = key
 
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
-        self._next_lookup_epoch()
-        self._bind_weights(tbes)
+        epoch = self._next_lookup_epoch()
         ops = torch.ops.torchrec_pgas
         args = (self.buf.local, self.pad.words, self._peers, self._features)
-        ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
-                      kjt.stride(), self._max_dim, self._out_dtype)
-        out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
-                              self._cfg, kjt.stride(), self._out_dtype)
+        try:
+            self._bind_weights(tbes)
+            ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
+                          kjt.stride(), self._max_dim, self._out_dtype)
+            out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
+                                  self._cfg, kjt.stride(), self._out_dtype)
+        except PgasError as e:  # peers wait for this rank's partials: abort them
+            raise self._fail(e)
+        except RuntimeError as e:
+            raise self._fail(PgasError(f"pgas_row_wise lookup failed to launch: {e}")) from e
+        if not torch.cuda.is_current_stream_capturing():
+            self._slot_free[epoch % self.layout.num_slots].record()
         return no_backward(out)
 
     def check(self) -> None:
