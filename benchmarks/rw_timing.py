@@ -106,9 +106,8 @@ def _graphed(dmp: DistributedModelParallel, inputs: List[KeyedJaggedTensor]) -> 
     with torch.cuda.graph(graph):
         out = dmp(kjt).values()
 
-    def run(x: KeyedJaggedTensor) -> torch.Tensor:
-        # `kjt` must outlive the graph: its lazily computed offsets are read by it.
-        assert kjt.values() is static_values
+    def run(x: KeyedJaggedTensor, _static: KeyedJaggedTensor = kjt) -> torch.Tensor:
+        # `_static` keeps `kjt` alive: the graph reads its lazily computed offsets.
         static_values.copy_(x.values())
         graph.replay()
         return out

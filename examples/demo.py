@@ -6,18 +6,15 @@ group), otherwise ``shm`` on CPU (gloo). Prints one row per table: the largest
 """
 
 import argparse
-import dataclasses
 from typing import Dict
 
 import torch
 import torch.distributed as dist
-from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.testing import (
     ATOL,
-    TwoEbcModel,
     compare_with_stock,
-    default_tables,
+    default_model,
     random_kjt,
     run_distributed,
     seeded,
@@ -27,8 +24,7 @@ from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
 def _run(rank: int, world: int, device_type: str, steps: int, batch: int) -> Dict[str, object]:
     device = torch.device(device_type, rank if device_type == "cuda" else 0)
-    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    model = TwoEbcModel(default_tables("t"), wtables)
+    model = default_model()
     gen = seeded(rank)
     batches = [
         (

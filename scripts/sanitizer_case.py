@@ -1,14 +1,12 @@
 """A small 2-rank pgas_row_wise forward for compute-sanitizer (torchrun --nproc_per_node=2)."""
 
-import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
-from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas import check_errors
-from torchrec_pgas.testing import TwoEbcModel, default_tables, random_kjt, seeded, shard
+from torchrec_pgas.testing import default_model, random_kjt, seeded, shard
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
 
@@ -17,8 +15,7 @@ def main() -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     dev = torch.device("cuda", rank)
-    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    model = TwoEbcModel(default_tables("t"), wtables)
+    model = default_model()
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8))
     gen = seeded(rank)

@@ -1,6 +1,5 @@
 """GPU tests (2+ GPUs): the nvshmem backend and the fused kernels against stock TorchRec + NCCL."""
 
-import dataclasses
 import random
 from typing import Any, Dict, List, Tuple
 
@@ -18,7 +17,7 @@ from torchrec_pgas.testing import (
     TwoEbcModel,
     check_errors,
     compare_with_stock,
-    default_tables,
+    default_model,
     random_kjt,
     run_distributed,
     seeded,
@@ -57,13 +56,8 @@ def test_nvshmem_runtime_puts_and_signals() -> None:
         assert got == [10.0 + r for r in range(WORLD)] + [20.0 + r for r in range(WORLD)]
 
 
-def _sum_model(seed: int = 0) -> TwoEbcModel:
-    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    return TwoEbcModel(default_tables("t"), wtables, seed=seed)
-
-
 def _harness(rank: int, world: int) -> Dict[str, float]:
-    model = _sum_model()
+    model = default_model()
     gen = seeded(rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
     batches = [(random_kjt(t, 8, gen), random_kjt(w, 8, gen, weighted=True)) for _ in range(4)]
@@ -179,7 +173,7 @@ def test_random_configs_match_stock_200() -> None:
 
 
 def _back_to_back(rank: int, world: int, steps: int) -> int:
-    model = _sum_model()
+    model = default_model()
     dev = _device(rank)
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=32))
@@ -212,7 +206,7 @@ def test_1000_back_to_back_steps() -> None:
 
 
 def _bad_id(rank: int, world: int) -> Dict[str, Any]:
-    model = _sum_model()
+    model = default_model()
     dev = _device(rank)
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8))
@@ -250,7 +244,7 @@ def test_out_of_range_id_raises_and_never_corrupts_the_peer() -> None:
 
 
 def _batch_mismatch(rank: int, world: int) -> str:
-    model = _sum_model()
+    model = default_model()
     dev = _device(rank)
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8, wait_timeout_s=10))
@@ -272,7 +266,7 @@ def test_batch_mismatch_raises_on_both_ranks() -> None:
 
 
 def _warning_mode(rank: int, world: int) -> float:
-    model = _sum_model()
+    model = default_model()
     dev = _device(rank)
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8),
@@ -299,7 +293,7 @@ def test_ignore_mode_reads_row_zero() -> None:
 
 
 def _graph(rank: int, world: int) -> float:
-    model = _sum_model()
+    model = default_model()
     dev = _device(rank)
     tables = model.ebc.embedding_bag_configs()
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}

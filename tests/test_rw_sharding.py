@@ -1,6 +1,5 @@
 """pgas_row_wise through DistributedModelParallel on the shm backend, against stock TorchRec."""
 
-import dataclasses
 import warnings
 from typing import Any, Dict, List, Tuple
 
@@ -9,14 +8,13 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import pgas_lookups
 from torchrec_pgas.testing import (
     TwoEbcModel,
     compare_with_stock,
-    default_tables,
+    default_model,
     random_kjt,
     run_distributed,
     seeded,
@@ -30,12 +28,6 @@ from torchrec_pgas.types import (
 
 CPU = torch.device("cpu")
 SMALL = PgasConfig(max_local_batch_size=16, wait_timeout_s=60)
-
-
-def _model(seed: int = 0) -> TwoEbcModel:
-    # Weighted EBCs are SUM: the unsharded EBC has no weighted MEAN to compare with.
-    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    return TwoEbcModel(default_tables("t"), wtables, seed=seed)
 
 
 def _batches(model: TwoEbcModel, rank: int, batch: int = 4) -> List[Tuple[KeyedJaggedTensor, KeyedJaggedTensor]]:
@@ -63,7 +55,7 @@ def _metadata(sd: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
-    model = _model()
+    model = default_model()
     cmp = compare_with_stock(model, _all(model, PGAS_ROW_WISE), _batches(model, rank), dist.group.WORLD, CPU, SMALL)
     pgas = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
     stock = shard(model, _all(model, "row_wise"), dist.group.WORLD, CPU, stock=True)
@@ -89,7 +81,7 @@ def test_matches_stock_row_wise(world: int) -> None:
 
 
 def _mixed(rank: int, world: int) -> Dict[str, float]:
-    model = _model()
+    model = default_model()
     types = _all(model, PGAS_ROW_WISE)
     types.update({"t0": "row_wise", "w1": "row_wise", "w2": "table_wise"})
     return compare_with_stock(model, types, _batches(model, rank), dist.group.WORLD, CPU, SMALL).max_abs_diff
@@ -102,7 +94,7 @@ def test_mixed_plan_row_wise_pgas_and_table_wise() -> None:
 
 def _mean_next_to_table_wise(rank: int, world: int) -> Dict[str, float]:
     """MEAN tables of three sharding types in one EBC, against the unsharded model."""
-    model = _model()
+    model = default_model()
     types = _all(model, PGAS_ROW_WISE)
     types.update({"t1": "row_wise", "t3": "table_wise"})
     sharded = shard(model, types, dist.group.WORLD, CPU, SMALL)
@@ -119,7 +111,7 @@ def test_mean_pooling_is_divided_once() -> None:
 
 
 def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
-    model = _model()
+    model = default_model()
     types = _all(model, PGAS_ROW_WISE)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     results: Dict[str, str] = {}
@@ -183,7 +175,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 
 def _warning_mode_reads_row_zero(rank: int, world: int) -> float:
-    model = _model()
+    model = default_model()
     types = _all(model, PGAS_ROW_WISE)
     kjt, wkjt = _batches(model, rank)[0]
     bad_values = kjt.values().clone()
@@ -205,7 +197,7 @@ def test_ignore_mode_replaces_bad_ids_by_row_zero() -> None:
 
 def _pipelined(rank: int, world: int) -> str:
     """Two index dists in flight before the first lookup, as TorchRec's train pipelines do."""
-    model = _model()
+    model = default_model()
     sharded = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
     sebc = sharded.module.ebc
     batches = [b for b, _ in _batches(model, rank)[:3]]
@@ -231,7 +223,7 @@ def test_one_index_dist_may_run_ahead() -> None:
 
 
 def _backward(rank: int, world: int) -> str:
-    model = _model()
+    model = default_model()
     sharded = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
     kjt, wkjt = _batches(model, rank)[0]
     out = sharded(kjt, wkjt)

@@ -44,9 +44,9 @@ class SymmetricBuffer:
 
     def view(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
         """Typed view of ``numel`` elements of this rank's segment at byte ``offset``."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        _check_range(self, offset, numel * esize)
-        return self.local[offset : offset + numel * esize].view(dtype)
+        nbytes = numel * dtype.itemsize
+        _check_range(self, offset, nbytes)
+        return self.local[offset : offset + nbytes].view(dtype)
 
 
 @dataclass

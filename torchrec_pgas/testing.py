@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import datetime
 import os
-import random
 import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -84,6 +83,13 @@ class TwoEbcModel(nn.Module):
         out = self.ebc(kjt).to_dict()
         out.update({"w:" + k: v for k, v in self.webc(wkjt).to_dict().items()})
         return out
+
+
+def default_model(seed: int = 0) -> TwoEbcModel:
+    """``default_tables`` unweighted, and a weighted copy with SUM pooling (the
+    unsharded EBC has no weighted MEAN to compare with)."""
+    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
+    return TwoEbcModel(default_tables("t"), wtables, seed=seed)
 
 
 def random_kjt(
@@ -291,5 +297,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
 
 
 def seeded(seed: int) -> torch.Generator:
-    random.seed(seed)
     return torch.Generator().manual_seed(seed)

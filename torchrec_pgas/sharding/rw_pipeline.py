@@ -358,7 +358,6 @@ class DeviceRwPipeline(PgasRwPipeline):
             for n, d, c, m in zip(self.feature_hash_sizes, self.feature_dims, out_cols, self.feature_is_mean)
         ]
         self._features = torch.tensor(self._feature_rows, dtype=torch.int64, device=dev)
-        self._weights_key: List[int] = []
         self._col_feature = torch.tensor(
             [f for f, d in enumerate(self.feature_dims) for _ in range(d // 4)], dtype=torch.int32, device=dev
         )
