@@ -2,14 +2,16 @@
 # One device call: install the TorchRec bundle, build the extension, run the GPU
 # tests, compute-sanitizer on a small 2-rank case, and the first timing table.
 #
-#   bash scripts/gpu_check.sh [quick|full|dlrm]   # logs and results under $OUT
+#   bash scripts/gpu_check.sh [quick|full|dlrm|bench [benchmark args]]   # logs, results under $OUT
 #
 # quick: a few GPU tests; full: all of it; dlrm: only the DLRM example through
-# torchx (stock vs PGAS inference samples/s).
+# torchx (stock vs PGAS inference samples/s); bench: quick GPU tests, then
+# benchmarks.embedding with the given args (default --preset quick).
 #
 # Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
 set -uo pipefail
 MODE=${1:-full}
+shift || true
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -48,7 +50,7 @@ if [ "$MODE" = dlrm ]; then
 fi
 
 TESTS=(tests/test_gpu.py)
-[ "$MODE" = quick ] && TESTS+=(-k "out_of_range or mismatch or ignore or graph")
+[ "$MODE" != full ] && TESTS+=(-k "out_of_range or mismatch or ignore or graph")
 log "GPU tests ($MODE)"
 timeout 420 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" | tee -a "$OUT/summary.txt"
@@ -75,10 +77,14 @@ if [ "$MODE" = full ]; then
     grep -E "^DLRM|^validate" "$OUT/dlrm_$sharding.log" | tee -a "$OUT/summary.txt"
   done
 
-  log "timing: stock row_wise vs pgas_row_wise"
-  timeout 300 "$PY" -m torch.distributed.run --nproc_per_node=2 -m benchmarks.rw_timing \
-    --out "$OUT/rw_timing.json" > "$OUT/rw_timing.log" 2>&1
-  echo "timing exit $?" | tee -a "$OUT/summary.txt"
-  tail -10 "$OUT/rw_timing.log" | tee -a "$OUT/summary.txt"
+fi
+if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
+  [ $# -eq 0 ] && set -- --preset quick
+  log "benchmark: $*"
+  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+    -m benchmarks.embedding --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
+  echo "benchmark exit $?" | tee -a "$OUT/summary.txt"
+  sed -n '/^measured:/,$p' "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+  grep -E "Error|error" "$OUT/bench.log" | tail -5 | tee -a "$OUT/summary.txt"
 fi
 log "done"

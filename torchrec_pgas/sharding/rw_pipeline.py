@@ -24,6 +24,7 @@ from torch import nn
 from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas import profiling
 from torchrec_pgas import runtime as pgas_runtime
 from torchrec_pgas.layout import RwLayout
 from torchrec_pgas.types import (
@@ -290,6 +291,7 @@ class HostRwPipeline(PgasRwPipeline):
             out_dtype = partial.dtype
             self.rt.put(self.buf, src, lay.output_block(slot, self.rank), partial)
             self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
+        profiling.mark("lookup")
         self.rt.wait(
             self.pad,
             [lay.output_signal(s) for s in range(self.world_size)],
@@ -436,6 +438,7 @@ class DeviceRwPipeline(PgasRwPipeline):
             self._bind_weights(tbes)
             ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
                           kjt.stride(), self._max_dim, self._out_dtype)
+            profiling.mark("lookup")
             out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
                                   self._cfg, kjt.stride(), self._out_dtype)
         except PgasError as e:  # peers wait for this rank's partials: abort them

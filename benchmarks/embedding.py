@@ -1,0 +1,587 @@
+"""Embedding-layer benchmark: stock TorchRec (NCCL) vs torchrec-pgas, side by side.
+
+    torchrun --nproc_per_node=2 -m benchmarks.embedding --preset quick
+    torchrun --nproc_per_node=2 -m benchmarks.embedding --preset s004 --preset s000-weak --preset s000-strong
+
+For each workload: one EBC (meta device, fp32), sharded twice with DMP (stock
+``row_wise``, and ``pgas_row_wise``) from the same weights; both get the same
+per-rank inputs and must agree before anything is timed. Then:
+
+* eager: >= 100 steps after a warm-up, rotating among >= 4 input sets, each step
+  started together on all ranks (barrier + sync) and timed with CUDA events; a
+  step's time is the slowest rank's; P50/P90 as TorchRec's benchmarks report;
+* graph: the PGAS forward captured as one CUDA graph per input set and replayed
+  (the ids are copied into the captured buffers each step, as a deployment
+  would). Stock TorchRec cannot be captured: its input dist reads the splits
+  all-to-all's result on the host (a sync), so only its eager time exists;
+* stages: a separate pass with events at the ShardedModule stage boundaries
+  (input dist awaitables, compute, output dist) and inside the PGAS pipeline
+  (between the fused lookup and the finalize), see ``torchrec_pgas.profiling``;
+* roofline: floor = max over ranks of max(HBM bytes gathered / HBM bandwidth,
+  bytes this rank sends over NVLink / P2P bandwidth), both bandwidths measured
+  in the same run (device copy; concurrent peer copies to the next rank).
+
+Runs on CPU too (gloo + the ``shm`` backend; no graph, no roofline): the
+``smoke`` preset is what CI runs. Results: ``results.json`` + ``results.csv``
+under ``--out`` (default ``benchmarks/results/<date>-<device>-<commit>/``);
+``python -m benchmarks.plots <dir>`` draws the plots.
+"""
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from tqdm import tqdm
+
+from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling
+from torchrec_pgas.layout import RwLayout
+from torchrec_pgas.planner import pgas_row_wise
+from torchrec_pgas.testing import fill_embeddings_
+
+# (stock sharding type, PGAS sharding type, their plan generators)
+PAIRS: Dict[str, Tuple[str, str, Callable[[], Any], Callable[[], Any]]] = {
+    "rw": ("row_wise", "pgas_row_wise", lambda: row_wise(compute_kernel="fused"), pgas_row_wise),
+}
+# Stage names per ShardedModule boundary (stock, pgas); the PGAS pipeline adds "lookup" itself.
+_BOUNDARIES = (
+    ("bucketize", "index_dist"),  # input_dist(): bucketize + splits a2a launch | host checks + index-dist kernel
+    ("splits_a2a", "index_dist"),  # first wait: splits a2a (host sync) + values a2a launch | nothing
+    ("values_a2a", "index_dist"),  # second wait
+    ("lookup", "finalize"),  # compute: TBE | fused lookup ("lookup" mark) + finalize
+    ("output_dist", "output_dist"),  # output dist: reduce-scatter | nothing
+)
+ATOL, RTOL = 1e-4, 1e-5  # fp32 sums of up to 128 rows from ranks in different orders
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    preset: str
+    tables: int
+    rows: int
+    dim: int
+    batch_per_gpu: int
+    pooling: int  # fixed bag size, or the maximum of uniform [1, pooling]
+    pooling_dist: str = "fixed"  # fixed | uniform
+    ids: str = "uniform"  # uniform | zipf<alpha>
+
+    @property
+    def name(self) -> str:
+        pool = f"p{self.pooling}" if self.pooling_dist == "fixed" else f"p1-{self.pooling}"
+        return f"t{self.tables}-r{self.rows}-d{self.dim}-b{self.batch_per_gpu}-{pool}-{self.ids}"
+
+    @property
+    def model_key(self) -> Tuple[int, int, int]:
+        return (self.tables, self.rows, self.dim)
+
+
+def _s004(world: int) -> List[Workload]:
+    return [Workload("s004", t, 1_000_000, 32, b, p)
+            for t in (2, 4, 8, 16, 32, 64) for b in (128, 1024, 4096) for p in (4, 8, 16)]
+
+
+def _s000_weak(world: int) -> List[Workload]:
+    return [Workload("s000-weak", 64 * world, 1_000_000, 64, 16384 // world, 128, "uniform")]
+
+
+def _s000_strong(world: int) -> List[Workload]:
+    return [Workload("s000-strong", 96, 1_000_000, 64, 16384 // world, 32, "uniform")]
+
+
+def _skew(world: int) -> List[Workload]:
+    return [Workload("skew", 8, 1_000_000, 64, b, 32, ids=ids)
+            for b in (1024, 4096) for ids in ("uniform", "zipf1.05", "zipf1.2")]
+
+
+def _quick(world: int) -> List[Workload]:
+    return ([Workload("quick", t, 1_000_000, 32, b, 16) for t in (2, 64) for b in (128, 4096)]
+            + [Workload("quick", 8, 1_000_000, 64, 4096, 32, ids="zipf1.2"),
+               Workload("quick", 24, 1_000_000, 64, 16384 // world, 32, "uniform")])
+
+
+def _smoke(world: int) -> List[Workload]:
+    return [Workload("smoke", 3, 1000, 16, 32, 4), Workload("smoke", 3, 1000, 16, 64, 8, "uniform", "zipf1.2")]
+
+
+PRESETS: Dict[str, Callable[[int], List[Workload]]] = {
+    "s004": _s004, "s000-weak": _s000_weak, "s000-strong": _s000_strong, "skew": _skew, "quick": _quick,
+    "smoke": _smoke,
+}
+# 1-GPU reference of the scaling presets (unsharded TBE): (tables, batch); weak keeps 64 tables per GPU.
+SINGLE_GPU: Dict[str, Tuple[int, int]] = {"s000-weak": (64, 16384), "s000-strong": (96, 16384)}
+
+
+# ---- inputs -----------------------------------------------------------------------
+
+
+def _ids(n: int, rows: int, kind: str, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Uniform, or Zipf(alpha) with row 0 the hottest (no hashing: under RW the hot
+    rows all live on rank 0, which is the load imbalance this workload shows)."""
+    if kind == "uniform":
+        return torch.randint(0, rows, (n,), generator=gen, device=device)
+    alpha = float(kind.removeprefix("zipf"))
+    cdf = torch.arange(1, rows + 1, dtype=torch.float64, device=device).pow_(-alpha).cumsum_(0)
+    cdf /= cdf[-1].clone()
+    u = torch.rand(n, generator=gen, dtype=torch.float64, device=device)
+    return torch.searchsorted(cdf, u).clamp_(max=rows - 1)
+
+
+def make_inputs(w: Workload, tables: int, batch: int, n_sets: int, seed: int,
+                device: torch.device) -> List[KeyedJaggedTensor]:
+    """``n_sets`` KJTs with per-key sizes known on the host (no sync in either forward)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(n_sets):
+        if w.pooling_dist == "fixed":
+            lengths = torch.full((tables * batch,), w.pooling, dtype=torch.int64, device=device)
+        else:
+            lengths = torch.randint(1, w.pooling + 1, (tables * batch,), generator=gen, device=device)
+        per_key = lengths.view(tables, batch).sum(1).tolist()
+        values = _ids(sum(per_key), w.rows, w.ids, gen, device)
+        out.append(KeyedJaggedTensor(
+            keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths, stride=batch,
+            length_per_key=per_key, offset_per_key=list(itertools.accumulate([0] + per_key))))
+    return out
+
+
+def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int) -> Tuple[int, int]:
+    """(HBM bytes gathered, bytes sent over NVLink) of the busiest rank, averaged over
+    the input sets; the same volumes for both sides (ids and lengths in, fp32 partial
+    pools of every bag out)."""
+    block = (w.rows + world - 1) // world
+    counts = torch.zeros(world, dtype=torch.float64, device=inputs[0].values().device)
+    for x in inputs:
+        counts += torch.bincount(x.values() // block, minlength=world).double()
+    counts /= len(inputs)
+    matrix = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(matrix, counts)
+    per = torch.stack(matrix).cpu()  # [src][owner] ids
+    row_bytes = 4 * w.dim
+    hbm = per.sum(0) * row_bytes
+    bags = w.tables * w.batch_per_gpu
+    remote_ids = per.sum(1) - per.diagonal()
+    nvlink = remote_ids * 8 + (world - 1) * bags * (12 + row_bytes)
+    return int(hbm.max()), int(nvlink.max())
+
+
+# ---- models -----------------------------------------------------------------------
+
+
+def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: torch.device) -> DistributedModelParallel:
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", num_embeddings=w.rows, embedding_dim=w.dim,
+                                   feature_names=[f"f{i}"]) for i in range(w.tables)],
+        device=torch.device("meta"),
+    )
+    _, _, stock_gen, pgas_gen = PAIRS[pair]
+    sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config) if pgas else EmbeddingBagCollectionSharder()
+    world = dist.get_world_size()
+    plan = construct_module_sharding_plan(
+        ebc, {f"t{i}": (pgas_gen if pgas else stock_gen)() for i in range(w.tables)}, sharder=sharder,
+        local_size=world, world_size=world, device_type=device.type)
+    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
+                                   plan=ShardingPlan({"": plan}), sharders=[sharder])
+    fill_embeddings_(dmp)  # the same weights under either sharding
+    return dmp
+
+
+def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Dict[Tuple[int, int, int], int]) -> int:
+    """NVSHMEM heap for every PGAS sharding of the run (buffers live until exit)."""
+    total = 0
+    for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
+        ws = list(group)
+        total += RwLayout(world_size=world, num_features=key[0], max_batch=max(w.batch_per_gpu for w in ws),
+                          ids_capacity=capacity[key], dim_sum=key[0] * key[2], weighted=False).nbytes
+    return total
+
+
+# ---- timing -----------------------------------------------------------------------
+
+
+class Clock:
+    """Per-step times: CUDA events on GPUs, the wall clock on CPU; steps start together."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def time(self, fn: Callable[[int], Any], steps: int, warmup: int) -> List[float]:
+        for i in range(warmup):
+            fn(i)
+        cuda = self.device.type == "cuda"
+        times = []
+        for i in range(steps):
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(i)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn(i)
+                times.append(1e3 * (time.perf_counter() - t0))
+        # a step ends when the slowest rank's ends
+        t = torch.tensor(times, dtype=torch.float64, device=self.device if cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+
+def p50(x: Sequence[float]) -> float:
+    return statistics.median(x)
+
+
+def p90(x: Sequence[float]) -> float:
+    return sorted(x)[min(len(x) - 1, int(0.9 * len(x)))]
+
+
+def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, pgas: bool) -> torch.Tensor:
+    """The ShardedModule forward spelled out, with a mark after each stage."""
+    module = dmp._dmp_wrapped_module
+    names = [b[1] if pgas else b[0] for b in _BOUNDARIES]
+    ctx = module.create_context()
+    profiling.mark("start")
+    splits = module.input_dist(ctx, kjt)
+    profiling.mark(names[0])
+    tensors = splits.wait()
+    profiling.mark(names[1])
+    dist_input = tensors.wait()
+    profiling.mark(names[2])
+    out = module.compute(ctx, dist_input)
+    profiling.mark(names[3])
+    values = module.output_dist(ctx, out).wait().values()
+    profiling.mark(names[4])
+    return values
+
+
+def stage_breakdown(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedTensor], pgas: bool,
+                    steps: int, device: torch.device) -> Dict[str, float]:
+    """Median ms per stage on this rank over ``steps`` synchronized steps."""
+    samples: Dict[str, List[float]] = {}
+    for i in range(steps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with profiling.stage_timer(device) as timer:
+            staged_forward(dmp, inputs[i % len(inputs)], pgas)
+            stages = timer.stages()
+        for k, v in stages.items():
+            samples.setdefault(k, []).append(v)
+    return {k: p50(v) for k, v in samples.items()}
+
+
+def graphed(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedTensor]) -> Callable[[int], torch.Tensor]:
+    """One CUDA graph of the whole sharded forward per input set; a call copies set
+    ``i``'s ids into its captured buffer and replays."""
+    captured = []
+    for x in inputs:
+        static_values = x.values().clone()
+        kjt = KeyedJaggedTensor(x.keys(), static_values, lengths=x.lengths(), stride=x.stride(),
+                                length_per_key=x.length_per_key(), offset_per_key=x.offset_per_key())
+        dmp(kjt).values()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dmp(kjt).values()
+        captured.append((graph, static_values, out, kjt))  # kjt: the graph reads its offsets
+
+    def run(i: int) -> torch.Tensor:
+        graph, static_values, out, _ = captured[i % len(captured)]
+        static_values.copy_(inputs[i % len(inputs)].values())
+        graph.replay()
+        return out
+
+    return run
+
+
+# ---- bandwidths and the 1-GPU reference --------------------------------------------
+
+
+def measure_bandwidths(device: torch.device, nbytes: int = 2 << 30, reps: int = 10) -> Tuple[float, float]:
+    """(HBM GB/s as read+write bytes of a device copy, P2P GB/s of a copy into the next
+    rank's GPU while every rank does the same); medians over ``reps``."""
+    world = dist.get_world_size()
+
+    def gbps(dst: torch.Tensor, src: torch.Tensor, factor: int) -> float:
+        times = []
+        for _ in range(reps + 2):
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return factor * nbytes / (p50(times[2:]) * 1e6)
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    hbm = gbps(torch.empty_like(src), src, 2)
+    peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count()) if world > 1 else device
+    p2p = gbps(torch.empty(nbytes, dtype=torch.uint8, device=peer), src, 1) if world > 1 else float("nan")
+    gc.collect()
+    torch.cuda.empty_cache()
+    both = torch.tensor([hbm, p2p], dtype=torch.float64, device=device)
+    dist.all_reduce(both)
+    return both[0].item() / world, both[1].item() / world
+
+
+def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
+                         device: torch.device) -> Dict[str, Any]:
+    """Unsharded FBGEMM TBE on one GPU (rank 0; the others wait): the scaling baseline."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tables, batch = SINGLE_GPU[preset]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(w.rows, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * tables, device=device)
+    inputs = make_inputs(w, tables, batch, args.sets, seed=7, device=device)
+    offsets = [x.offsets() for x in inputs]
+
+    def step(i: int) -> torch.Tensor:
+        x = inputs[i % len(inputs)]
+        return tbe(x.values(), offsets[i % len(inputs)])
+
+    for i in range(args.warmup):
+        step(i)
+    times = []
+    for i in range(args.steps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"preset": preset, "tables": tables, "batch": batch, "rows": w.rows, "dim": w.dim,
+            "pooling": w.pooling, "pooling_dist": w.pooling_dist, "p50_ms": p50(times), "p90_ms": p90(times)}
+
+
+# ---- one workload -------------------------------------------------------------------
+
+
+def run_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
+                 inputs: List[KeyedJaggedTensor], args: argparse.Namespace, device: torch.device,
+                 bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
+    stock_type, pgas_type = PAIRS[args.pair][:2]
+    err = 0.0
+    for x in inputs:  # the two sides agree before anything is timed
+        ref, got = stock(x).values(), pgas(x).values()
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{w.name}: {m}")
+        err = max(err, float((got - ref).abs().max()))
+    check_errors(pgas)
+    clock = Clock(device)
+    n = len(inputs)
+    t_stock = clock.time(lambda i: stock(inputs[i % n]).values(), args.steps, args.warmup)
+    t_pgas = clock.time(lambda i: pgas(inputs[i % n]).values(), args.steps, args.warmup)
+    row: Dict[str, Any] = {
+        "preset": w.preset, "name": w.name, **dataclasses.asdict(w), "world_size": dist.get_world_size(),
+        "stock": stock_type, "pgas": pgas_type,
+        "nnz_per_rank": p50([x.values().numel() for x in inputs]),
+        "stock_p50_ms": p50(t_stock), "stock_p90_ms": p90(t_stock),
+        "pgas_p50_ms": p50(t_pgas), "pgas_p90_ms": p90(t_pgas),
+        "pgas_graph_p50_ms": None, "pgas_graph_p90_ms": None, "speedup_graph": None,
+        "stock_graph": "not capturable: TorchRec's input dist syncs with the host on the splits all-to-all",
+        "max_abs_err": err,
+    }
+    row["speedup_eager"] = row["stock_p50_ms"] / row["pgas_p50_ms"]
+    if device.type == "cuda" and not args.no_graph:
+        run = graphed(pgas, inputs)
+        for i in range(n):
+            torch.testing.assert_close(run(i), stock(inputs[i]).values(), atol=ATOL, rtol=RTOL)
+        t_graph = clock.time(run, args.steps, args.warmup)
+        check_errors(pgas)
+        row.update(pgas_graph_p50_ms=p50(t_graph), pgas_graph_p90_ms=p90(t_graph))
+        row["speedup_graph"] = row["stock_p50_ms"] / row["pgas_graph_p50_ms"]
+    row["stock_stages_ms"] = stage_breakdown(stock, inputs, False, args.stage_steps, device)
+    row["pgas_stages_ms"] = stage_breakdown(pgas, inputs, True, args.stage_steps, device)
+    check_errors(pgas)
+    hbm, nvlink = traffic(w, inputs, dist.get_world_size())
+    row.update(hbm_bytes=hbm, nvlink_bytes=nvlink, floor_ms=None,
+               roofline_stock=None, roofline_pgas=None, roofline_graph=None)
+    if bandwidths is not None:
+        floor = 1e3 * max(hbm / (bandwidths[0] * 1e9), nvlink / (bandwidths[1] * 1e9))
+        row.update(floor_ms=floor, roofline_stock=floor / row["stock_p50_ms"],
+                   roofline_pgas=floor / row["pgas_p50_ms"])
+        if row["pgas_graph_p50_ms"]:
+            row["roofline_graph"] = floor / row["pgas_graph_p50_ms"]
+    return row
+
+
+# ---- driver -------------------------------------------------------------------------
+
+
+def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return git.stdout.strip() if git.returncode == 0 else "unknown"
+
+
+def _device_tag(device: torch.device, world: int) -> str:
+    if device.type != "cuda":
+        return f"cpux{world}"
+    name = torch.cuda.get_device_name(device).lower().split()
+    return f"{name[-1] if name else 'gpu'}x{world}"
+
+
+def _flat(row: Dict[str, Any]) -> Dict[str, Any]:
+    out = {k: v for k, v in row.items() if not isinstance(v, dict)}
+    for side in ("stock", "pgas"):
+        for k, v in row.get(f"{side}_stages_ms", {}).items():
+            out[f"{side}_stage_{k}_ms"] = v
+    return out
+
+
+def write_results(out_dir: str, meta: Dict[str, Any], rows: List[Dict[str, Any]],
+                  single: List[Dict[str, Any]]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "single_gpu": single}, f, indent=1)
+    flat = [_flat(r) for r in rows]
+    fields = list(dict.fromkeys(k for r in flat for k in r))
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> str:
+    def ms(v: Optional[float]) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    def frac(v: Optional[float]) -> str:
+        return "-" if v is None else f"{100 * v:.0f}%"
+
+    lines = [f"{'workload':<42} {'stock p50':>9} {'pgas p50':>9} {'graph p50':>9} {'x eager':>7} "
+             f"{'x graph':>7} {'floor':>7} {'roof':>5}"]
+    for r in rows:
+        lines.append(
+            f"{r['preset'] + '/' + r['name']:<42} {ms(r['stock_p50_ms']):>9} {ms(r['pgas_p50_ms']):>9} "
+            f"{ms(r['pgas_graph_p50_ms']):>9} {r['speedup_eager']:>6.2f}x "
+            f"{'-' if r['speedup_graph'] is None else format(r['speedup_graph'], '.2f') + 'x':>7} "
+            f"{ms(r['floor_ms']):>7} {frac(r['roofline_pgas']):>5}")
+    for preset in sorted({r["preset"] for r in rows}):
+        sel = [r for r in rows if r["preset"] == preset]
+        geo = statistics.geometric_mean([r["speedup_eager"] for r in sel])
+        graphs = [r["speedup_graph"] for r in sel if r["speedup_graph"]]
+        line = f"{preset}: geomean speedup eager {geo:.2f}x"
+        if graphs:
+            line += f", graph {statistics.geometric_mean(graphs):.2f}x"
+        lines.append(line)
+    for s in single:
+        sel = [r for r in rows if r["preset"] == s["preset"]]
+        for r in sel:
+            lines.append(f"{s['preset']}: 1-GPU TBE {s['p50_ms']:.3f} ms; scaling factor (1-GPU / {r['world_size']}-GPU) "
+                         f"stock {s['p50_ms'] / r['stock_p50_ms']:.2f}, pgas {s['p50_ms'] / r['pgas_p50_ms']:.2f}"
+                         + (f", pgas graph {s['p50_ms'] / r['pgas_graph_p50_ms']:.2f}" if r["pgas_graph_p50_ms"] else ""))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default quick")
+    parser.add_argument("--pair", default="rw", choices=sorted(PAIRS))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--sets", type=int, default=4, help="input sets rotated through")
+    parser.add_argument("--stage-steps", type=int, default=20)
+    parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
+    parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
+    args = parser.parse_args(argv)
+    presets = args.preset or ["quick"]
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    workloads = [w for p in presets for w in PRESETS[p](world)]
+    bandwidths = measure_bandwidths(device) if cuda else None
+
+    # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
+    inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
+    capacity: Dict[Tuple[int, int, int], int] = {}
+    for k, w in enumerate(workloads):
+        inputs[w] = make_inputs(w, w.tables, w.batch_per_gpu, args.sets, seed=1000 * rank + k, device=device)
+        nnz = torch.tensor(max(x.values().numel() for x in inputs[w]), device=device)
+        dist.all_reduce(nnz, op=dist.ReduceOp.MAX)
+        capacity[w.model_key] = max(capacity.get(w.model_key, 1), int(nnz))
+    if cuda and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        heap = symmetric_heap_bytes(workloads, world, capacity) + (1 << 30)
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
+
+    rows: List[Dict[str, Any]] = []
+    progress = tqdm(total=len(workloads), disable=rank != 0, file=sys.stderr, desc="workloads")
+    with torch.no_grad():
+        for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
+            ws = list(group)
+            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key])
+            stock = shard_ebc(ws[0], False, args.pair, config, device)
+            pgas = shard_ebc(ws[0], True, args.pair, config, device)
+            for w in ws:
+                progress.set_postfix_str(f"{w.preset}/{w.name}")
+                rows.append(run_workload(w, stock, pgas, inputs.pop(w), args, device, bandwidths))
+                progress.update()
+            del stock, pgas
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    progress.close()
+
+    single: List[Dict[str, Any]] = []
+    if cuda and not args.no_single_gpu:
+        for preset in (p for p in presets if p in SINGLE_GPU):
+            w = PRESETS[preset](world)[0]
+            if rank == 0:
+                single.append(single_gpu_reference(preset, w, args, device))
+            gc.collect()
+            torch.cuda.empty_cache()
+            dist.barrier()
+
+    if rank == 0:
+        meta = {
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
+            "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
+            "input_sets": args.sets, "stage_steps": args.stage_steps,
+            "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
+            "argv": sys.argv,
+        }
+        out_dir = args.out or os.path.join(
+            "benchmarks", "results", f"{meta['date']}-{_device_tag(device, world)}-{meta['commit']}")
+        write_results(out_dir, meta, rows, single)
+        if bandwidths:
+            print(f"measured: HBM {bandwidths[0]:.0f} GB/s (copy), P2P {bandwidths[1]:.0f} GB/s per direction")
+        print(summary_table(rows, single))
+        print(f"results: {out_dir}/results.json")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""PNG figures of one ``benchmarks/embedding.py`` result file.
+
+    python -m benchmarks.plots benchmarks/results/<run>
+
+Reads ``<run>/results.json`` and writes the figures next to it, so a result
+folder carries its own pictures. A figure whose data the run did not produce
+(a preset left out, no single-GPU reference) is skipped, not drawn empty.
+"""
+
+import argparse
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import EngFormatter, FuncFormatter
+
+Row = Dict[str, Any]
+
+# One color per timed variant, the same in every figure.
+COLORS = {"1-GPU TBE": "tab:gray", "stock eager": "tab:blue", "pgas eager": "tab:orange",
+          "pgas graph": "tab:green"}
+P50 = {"stock eager": "stock_p50_ms", "pgas eager": "pgas_p50_ms", "pgas graph": "pgas_graph_p50_ms"}
+ROOFLINE = {"stock eager": "roofline_stock", "pgas eager": "roofline_pgas", "pgas graph": "roofline_graph"}
+# PGAS over NCCL on 2 GPUs, as the paper reports it for its weak- and strong-scaling runs.
+PAPER_SPEEDUP = {"s000-weak": 2.10, "s000-strong": 2.95}
+BYTES = EngFormatter(unit="B")
+
+
+def _times(x: float) -> str:
+    return f"{x:.2g}x" if x < 10 else f"{x:.0f}x"
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _label(row: Row) -> str:
+    # Presets may reuse config names (quick vs s004), so the preset is part of the label.
+    return f"{row['preset']}: {row['name']}"
+
+
+def _pooling_label(row: Row) -> str:
+    return f"L={row['pooling']}" if row["pooling_dist"] == "fixed" else f"L~U[1,{row['pooling']}]"
+
+
+def _figure(meta: Dict[str, Any], what: str, size: Tuple[float, float]) -> Figure:
+    """A constrained-layout figure whose title says which machine and commit produced the numbers."""
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg explicitly: no pyplot state, no display needed
+    fig.suptitle(f"{what}\n{meta['device']}, {meta['world_size']} GPUs, commit {meta['commit']}")
+    return fig
+
+
+def speedup_heatmap(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Stock/PGAS p50 over tables x batch, one column per pooling, eager above CUDA graph."""
+    grid = [r for r in rows if r["preset"] == "s004"] or [r for r in rows if r["preset"] == "quick"]
+    if not grid:
+        return None
+    tables = sorted({r["tables"] for r in grid})
+    batches = sorted({r["batch_per_gpu"] for r in grid})
+    poolings = sorted({_pooling_label(r): (r["pooling"], r["pooling_dist"]) for r in grid}.items(),
+                      key=lambda kv: kv[1])
+    kinds = [("eager", "speedup_eager")]
+    if any(r["speedup_graph"] is not None for r in grid):
+        kinds.append(("CUDA graph", "speedup_graph"))
+    values = [v for r in grid for _, key in kinds if (v := r[key]) is not None]
+    # Symmetric on a log scale so 1x is the neutral color; at least 0.5x..2x so noise stays pale.
+    span = max(2.0, *(max(v, 1 / v) for v in values))
+    norm = LogNorm(1 / span, span)
+    cmap = colormaps["RdBu"].with_extremes(bad="0.92")
+    fig = _figure(meta, f"stock p50 / PGAS p50 ({grid[0]['preset']}, ids {grid[0]['ids']})",
+                  (3.6 * len(poolings) + 1.2, 3.4 * len(kinds) + 0.8))
+    axes = fig.subplots(len(kinds), len(poolings), squeeze=False)
+    for (kind, key), ax_row in zip(kinds, axes):
+        for (plabel, _), ax in zip(poolings, ax_row):
+            cell = {(r["tables"], r["batch_per_gpu"]): r[key] for r in grid if _pooling_label(r) == plabel}
+            data = [[cell.get((t, b)) or math.nan for b in batches] for t in tables]
+            image = ax.imshow(data, cmap=cmap, norm=norm, origin="lower", aspect="auto")
+            for y, line in enumerate(data):
+                for x, v in enumerate(line):
+                    if not math.isnan(v):
+                        r, g, b, _ = cmap(norm(v))
+                        dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
+                        ax.text(x, y, _times(v), ha="center", va="center", fontsize=9,
+                                color="white" if dark else "black")
+            present = [v for v in cell.values() if v is not None]
+            ax.set_title(f"{kind}, {plabel}: geomean {_times(_geomean(present))}" if present else f"{kind}, {plabel}")
+            ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+            ax.set_yticks(range(len(tables)), [str(t) for t in tables])
+            ax.set_xlabel("batch per GPU")
+            ax.set_ylabel("tables")
+    fig.colorbar(image, ax=axes, label="speedup", format=FuncFormatter(lambda v, _: f"{v:g}x"))
+    return fig
+
+
+def _crossover(rows: List[Row]) -> Optional[Tuple[float, float]]:
+    """First place, in bytes order, where stock eager catches up with PGAS eager.
+
+    The (bytes, ms) point is interpolated in log-log between the two configs on
+    either side of the sign change of log(stock / pgas)."""
+    for a, b in zip(rows, rows[1:]):
+        da = math.log(a["stock_p50_ms"] / a["pgas_p50_ms"])
+        db = math.log(b["stock_p50_ms"] / b["pgas_p50_ms"])
+        if da > 0 >= db:
+            t = da / (da - db)
+            x = math.exp((1 - t) * math.log(a["nvlink_bytes"]) + t * math.log(b["nvlink_bytes"]))
+            y = math.exp((1 - t) * math.log(a["stock_p50_ms"]) + t * math.log(b["stock_p50_ms"]))
+            return x, y
+    return None
+
+
+def crossover(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """p50 against NVLink traffic: where (if anywhere) the fixed cost of stock stops dominating."""
+    rows = sorted((r for r in rows if r["nvlink_bytes"] > 0), key=lambda r: r["nvlink_bytes"])
+    if not rows:
+        return None
+    cross = _crossover(rows)
+    fig = _figure(meta, "p50 vs bytes over NVLink" + ("" if cross else ": no crossover in this sweep"), (8, 5.5))
+    ax = fig.subplots()
+    for series, key in P50.items():
+        pts = [(r["nvlink_bytes"], r[key]) for r in rows if r[key] is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, color=COLORS[series], lw=0.8, alpha=0.5)
+            ax.scatter(xs, ys, color=COLORS[series], s=14, label=series)
+    ax.plot([r["nvlink_bytes"] for r in rows], [r["floor_ms"] for r in rows], "k--", lw=1, label="floor")
+    if cross:
+        ax.annotate(f"stock catches up\nat ~{EngFormatter(unit='B', places=1)(cross[0])}", cross, xytext=(-90, 40),
+                    textcoords="offset points", arrowprops={"arrowstyle": "->"})
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(BYTES)
+    ax.set_xlabel("bytes over NVLink per GPU per step")
+    ax.set_ylabel("p50 (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def stages(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Where each forward's time goes: stacked stage bars, stock above PGAS, per config.
+
+    Bars are scaled to the config's stock total so small and large configs stay
+    equally legible; the end labels give the totals in ms."""
+    shown = [r for r in rows if r["preset"] != "s004" or (r["pooling"] == 8 and r["batch_per_gpu"] in (128, 4096))]
+    if not shown:
+        return None
+    names = list(dict.fromkeys(s for r in shown for key in ("stock_stages_ms", "pgas_stages_ms") for s in r[key]))
+    palette = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    color = {s: palette(i) for i, s in enumerate(names)}
+    fig = _figure(meta, "stage breakdown (bars scaled to the stock total)", (10, 0.5 * len(shown) + 1.8))
+    ax = fig.subplots()
+    for i, r in enumerate(shown):
+        scale = sum(r["stock_stages_ms"].values())
+        for offset, side in ((-0.2, "stock"), (0.2, "pgas")):
+            left = 0.0
+            for s, ms in r[f"{side}_stages_ms"].items():
+                ax.barh(i + offset, ms / scale, left=left, height=0.38, color=color[s])
+                left += ms / scale
+            total = sum(r[f"{side}_stages_ms"].values())
+            ax.text(left + 0.01, i + offset, f"{side} {total:.3g} ms", va="center", fontsize=7)
+    ax.set_yticks(range(len(shown)), [_label(r) for r in shown], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.22)
+    ax.set_xlabel("fraction of the stock stage total")
+    ax.legend([Patch(color=color[s]) for s in names], names, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+def scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optional[Figure]:
+    """Distributed p50 against the 1-GPU TBE doing the whole job, next to the paper's 2-GPU speedups.
+
+    Within a preset, the i-th single-GPU entry is the reference of the i-th
+    distributed config, both sorted by (tables, batch)."""
+    panels = []
+    for preset in PAPER_SPEEDUP:
+        dist = sorted((r for r in rows if r["preset"] == preset), key=lambda r: (r["tables"], r["batch_per_gpu"]))
+        ref = sorted((s for s in single if s["preset"] == preset), key=lambda s: (s["tables"], s["batch"]))
+        if dist and ref:
+            panels.append((preset, list(zip(dist, ref, strict=True))))
+    if not panels:
+        return None
+    width = max(len(pairs) for _, pairs in panels)
+    fig = _figure(meta, "scaling against one GPU (labels: 1-GPU p50 / p50)", ((2 * width + 3) * len(panels), 5))
+    for ax, (preset, pairs) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        ours = ", ".join(_times(r["stock_p50_ms"] / r["pgas_p50_ms"]) for r, _ in pairs)
+        ax.set_title(f"{preset}\nPGAS over NCCL: {ours} here, {PAPER_SPEEDUP[preset]:.2f}x in the paper (2 GPUs)",
+                     fontsize=10)
+        for i, (r, ref) in enumerate(pairs):
+            bars = [("1-GPU TBE", ref["p50_ms"])] + [(s, r[k]) for s, k in P50.items() if r[k] is not None]
+            for j, (series, ms) in enumerate(bars):
+                x = i + (j - 1.5) * 0.2
+                ax.bar(x, ms, width=0.18, color=COLORS[series])
+                if j:
+                    ax.text(x, ms, _times(ref["p50_ms"] / ms), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(pairs)), [r["name"] for r, _ in pairs])
+        ax.set_ylabel("p50 (ms)")
+        ax.margins(y=0.15)
+    fig.legend([Patch(color=c) for c in COLORS.values()], list(COLORS), loc="outside lower center", ncols=len(COLORS))
+    return fig
+
+
+def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Achieved fraction of the bandwidth floor, against the floor itself."""
+    if not rows:
+        return None
+    fig = _figure(meta, f"fraction of the floor (HBM {meta['hbm_gbps']:g} GB/s, NVLink {meta['p2p_gbps']:g} GB/s)",
+                  (8, 5.5))
+    ax = fig.subplots()
+    for series, key in ROOFLINE.items():
+        pts = [(r["floor_ms"], r[key]) for r in rows if r[key] is not None]
+        if pts:
+            ax.scatter(*zip(*pts), color=COLORS[series], s=14, label=series)
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="floor")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%"))
+    ax.set_xlabel("floor (ms)")
+    ax.set_ylabel("floor / p50")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def make_plots(results_dir: str) -> List[str]:
+    """Write every figure the results support into ``results_dir``; returns their paths."""
+    with open(os.path.join(results_dir, "results.json")) as f:
+        results = json.load(f)
+    meta, rows = results["meta"], results["rows"]
+    figures = {
+        "speedup_heatmap": speedup_heatmap(meta, rows),
+        "crossover": crossover(meta, rows),
+        "stages": stages(meta, rows),
+        "scaling": scaling(meta, rows, results.get("single_gpu", [])),
+        "roofline": roofline(meta, rows),
+    }
+    paths = []
+    for name, fig in figures.items():
+        if fig is not None:
+            path = os.path.join(results_dir, f"{name}.png")
+            fig.savefig(path, dpi=120)
+            paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results_dir", help="folder holding results.json; the PNGs are written there")
+    for path in make_plots(parser.parse_args().results_dir):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
