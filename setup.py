@@ -78,6 +78,8 @@ setup(
     extras_require={
         # torchx 0.7.0 (the last release) pins urllib3<1.27; the nightly installs cleanly.
         "torchx": ["torchx-nightly==2026.10.26"],
+        # benchmarks/: progress bars and the PNG figures of a result folder.
+        "bench": ["matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

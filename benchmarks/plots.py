@@ -8,6 +8,7 @@ folder carries its own pictures. A figure whose data the run did not produce
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -29,11 +30,11 @@ P50 = {"stock eager": "stock_p50_ms", "pgas eager": "pgas_p50_ms", "pgas graph":
 ROOFLINE = {"stock eager": "roofline_stock", "pgas eager": "roofline_pgas", "pgas graph": "roofline_graph"}
 # PGAS over NCCL on 2 GPUs, as the paper reports it for its weak- and strong-scaling runs.
 PAPER_SPEEDUP = {"s000-weak": 2.10, "s000-strong": 2.95}
-BYTES = EngFormatter(unit="B")
 
 
 def _times(x: float) -> str:
-    return f"{x:.2g}x" if x < 10 else f"{x:.0f}x"
+    """7.9x, 56x, 0.85x: about two significant digits, never scientific notation."""
+    return f"{x:.0f}x" if x >= 10 else f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -53,7 +54,7 @@ def _figure(meta: Dict[str, Any], what: str, size: Tuple[float, float]) -> Figur
     """A constrained-layout figure whose title says which machine and commit produced the numbers."""
     fig = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)  # Agg explicitly: no pyplot state, no display needed
-    fig.suptitle(f"{what}\n{meta['device']}, {meta['world_size']} GPUs, commit {meta['commit']}")
+    fig.suptitle(f"{what}\n{meta['device']}, world size {meta['world_size']}, commit {meta['commit']}")
     return fig
 
 
@@ -74,7 +75,8 @@ def speedup_heatmap(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     span = max(2.0, *(max(v, 1 / v) for v in values))
     norm = LogNorm(1 / span, span)
     cmap = colormaps["RdBu"].with_extremes(bad="0.92")
-    fig = _figure(meta, f"stock p50 / PGAS p50 ({grid[0]['preset']}, ids {grid[0]['ids']})",
+    ids = ", ".join(sorted({r["ids"] for r in grid}))
+    fig = _figure(meta, f"stock p50 / PGAS p50 ({grid[0]['preset']}, ids {ids})",
                   (3.6 * len(poolings) + 1.2, 3.4 * len(kinds) + 0.8))
     axes = fig.subplots(len(kinds), len(poolings), squeeze=False)
     for (kind, key), ax_row in zip(kinds, axes):
@@ -85,8 +87,8 @@ def speedup_heatmap(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
             for y, line in enumerate(data):
                 for x, v in enumerate(line):
                     if not math.isnan(v):
-                        r, g, b, _ = cmap(norm(v))
-                        dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
+                        red, green, blue, _ = cmap(norm(v))
+                        dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
                         ax.text(x, y, _times(v), ha="center", va="center", fontsize=9,
                                 color="white" if dark else "black")
             present = [v for v in cell.values() if v is not None]
@@ -104,7 +106,7 @@ def _crossover(rows: List[Row]) -> Optional[Tuple[float, float]]:
 
     The (bytes, ms) point is interpolated in log-log between the two configs on
     either side of the sign change of log(stock / pgas)."""
-    for a, b in zip(rows, rows[1:]):
+    for a, b in itertools.pairwise(rows):
         da = math.log(a["stock_p50_ms"] / a["pgas_p50_ms"])
         db = math.log(b["stock_p50_ms"] / b["pgas_p50_ms"])
         if da > 0 >= db:
@@ -129,13 +131,15 @@ def crossover(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, color=COLORS[series], lw=0.8, alpha=0.5)
             ax.scatter(xs, ys, color=COLORS[series], s=14, label=series)
-    ax.plot([r["nvlink_bytes"] for r in rows], [r["floor_ms"] for r in rows], "k--", lw=1, label="floor")
+    floor = [(r["nvlink_bytes"], r["floor_ms"]) for r in rows if r["floor_ms"] is not None]
+    if floor:
+        ax.plot(*zip(*floor), "k--", lw=1, label="floor")
     if cross:
         ax.annotate(f"stock catches up\nat ~{EngFormatter(unit='B', places=1)(cross[0])}", cross, xytext=(-90, 40),
                     textcoords="offset points", arrowprops={"arrowstyle": "->"})
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(BYTES)
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
     ax.set_xlabel("bytes over NVLink per GPU per step")
     ax.set_ylabel("p50 (ms)")
     ax.grid(True, which="both", alpha=0.3)
@@ -156,6 +160,7 @@ def stages(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     color = {s: palette(i) for i, s in enumerate(names)}
     fig = _figure(meta, "stage breakdown (bars scaled to the stock total)", (10, 0.5 * len(shown) + 1.8))
     ax = fig.subplots()
+    longest = 1.0  # a PGAS bar longer than stock's
     for i, r in enumerate(shown):
         scale = sum(r["stock_stages_ms"].values())
         for offset, side in ((-0.2, "stock"), (0.2, "pgas")):
@@ -163,13 +168,14 @@ def stages(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
             for s, ms in r[f"{side}_stages_ms"].items():
                 ax.barh(i + offset, ms / scale, left=left, height=0.38, color=color[s])
                 left += ms / scale
+            longest = max(longest, left)
             total = sum(r[f"{side}_stages_ms"].values())
             ax.text(left + 0.01, i + offset, f"{side} {total:.3g} ms", va="center", fontsize=7)
     ax.set_yticks(range(len(shown)), [_label(r) for r in shown], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.22)
+    ax.set_xlim(0, 1.22 * longest)  # room for the end labels
     ax.set_xlabel("fraction of the stock stage total")
-    ax.legend([Patch(color=color[s]) for s in names], names, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.legend([Patch(color=color[s]) for s in names], names, loc="outside right upper")
     return fig
 
 
@@ -177,7 +183,7 @@ def scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optiona
     """Distributed p50 against the 1-GPU TBE doing the whole job, next to the paper's 2-GPU speedups.
 
     Within a preset, the i-th single-GPU entry is the reference of the i-th
-    distributed config, both sorted by (tables, batch)."""
+    distributed config, both sorted by (tables, batch); their counts must match."""
     panels = []
     for preset in PAPER_SPEEDUP:
         dist = sorted((r for r in rows if r["preset"] == preset), key=lambda r: (r["tables"], r["batch_per_gpu"]))
@@ -187,7 +193,8 @@ def scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optiona
     if not panels:
         return None
     width = max(len(pairs) for _, pairs in panels)
-    fig = _figure(meta, "scaling against one GPU (labels: 1-GPU p50 / p50)", ((2 * width + 3) * len(panels), 5))
+    fig = _figure(meta, "scaling against one GPU (labels: 1-GPU p50 / p50)",
+                  (max(7.0, (2 * width + 3) * len(panels)), 5))
     for ax, (preset, pairs) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         ours = ", ".join(_times(r["stock_p50_ms"] / r["pgas_p50_ms"]) for r, _ in pairs)
         ax.set_title(f"{preset}\nPGAS over NCCL: {ours} here, {PAPER_SPEEDUP[preset]:.2f}x in the paper (2 GPUs)",
@@ -207,7 +214,9 @@ def scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optiona
 
 
 def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
-    """Achieved fraction of the bandwidth floor, against the floor itself."""
+    """Achieved fraction of the bandwidth floor, against the floor itself (GPU runs only:
+    a CPU run measures no bandwidths, so its rows have no floor)."""
+    rows = [r for r in rows if r["floor_ms"] is not None]
     if not rows:
         return None
     fig = _figure(meta, f"fraction of the floor (HBM {meta['hbm_gbps']:g} GB/s, NVLink {meta['p2p_gbps']:g} GB/s)",
@@ -222,7 +231,7 @@ def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%"))
     ax.set_xlabel("floor (ms)")
-    ax.set_ylabel("floor / p50")
+    ax.set_ylabel("achieved fraction of the floor")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return fig

@@ -3,10 +3,14 @@
 // Layout written: this rank's index block [slot][src = rank] in every owner's
 // buffer (see rw_pipeline.cuh). Bag fb keeps the requester's CSR span
 // [offsets[fb], offsets[fb+1]); the ids that owner d holds are packed at the
-// start of that span in d's copy, and lengths[fb] says how many. So no scan
-// across bags is needed: one warp per bag groups its ids by owner with
-// __match_any_sync and stores each straight into the owner's buffer through its
-// NVLink peer pointer.
+// start of that span in d's copy, as row_t local rows, and lengths[fb] says how
+// many. So no scan across bags is needed: a group of G lanes (G = the mean bag
+// length rounded up to a power of two in [4, 32], chosen on the host) takes one
+// bag, G ids at a time (the next chunk prefetched); __match_any_sync over the
+// warp on the key (group, owner) ranks each id among the group's ids of the
+// same owner, a per-(group, owner) count in shared memory carries the rank
+// across chunks, and each id is stored straight into its owner's buffer
+// through the NVLink peer pointer (lanes of one owner store consecutive slots).
 //
 // Bounds: an id outside [0, N) never produces a remote write. FATAL drops it and
 // records kErrBadId (raised on the host); WARNING/IGNORE read row 0 instead
@@ -24,48 +28,75 @@ namespace torchrec_pgas {
 namespace {
 
 constexpr int kWarps = 8;
+constexpr int kMaxGroups = 8;  // G >= 4
 
+// One chunk of a bag: lane g's id (position at + g) and weight, if g < left.
 template <typename index_t>
-__global__ void __launch_bounds__(kWarps * 32)
+__device__ __forceinline__ void load_chunk(const index_t* values, const float* weights, int64_t at,
+                                           int64_t left, int g_lane, int64_t& id, float& w) {
+  id = 0;
+  w = 1.f;
+  if (g_lane < left) {
+    id = static_cast<int64_t>(values[at + g_lane]);
+    if (weights != nullptr) w = weights[at + g_lane];
+  }
+}
+
+template <typename index_t, typename row_t>
+__global__ void __launch_bounds__(kWarps * 32, 4)
     rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values,
-                         const int64_t* __restrict__ offsets, const float* __restrict__ weights) {
-  __shared__ int32_t s_count[kWarps][kMaxWorld];
+                         const int64_t* __restrict__ offsets, const float* __restrict__ weights,
+                         int group_lanes) {
+  __shared__ int32_t s_count[kWarps][kMaxGroups][kMaxWorld];
   __shared__ int64_t s_epoch;
   if (threadIdx.x == 0) s_epoch = p.state[kCtrIndex] + 1;
   __syncthreads();
   const int64_t epoch = s_epoch;
   const int64_t slot = epoch % p.num_slots;
+  const int G = group_lanes;
+  const int groups_per_warp = 32 / G;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int group = lane / G;
+  const int g_lane = lane % G;
   const unsigned lanes_below = (1u << lane) - 1;
+  int32_t* count = s_count[warp][group];
   const int64_t num_bags = p.num_features * p.batch;
   const int64_t my_block = index_block(p, slot, p.rank);
   float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
 
-  for (int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarps + warp; bag < num_bags;
-       bag += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const RwFeature& feat = p.features[bag / p.batch];
-    int64_t begin = offsets[bag];
-    int64_t end = offsets[bag + 1];
+  // Warp-uniform loop: the warp's groups take consecutive bags.
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * groups_per_warp;
+       first < num_bags; first += static_cast<int64_t>(gridDim.x) * kWarps * groups_per_warp) {
+    const int64_t bag = first + group;
+    const bool valid = bag < num_bags;
+    const int64_t f = valid ? bag / p.batch : 0;
+    const RwFeature& feat = p.features[f];
+    int64_t begin = valid ? offsets[bag] : 0;
+    int64_t end = valid ? offsets[bag + 1] : 0;
     // The local KJT's offsets decide addresses in the owners' buffers.
-    if (begin < 0 || end < begin || end > p.nnz) {
-      if (lane == 0) record_error(p, kErrCorrupt, p.rank, 1);
+    if (begin < 0 || end < begin || end > p.nnz || end - begin > INT32_MAX) {
+      if (g_lane == 0) record_error(p, kErrCorrupt, p.rank, 1);
       begin = end = 0;
     }
-    for (int d = lane; d < p.world; d += 32) s_count[warp][d] = 0;
+    const int n = static_cast<int>(end - begin);
+    for (int d = g_lane; d < p.world; d += G) count[d] = 0;
     __syncwarp();
     float divisor = 0.f;  // bag length, or the sum of its weights
-    for (int64_t j0 = begin; j0 < end; j0 += 32) {
-      const int64_t j = j0 + lane;
+    const int longest = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(n));
+    int64_t next_id;
+    float next_w;
+    load_chunk(values, weights, begin, n, g_lane, next_id, next_w);
+    for (int j0 = 0; j0 < longest; j0 += G) {
+      int64_t id = next_id;
+      float w = next_w;
+      const bool live = j0 + g_lane < n;
+      if (j0 + G < n) load_chunk(values, weights, begin + j0 + G, n - j0 - G, g_lane, next_id, next_w);
       int owner = -1;
       int64_t row = 0;
-      float w = 1.f;
-      if (j < end) {
-        int64_t id = static_cast<int64_t>(values[j]);
-        if (weights != nullptr) w = weights[j];
+      if (live) {
         divisor += w;
         if (id < 0 || id >= feat.hash_size) {
-          const int64_t f = bag / p.batch;
           if (p.bounds_mode == kBoundsFatal) {
             record_error(p, kErrBadId, f, id);
             id = -1;
@@ -79,27 +110,29 @@ __global__ void __launch_bounds__(kWarps * 32)
           row = id - owner * feat.block;
         }
       }
-      // Lanes with the same owner form one group; each takes the next free
-      // position of that owner's part of the bag.
-      const unsigned group = __match_any_sync(0xffffffffu, owner);
-      const int base = owner >= 0 ? s_count[warp][owner] : 0;
+      // Lanes of one group with the same owner match; idle lanes match nobody.
+      const int key = owner >= 0 ? group * kMaxWorld + owner : -1 - lane;
+      const unsigned same = __match_any_sync(0xffffffffu, key);
+      const int base = owner >= 0 ? count[owner] : 0;
       __syncwarp();
       if (owner >= 0) {
-        const int64_t pos = begin + base + __popc(group & lanes_below);
+        const int64_t pos = begin + base + __popc(same & lanes_below);
         uint8_t* dst = reinterpret_cast<uint8_t*>(p.peer_bufs[owner]) + my_block;
-        reinterpret_cast<int64_t*>(dst + p.ids_off)[pos] = row;
+        reinterpret_cast<row_t*>(dst + p.ids_off)[pos] = static_cast<row_t>(row);
         if (weights != nullptr) reinterpret_cast<float*>(dst + p.weights_off)[pos] = w;
-        if ((group & lanes_below) == 0) s_count[warp][owner] = base + __popc(group);
+        if ((same & lanes_below) == 0) count[owner] = base + __popc(same);
       }
       __syncwarp();
     }
-    for (int d = lane; d < p.world; d += 32) {
-      uint8_t* dst = reinterpret_cast<uint8_t*>(p.peer_bufs[d]) + my_block;
-      reinterpret_cast<int32_t*>(dst + p.lengths_off)[bag] = s_count[warp][d];
-      reinterpret_cast<int64_t*>(dst + p.offsets_off)[bag] = begin;
+    if (valid) {
+      for (int d = g_lane; d < p.world; d += G) {
+        uint8_t* dst = reinterpret_cast<uint8_t*>(p.peer_bufs[d]) + my_block;
+        reinterpret_cast<int32_t*>(dst + p.lengths_off)[bag] = count[d];
+        reinterpret_cast<int64_t*>(dst + p.offsets_off)[bag] = begin;
+      }
     }
-    for (int o = 16; o > 0; o /= 2) divisor += __shfl_xor_sync(0xffffffffu, divisor, o);
-    if (lane == 0) bag_div[bag] = divisor;
+    for (int o = G / 2; o > 0; o /= 2) divisor += __shfl_xor_sync(0xffffffffu, divisor, o);
+    if (valid && g_lane == 0) bag_div[bag] = divisor;
     __syncwarp();
   }
 
@@ -120,6 +153,29 @@ __global__ void __launch_bounds__(kWarps * 32)
       st_release_sys(peer_pad + kPadHeaderWords + p.rank, epoch);
     }
     p.state[kCtrIndex] = epoch;
+  }
+}
+
+template <typename index_t, typename row_t>
+void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
+                       const float* weights, cudaStream_t stream) {
+  const int64_t num_bags = p.num_features * p.batch;
+  int group_lanes = 4;
+  while (group_lanes < 32 && group_lanes * num_bags < p.nnz) group_lanes *= 2;
+  const int64_t bags_per_cta = kWarps * (32 / group_lanes);
+  const unsigned grid = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((num_bags + bags_per_cta - 1) / bags_per_cta, 4096)));
+  rw_index_dist_kernel<index_t, row_t><<<grid, kWarps * 32, 0, stream>>>(p, values, offsets, weights,
+                                                                          group_lanes);
+}
+
+template <typename index_t>
+void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
+                       const float* weights, cudaStream_t stream) {
+  if (p.id_bytes == 4) {
+    launch_index_dist<index_t, int32_t>(p, values, offsets, weights, stream);
+  } else {
+    launch_index_dist<index_t, int64_t>(p, values, offsets, weights, stream);
   }
 }
 
@@ -144,18 +200,13 @@ void rw_index_dist(const at::Tensor& values, const at::Tensor& offsets,
                                        weights->numel() == values.numel()),
               "rw_index_dist: weights must be float32 CUDA, one per id");
   TORCH_CHECK(p.weighted == (weights.has_value() ? 1 : 0), "rw_index_dist: weighted mismatch");
-  const int64_t num_bags = p.num_features * batch;
-  const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((num_bags + kWarps - 1) / kWarps, 4096)));
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   if (values.scalar_type() == at::kLong) {
-    rw_index_dist_kernel<int64_t><<<grid, kWarps * 32, 0, stream>>>(
-        p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w);
+    launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, stream);
   } else {
     TORCH_CHECK(values.scalar_type() == at::kInt, "rw_index_dist: int32 or int64 ids expected");
-    rw_index_dist_kernel<int32_t><<<grid, kWarps * 32, 0, stream>>>(
-        p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w);
+    launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

@@ -5,10 +5,18 @@
 // the tail (communication-aware ordering: the bytes that must cross NVLink
 // leave first). Thread 0 waits for the source's index slot (acquire), checks
 // its header, then groups of G lanes pool one bag each: G = dim_max / 4 rounded
-// up to a power of two (16 for dim 64), every lane loads 4 elements of a row
-// (16 bytes for fp32), several rows in flight. The pooled vector is stored
-// straight into the requester's output block [slot][owner = rank], at row b
-// and the feature's column: its final layout, no unpack.
+// up to a power of two (16 for dim 64), every lane owns 4 columns of the row
+// (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
+// (coalesced, bounds-checked once), the next chunk prefetched while this one
+// is pooled; each row index is then broadcast with a shuffle and kRowsInFlight
+// row loads are issued before their sums, so a group keeps 8 rows (2 KiB at
+// dim 64) in flight without a dependent load between them. The pooled vector
+// is stored straight into the requester's output block [slot][owner = rank],
+// at row b and the feature's column: its final layout, no unpack.
+//
+// A source whose signal arrived is checked for a batch mismatch even when a
+// peer has aborted the step: both ranks of a mismatch abort each other, and
+// each must report the mismatch (record_error ranks it above the abort).
 //
 // Everything read from the index block came from a peer and decides an
 // address: spans are checked against nnz <= C and rows against the shard's
@@ -28,7 +36,7 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
                         const at::Tensor& features, const at::Tensor& state,
                         const at::Tensor& bag_div, const at::Tensor& status,
                         at::IntArrayRef cfg, int64_t batch, int64_t nnz) {
-  TORCH_CHECK(cfg.size() == 17, "pgas_row_wise: layout config must have 17 entries");
+  TORCH_CHECK(cfg.size() == 18, "pgas_row_wise: layout config must have 18 entries");
   TORCH_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() &&
                   state.is_cuda() && bag_div.is_cuda() && status.is_pinned(),
               "pgas_row_wise: device state tensors on CUDA, status pinned");
@@ -52,6 +60,8 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   p.world = static_cast<int32_t>(cfg[14]);
   p.weighted = static_cast<int32_t>(cfg[15]);
   p.bounds_mode = static_cast<int32_t>(cfg[16]);
+  p.id_bytes = static_cast<int32_t>(cfg[17]);
+  TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
   TORCH_CHECK(peers.numel() == 2 * p.world && features.numel() == 8 * p.num_features &&
@@ -79,19 +89,37 @@ constexpr int kThreads = 256;
 
 // 4 consecutive elements of a row of this rank's shard, widened to fp32
 // (read-only for the whole kernel: the non-coherent path is fine).
-__device__ __forceinline__ float4 load_row4(const RwFeature& f, int64_t row, int64_t col) {
-  const int64_t i = row * f.dim + col;
-  if (f.dtype == kF32) {
-    return __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(f.weights) + i));
+__device__ __forceinline__ float4 load_row4(const uint8_t* weights, bool f32, int64_t row, int dim, int col) {
+  if (f32) {
+    return __ldg(reinterpret_cast<const float4*>(weights) + ((row * dim + col) >> 2));
   }
   // kF16 (FBGEMM 1.6's training TBE rejects bf16 weights, see rw_pipeline.py).
-  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(f.weights) + i)));
+  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(weights) + ((row * dim + col) >> 2)));
 }
 
-constexpr int kUnroll = 4;  // rows in flight per lane
+constexpr int kRowsInFlight = 8;
 
-template <typename out_t>
-__global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int group_lanes) {
+// One chunk of a bag's ids: lane g holds id j0 + g (or -1 past the end or when
+// out of the shard's rows) and its per-sample weight.
+template <typename row_t>
+__device__ __forceinline__ void load_ids(const RwParams& p, const row_t* ids, const float* weights,
+                                         int64_t at, int64_t left, int g_lane, int64_t local_rows,
+                                         int src, row_t& row, float& w) {
+  row = -1;
+  w = 0.f;
+  if (g_lane < left) {
+    row = __ldcg(ids + at + g_lane);
+    w = weights ? __ldcg(weights + at + g_lane) : 1.f;
+    if (row < 0 || row >= local_rows) {  // from a peer; decides a load address
+      record_error(p, kErrCorrupt, src, 2);
+      abort_peer(p, src);
+      row = -1;
+    }
+  }
+}
+
+template <typename out_t, typename row_t>
+__global__ void __launch_bounds__(kThreads, 2) rw_lookup_kernel(RwParams p, int group_lanes) {
   __shared__ int64_t s_epoch, s_nnz;
   __shared__ int s_ok;
   const int k = blockIdx.y;
@@ -100,8 +128,9 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
     const int64_t epoch = p.state[kCtrLookup] + 1;
     const int64_t slot = epoch % p.num_slots;
     const int64_t* header = reinterpret_cast<const int64_t*>(p.buf + index_block(p, slot, src));
-    int ok = wait_epoch(p, p.pad + kPadHeaderWords + src, epoch, 1, src);
-    if (ok) {
+    const int64_t* signal = p.pad + kPadHeaderWords + src;
+    int ok = wait_epoch(p, signal, epoch, 1, src);
+    if (ld_acquire_sys(signal) >= epoch) {
       const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
       if (h_batch != p.batch) {
         record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
@@ -125,20 +154,27 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
     const int64_t nnz = s_nnz;
     const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
     const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
-    const int64_t* ids = reinterpret_cast<const int64_t*>(block + p.ids_off);
+    const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
     const float* weights = p.weighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
     out_t* out = reinterpret_cast<out_t*>(reinterpret_cast<uint8_t*>(p.peer_bufs[src]) +
                                           output_block(p, slot, p.rank));
 
-    const int groups_per_cta = kThreads / group_lanes;
-    const int group = threadIdx.x / group_lanes;
-    const int g_lane = threadIdx.x % group_lanes;
+    const int G = group_lanes;
+    const int groups_per_cta = kThreads / G;
+    const int group = threadIdx.x / G;
+    const int g_lane = threadIdx.x % G;
+    // The group's lanes within the warp (shuffles stay inside the group).
+    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
     const int64_t num_bags = p.num_features * p.batch;
     for (int64_t bag = static_cast<int64_t>(blockIdx.x) * groups_per_cta + group; bag < num_bags;
          bag += static_cast<int64_t>(gridDim.x) * groups_per_cta) {
       const int64_t f = bag / p.batch;
       const int64_t b = bag - f * p.batch;
       const RwFeature& feat = p.features[f];
+      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
+      const bool f32 = feat.dtype == kF32;
+      const int64_t local_rows = feat.local_rows;
+      const int dim = static_cast<int>(feat.dim);
       const int64_t begin = __ldcg(offsets + bag);
       const int64_t n = __ldcg(lengths + bag);
       if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
@@ -148,31 +184,36 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
         }
         continue;
       }
-      for (int64_t col = 4 * g_lane; col < feat.dim; col += 4 * group_lanes) {
+      for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
+        const int col = col0 + 4 * g_lane;
+        const bool col_ok = col < dim;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int64_t j = 0; j < n; j += kUnroll) {
-          int64_t rows[kUnroll];
-          float ws[kUnroll];
+        row_t next_row;
+        float next_w;
+        load_ids(p, ids, weights, begin, n, g_lane, local_rows, src, next_row, next_w);
+        for (int64_t j0 = 0; j0 < n; j0 += G) {
+          const row_t my_row = next_row;
+          const float my_w = next_w;
+          if (j0 + G < n) {
+            load_ids(p, ids, weights, begin + j0 + G, n - j0 - G, g_lane, local_rows, src, next_row, next_w);
+          }
+          const int cnt = static_cast<int>(n - j0 < G ? n - j0 : G);
+          for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
+            float4 v[kRowsInFlight];
+            float ws[kRowsInFlight];
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const bool live = j + u < n;
-            rows[u] = live ? __ldcg(ids + begin + j + u) : -1;
-            ws[u] = live ? (weights ? __ldcg(weights + begin + j + u) : 1.f) : 0.f;
-            if (live && (rows[u] < 0 || rows[u] >= feat.local_rows)) {
-              record_error(p, kErrCorrupt, src, 2);
-              abort_peer(p, src);
-              rows[u] = -1;
+            for (int u = 0; u < kRowsInFlight; ++u) {
+              const int lane = (u0 + u) & (G - 1);
+              const row_t r = __shfl_sync(gmask, my_row, lane, G);
+              ws[u] = __shfl_sync(gmask, my_w, lane, G);
+              v[u] = (u0 + u < cnt && r >= 0 && col_ok) ? load_row4(table, f32, r, dim, col)
+                                                         : make_float4(0.f, 0.f, 0.f, 0.f);
             }
-          }
-          float4 v[kUnroll];
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            v[u] = rows[u] >= 0 ? load_row4(feat, rows[u], col) : make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int u = 0; u < kRowsInFlight; ++u) fma4(acc, ws[u], v[u]);
           }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) fma4(acc, ws[u], v[u]);
         }
-        store4(out + b * p.dim_sum + feat.out_col + col, acc);
+        if (col_ok) store4(out + b * p.dim_sum + feat.out_col + col, acc);
       }
     }
   }
@@ -189,6 +230,34 @@ __global__ void __launch_bounds__(kThreads) rw_lookup_kernel(RwParams p, int gro
   }
 }
 
+template <typename out_t, typename row_t>
+void launch_lookup(const RwParams& p, int group_lanes, int64_t bags, cudaStream_t stream) {
+  // Enough CTAs per source to fill the GPU once all W sources are in flight
+  // (one device per process, so the occupancy is computed once).
+  static int resident = 0;
+  if (resident == 0) {
+    int per_sm = 0, device = 0, sms = 0;
+    PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rw_lookup_kernel<out_t, row_t>, kThreads, 0));
+    PGAS_CUDA_CHECK(cudaGetDevice(&device));
+    PGAS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    resident = std::max(1, per_sm * sms);
+  }
+  const int64_t groups_per_cta = kThreads / group_lanes;
+  const int64_t ctas = std::max<int64_t>(
+      1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world + 1));
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
+  rw_lookup_kernel<out_t, row_t><<<grid, kThreads, 0, stream>>>(p, group_lanes);
+}
+
+template <typename out_t>
+void launch_lookup(const RwParams& p, int group_lanes, int64_t bags, cudaStream_t stream) {
+  if (p.id_bytes == 4) {
+    launch_lookup<out_t, int32_t>(p, group_lanes, bags, stream);
+  } else {
+    launch_lookup<out_t, int64_t>(p, group_lanes, bags, stream);
+  }
+}
+
 }  // namespace
 
 void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
@@ -197,24 +266,19 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
                at::ScalarType out_dtype) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
   TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "rw_lookup: dims must be multiples of 4, got ", max_dim);
-  int group_lanes = 1;
+  int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
   while (group_lanes < 32 && group_lanes * 4 < max_dim) group_lanes *= 2;
-  const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t bags = std::max<int64_t>(1, p.num_features * batch);
-  // Enough CTAs per source to fill the GPU once all W sources are in flight.
-  const int64_t ctas = std::max<int64_t>(
-      1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, 1056 / p.world + 1));
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
   auto stream = at::cuda::getCurrentCUDAStream();
   switch (out_dtype) {
     case at::kFloat:
-      rw_lookup_kernel<float><<<grid, kThreads, 0, stream>>>(p, group_lanes);
+      launch_lookup<float>(p, group_lanes, bags, stream);
       break;
     case at::kHalf:
-      rw_lookup_kernel<at::Half><<<grid, kThreads, 0, stream>>>(p, group_lanes);
+      launch_lookup<at::Half>(p, group_lanes, bags, stream);
       break;
     case at::kBFloat16:
-      rw_lookup_kernel<at::BFloat16><<<grid, kThreads, 0, stream>>>(p, group_lanes);
+      launch_lookup<at::BFloat16>(p, group_lanes, bags, stream);
       break;
     default:
       TORCH_CHECK(false, "rw_lookup: output dtype must be float32, float16 or bfloat16");

@@ -7,7 +7,8 @@
 //     header   int64[4]         epoch, local batch B, nnz, reserved
 //     offsets  int64[F*Bmax+1]  the requester's own CSR offsets of its bags
 //     lengths  int32[F*Bmax]    ids of bag fb that this owner holds
-//     ids      int64[C]         local rows, packed at the start of each bag's span
+//     ids      row_t[C]         local rows, packed at the start of each bag's span;
+//                               row_t = int32 unless a shard has >= 2^31 rows (id_bytes)
 //     weights  float[C]         per-sample weights (weighted only)
 //   output region  [slot][owner] blocks, written by owner `owner`
 //     partial  out_t[Bmax][D]   the owner's partial pool of every bag, final layout
@@ -106,7 +107,7 @@ struct RwParams {
   int64_t offsets_off, lengths_off, ids_off, weights_off;
   int64_t num_slots, max_batch, capacity, dim_sum, num_features;
   int64_t timeout_ns;
-  int32_t rank, world, weighted, bounds_mode;
+  int32_t rank, world, weighted, bounds_mode, id_bytes;
   int64_t batch, nnz;  // this step, this rank
 };
 
@@ -122,21 +123,29 @@ __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// First error of a step wins, except that a fatal error replaces a WARNING-mode
-// bad-id record (which must not hide a timeout or an abort). Finalize copies the
-// record to the host.
+// Which record a step keeps: a cause beats a consequence. A WARNING-mode bad id
+// must not hide anything; a peer's abort (the consequence of that peer's own
+// error) gives way to an error this rank finds itself, e.g. both ranks of a
+// batch mismatch abort each other, and each must still report the mismatch.
+__device__ __forceinline__ int error_rank(unsigned long long code) {
+  return code == kErrNone ? -1 : code == kErrBadIdWarn ? 0 : code == kErrPeerAbort ? 1 : 2;
+}
+
+// Finalize copies the record to the host.
 __device__ __forceinline__ void record_error(const RwParams& p, int64_t code, int64_t a,
                                              int64_t b = 0, int64_t c = 0) {
   unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kErrCode);
   const unsigned long long mine = static_cast<unsigned long long>(code);
-  unsigned long long old = atomicCAS(word, 0ull, mine);
-  if (old == static_cast<unsigned long long>(kErrBadIdWarn) && code != kErrBadIdWarn) {
-    old = atomicCAS(word, old, mine) == old ? 0ull : old;
-  }
-  if (old == 0ull) {
-    p.state[kErrCode + 1] = a;
-    p.state[kErrCode + 2] = b;
-    p.state[kErrCode + 3] = c;
+  unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(word);
+  while (error_rank(old) < error_rank(mine)) {
+    const unsigned long long seen = atomicCAS(word, old, mine);
+    if (seen == old) {
+      p.state[kErrCode + 1] = a;
+      p.state[kErrCode + 2] = b;
+      p.state[kErrCode + 3] = c;
+      return;
+    }
+    old = seen;
   }
 }
 

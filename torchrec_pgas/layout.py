@@ -6,7 +6,8 @@ Every rank holds the same buffer (sizes are plan-time constants)::
         header   int64[4]          epoch, local batch B, nnz, reserved
         offsets  int64[F*Bmax+1]   start of each bag's span in ``ids``, [f][b] order
         lengths  int32[F*Bmax]     how many ids of bag (f, b) this owner holds
-        ids      int64[C]          local row offsets into this rank's shards
+        ids      int32|int64[C]    local row offsets into this rank's shards (int32
+                                   unless a shard has 2^31 rows or more: ``id_bytes``)
         weights  float32[C]        per-sample weights (weighted EBCs only)
     output region  [slot][owner] blocks, written by rank ``owner``
         partial  [Bmax, D] in the output dtype (<= 4 bytes), rows 0..B-1 used
@@ -24,12 +25,20 @@ peers store the epoch there after the block is complete.
 """
 
 from dataclasses import dataclass
+from typing import Sequence
+
+import torch
 
 _ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def id_bytes_for(block_rows: Sequence[int]) -> int:
+    """4 if every shard's local rows fit int32, else 8."""
+    return 4 if max(block_rows, default=0) < 2**31 else 8
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class RwLayout:
     ids_capacity: int
     dim_sum: int
     weighted: bool
+    id_bytes: int = 8  # 4: local rows as int32 (half the index bytes on NVLink)
     num_slots: int = 2
     max_output_bytes: int = 4  # partials are stored in the TBE output dtype
 
@@ -56,7 +66,7 @@ class RwLayout:
 
     @property
     def weights_off(self) -> int:
-        return _align(self.ids_off + 8 * self.ids_capacity)
+        return _align(self.ids_off + self.id_bytes * self.ids_capacity)
 
     @property
     def index_block_bytes(self) -> int:
@@ -77,6 +87,10 @@ class RwLayout:
     @property
     def num_signal_slots(self) -> int:
         return 2 * self.world_size
+
+    @property
+    def id_dtype(self) -> torch.dtype:
+        return torch.int32 if self.id_bytes == 4 else torch.int64
 
     def index_block(self, slot: int, src: int) -> int:
         return (slot * self.world_size + src) * self.index_block_bytes

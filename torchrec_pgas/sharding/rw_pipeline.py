@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas import runtime as pgas_runtime
-from torchrec_pgas.layout import RwLayout
+from torchrec_pgas.layout import RwLayout, id_bytes_for
 from torchrec_pgas.types import (
     PgasCapacityError,
     PgasConfig,
@@ -94,6 +94,7 @@ class PgasRwPipeline:
             ids_capacity=config.ids_capacity(num_features),
             dim_sum=sum(feature_dims),
             weighted=is_weighted,
+            id_bytes=id_bytes_for([(n + world_size - 1) // world_size for n in feature_hash_sizes]),
         )
         self.rt = pgas_runtime.init(env.process_group, device=device, heap_hint=self.layout.nbytes)
         self.rank = self.rt.rank
@@ -249,7 +250,7 @@ class HostRwPipeline(PgasRwPipeline):
                 torch.ops.fbgemm.asynchronous_complete_cumsum(dest_lengths),
             )
             self.rt.put(self.buf, dest, block + lay.lengths_off, dest_lengths.to(torch.int32))
-            self.rt.put(self.buf, dest, block + lay.ids_off, ids[start : start + n])
+            self.rt.put(self.buf, dest, block + lay.ids_off, ids[start : start + n].to(lay.id_dtype))
             if lay.weighted:
                 self.rt.put(self.buf, dest, block + lay.weights_off, bucket_weights[start : start + n])
             self.rt.signal(self.pad, dest, lay.index_signal(self.rank), epoch)
@@ -281,7 +282,7 @@ class HostRwPipeline(PgasRwPipeline):
                 )
             received = KeyedJaggedTensor(  # compacted: offsets are the prefix sums of lengths
                 keys=self.feature_names,
-                values=self.buf.view(torch.int64, block + lay.ids_off, nnz),
+                values=self.buf.view(lay.id_dtype, block + lay.ids_off, nnz).to(torch.int64),
                 lengths=lengths.to(torch.int64),
                 weights=self.buf.view(torch.float32, block + lay.weights_off, nnz) if lay.weighted else None,
                 stride=batch,
@@ -371,7 +372,7 @@ class DeviceRwPipeline(PgasRwPipeline):
             lay.offsets_off, lay.lengths_off, lay.ids_off, lay.weights_off,
             lay.num_slots, lay.max_batch, lay.ids_capacity, lay.dim_sum, lay.num_features,
             int(self.config.wait_timeout_s * 1e9), self.rank, self.world_size,
-            int(lay.weighted), _BOUNDS_MODES[self.bounds_check_mode],
+            int(lay.weighted), _BOUNDS_MODES[self.bounds_check_mode], lay.id_bytes,
         ]
         self._max_dim = max(self.feature_dims)
         self._out_dtype = torch.float32

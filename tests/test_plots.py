@@ -1,0 +1,62 @@
+"""benchmarks/plots.py on a tiny synthetic result file (CPU only)."""
+
+import json
+import os
+from typing import Any, Dict
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from benchmarks.plots import make_plots  # noqa: E402
+
+META = {"device": "test GPU", "world_size": 2, "commit": "abc1234", "torch": "x", "date": "2026-01-01",
+        "presets": ["s004", "s000-weak"], "steps": 10, "warmup": 2, "input_sets": 2,
+        "hbm_gbps": 4800.0, "p2p_gbps": 450.0}
+
+
+def _row(preset: str, tables: int, batch: int, pooling: int, stock: float, pgas: float) -> Dict[str, Any]:
+    floor, nvlink = 0.01 * tables * batch / 1024, tables * batch * 256
+    graph = pgas / 2 if preset == "s004" else None  # one row without a graph time
+    return {
+        "preset": preset, "name": f"t{tables}-b{batch}-p{pooling}-uniform", "tables": tables, "rows": 1000,
+        "dim": 64, "batch_per_gpu": batch, "pooling": pooling, "pooling_dist": "uniform", "ids": "uniform",
+        "stock": "row_wise", "pgas": "pgas_row_wise",
+        "stock_p50_ms": stock, "stock_p90_ms": stock, "pgas_p50_ms": pgas, "pgas_p90_ms": pgas,
+        "pgas_graph_p50_ms": graph, "pgas_graph_p90_ms": graph,
+        "speedup_eager": stock / pgas, "speedup_graph": graph and stock / graph,
+        "stock_stages_ms": {"bucketize": stock / 4, "splits_a2a": stock / 4, "values_a2a": stock / 4,
+                            "lookup": stock / 8, "output_dist": stock / 8},
+        "pgas_stages_ms": {"index_dist": pgas / 4, "lookup": pgas / 2, "finalize": pgas / 8, "output_dist": pgas / 8},
+        "hbm_bytes": 8 * nvlink, "nvlink_bytes": nvlink, "floor_ms": floor,
+        "roofline_stock": floor / stock, "roofline_pgas": floor / pgas, "roofline_graph": graph and floor / graph,
+        "max_abs_err": 0.0,
+    }
+
+
+def _write(path: str, results: Dict[str, Any]) -> None:
+    with open(os.path.join(path, "results.json"), "w") as f:
+        json.dump(results, f)
+
+
+def test_make_plots_writes_every_figure(tmp_path: Any) -> None:
+    rows = [_row("s004", t, b, p, 2.0 + t / 8, 0.2 + t * b / 4096)  # stock wins at t8-b4096: a crossover
+            for t in (2, 8) for b in (128, 4096) for p in (4, 8)]
+    rows.append(_row("s000-weak", 26, 4096, 32, 3.0, 1.5))
+    single = [{"preset": "s000-weak", "tables": 26, "batch": 4096, "p50_ms": 1.8, "p90_ms": 1.9}]
+    _write(str(tmp_path), {"meta": META, "rows": rows, "single_gpu": single})
+    paths = make_plots(str(tmp_path))
+    names = ["speedup_heatmap", "crossover", "stages", "scaling", "roofline"]
+    assert paths == [str(tmp_path / f"{n}.png") for n in names]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_make_plots_skips_missing_data(tmp_path: Any) -> None:
+    """A CPU run's file: no s004/quick rows, no single-GPU entries, no bandwidths, so no floor."""
+    row = _row("s000-weak", 26, 4096, 32, 3.0, 1.5)
+    row.update(floor_ms=None, roofline_stock=None, roofline_pgas=None, roofline_graph=None)
+    meta = {**META, "hbm_gbps": None, "p2p_gbps": None}
+    _write(str(tmp_path), {"meta": meta, "rows": [row], "single_gpu": []})
+    assert [os.path.basename(p) for p in make_plots(str(tmp_path))] == ["crossover.png", "stages.png"]
