@@ -82,6 +82,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename out_t>
+void launch_finalize(const RwParams& p, out_t* out, const int32_t* col_feature) {
+  static const int resident = resident_ctas(rw_finalize_kernel<out_t>, kThreads);
+  const int64_t vecs = p.batch * p.dim_sum / 4;
+  const unsigned grid = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads, resident)));
+  rw_finalize_kernel<out_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, out, col_feature);
+}
+
 }  // namespace
 
 at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
@@ -94,20 +103,16 @@ at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::T
               "rw_finalize: col_feature must map every 4 columns to a feature");
   const auto dtype = out_dtype;
   auto out = at::empty({batch, p.dim_sum}, buf.options().dtype(dtype));
-  const int64_t vecs = batch * p.dim_sum / 4;
-  const unsigned grid =
-      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads, 1056)));
-  auto stream = at::cuda::getCurrentCUDAStream();
   const int32_t* cf = col_feature.data_ptr<int32_t>();
   switch (dtype) {
     case at::kFloat:
-      rw_finalize_kernel<float><<<grid, kThreads, 0, stream>>>(p, out.data_ptr<float>(), cf);
+      launch_finalize<float>(p, out.data_ptr<float>(), cf);
       break;
     case at::kHalf:
-      rw_finalize_kernel<at::Half><<<grid, kThreads, 0, stream>>>(p, out.data_ptr<at::Half>(), cf);
+      launch_finalize<at::Half>(p, out.data_ptr<at::Half>(), cf);
       break;
     case at::kBFloat16:
-      rw_finalize_kernel<at::BFloat16><<<grid, kThreads, 0, stream>>>(p, out.data_ptr<at::BFloat16>(), cf);
+      launch_finalize<at::BFloat16>(p, out.data_ptr<at::BFloat16>(), cf);
       break;
     default:
       TORCH_CHECK(false, "rw_finalize: output dtype must be float32, float16 or bfloat16");

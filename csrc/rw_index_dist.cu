@@ -163,8 +163,9 @@ void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* 
   int group_lanes = 4;
   while (group_lanes < 32 && group_lanes * num_bags < p.nnz) group_lanes *= 2;
   const int64_t bags_per_cta = kWarps * (32 / group_lanes);
+  static const int resident = resident_ctas(rw_index_dist_kernel<index_t, row_t>, kWarps * 32);
   const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((num_bags + bags_per_cta - 1) / bags_per_cta, 4096)));
+      std::max<int64_t>(1, std::min<int64_t>((num_bags + bags_per_cta - 1) / bags_per_cta, resident)));
   rw_index_dist_kernel<index_t, row_t><<<grid, kWarps * 32, 0, stream>>>(p, values, offsets, weights,
                                                                           group_lanes);
 }

@@ -68,6 +68,9 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
                   state.numel() >= kStateWords &&
                   bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
               "pgas_row_wise: state tensors do not match the layout");
+  TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch < INT32_MAX,
+              "pgas_row_wise: ", p.capacity, " ids and ", p.num_features * p.max_batch,
+              " bags per step must stay below 2^31 (PgasConfig)");
   TORCH_CHECK(batch >= 0 && batch <= p.max_batch, "pgas_row_wise: batch ", batch,
               " outside [0, ", p.max_batch, "]");
   TORCH_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas_row_wise: ", nnz,
@@ -98,28 +101,52 @@ __device__ __forceinline__ float4 load_row4(const uint8_t* weights, bool f32, in
 }
 
 constexpr int kRowsInFlight = 8;
+constexpr int kMinBlocks = 3;  // 24 warps per SM, 8 rows in flight each, no spills
 
-// One chunk of a bag's ids: lane g holds id j0 + g (or -1 past the end or when
-// out of the shard's rows) and its per-sample weight.
-template <typename row_t>
-__device__ __forceinline__ void load_ids(const RwParams& p, const row_t* ids, const float* weights,
-                                         int64_t at, int64_t left, int g_lane, int64_t local_rows,
-                                         int src, row_t& row, float& w) {
+// Out of line: the error path must not cost the hot loop registers.
+__device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_pads, int rank, int src,
+                                            int what) {
+  RwParams q;
+  q.state = state;
+  q.peer_pads = peer_pads;
+  q.rank = rank;
+  record_error(q, kErrCorrupt, src, what);
+  abort_peer(q, src);
+}
+
+// One chunk of a bag's ids: lane g holds id g of the chunk (or -1 past the end
+// or when out of the shard's rows) and, if weighted, its per-sample weight.
+template <typename row_t, bool kWeighted>
+__device__ __forceinline__ void load_ids(const RwParams& p, const row_t* ids, const float* weights, int left,
+                                         int g_lane, row_t local_rows, int src, row_t& row, float& w) {
   row = -1;
   w = 0.f;
   if (g_lane < left) {
-    row = __ldcg(ids + at + g_lane);
-    w = weights ? __ldcg(weights + at + g_lane) : 1.f;
+    row = __ldcg(ids + g_lane);
+    if (kWeighted) w = __ldcg(weights + g_lane);
     if (row < 0 || row >= local_rows) {  // from a peer; decides a load address
-      record_error(p, kErrCorrupt, src, 2);
-      abort_peer(p, src);
+      corrupt_source(p.state, p.peer_pads, p.rank, src, 2);
       row = -1;
     }
   }
 }
 
-template <typename out_t, typename row_t>
-__global__ void __launch_bounds__(kThreads, 2) rw_lookup_kernel(RwParams p, int group_lanes) {
+// The partial pool in the TBE's output dtype (a uniform branch, once per bag).
+__device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind, float4 v) {
+  if (out_kind == 0) {
+    store4(reinterpret_cast<float*>(out) + i, v);
+  } else if (out_kind == 1) {
+    store4(reinterpret_cast<c10::Half*>(out) + i, v);
+  } else {
+    store4(reinterpret_cast<c10::BFloat16*>(out) + i, v);
+  }
+}
+
+// Specialized on the id width and on weighting (the unweighted kernel carries no
+// weight registers); registers decide how many warps hide the gather's latency.
+template <typename row_t, bool kWeighted>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
+                                                                         int out_kind) {
   __shared__ int64_t s_epoch, s_nnz;
   __shared__ int s_ok;
   const int k = blockIdx.y;
@@ -151,13 +178,11 @@ __global__ void __launch_bounds__(kThreads, 2) rw_lookup_kernel(RwParams p, int 
 
   if (s_ok) {
     const uint8_t* block = p.buf + index_block(p, slot, src);
-    const int64_t nnz = s_nnz;
     const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
     const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
     const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
-    const float* weights = p.weighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
-    out_t* out = reinterpret_cast<out_t*>(reinterpret_cast<uint8_t*>(p.peer_bufs[src]) +
-                                          output_block(p, slot, p.rank));
+    const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
+    uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
 
     const int G = group_lanes;
     const int groups_per_cta = kThreads / G;
@@ -165,55 +190,56 @@ __global__ void __launch_bounds__(kThreads, 2) rw_lookup_kernel(RwParams p, int 
     const int g_lane = threadIdx.x % G;
     // The group's lanes within the warp (shuffles stay inside the group).
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
-    const int64_t num_bags = p.num_features * p.batch;
-    for (int64_t bag = static_cast<int64_t>(blockIdx.x) * groups_per_cta + group; bag < num_bags;
-         bag += static_cast<int64_t>(gridDim.x) * groups_per_cta) {
-      const int64_t f = bag / p.batch;
-      const int64_t b = bag - f * p.batch;
+    // 32-bit bag and id positions (make_rw_params checks F * Bmax and C < 2^31).
+    const int nnz = static_cast<int>(s_nnz);
+    const int num_bags = static_cast<int>(p.num_features * p.batch);
+    const int batch = static_cast<int>(p.batch);
+    for (int bag = blockIdx.x * groups_per_cta + group; bag < num_bags; bag += gridDim.x * groups_per_cta) {
+      const int f = bag / batch;
       const RwFeature& feat = p.features[f];
-      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
-      const bool f32 = feat.dtype == kF32;
-      const int64_t local_rows = feat.local_rows;
-      const int dim = static_cast<int>(feat.dim);
       const int64_t begin = __ldcg(offsets + bag);
-      const int64_t n = __ldcg(lengths + bag);
+      const int n = __ldcg(lengths + bag);
       if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
-        if (g_lane == 0) {
-          record_error(p, kErrCorrupt, src, 1);
-          abort_peer(p, src);  // its output for this bag is not written
-        }
+        if (g_lane == 0) corrupt_source(p.state, p.peer_pads, p.rank, src, 1);  // bag not written
         continue;
       }
+      const row_t* bag_ids = ids + begin;
+      const float* bag_w = kWeighted ? weights + begin : nullptr;
+      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
+      const bool f32 = feat.dtype == kF32;
+      const row_t local_rows = static_cast<row_t>(feat.local_rows);
+      const int dim = static_cast<int>(feat.dim);
       for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
         const int col = col0 + 4 * g_lane;
         const bool col_ok = col < dim;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         row_t next_row;
         float next_w;
-        load_ids(p, ids, weights, begin, n, g_lane, local_rows, src, next_row, next_w);
-        for (int64_t j0 = 0; j0 < n; j0 += G) {
+        load_ids<row_t, kWeighted>(p, bag_ids, bag_w, n, g_lane, local_rows, src, next_row, next_w);
+        for (int j0 = 0; j0 < n; j0 += G) {
           const row_t my_row = next_row;
           const float my_w = next_w;
           if (j0 + G < n) {
-            load_ids(p, ids, weights, begin + j0 + G, n - j0 - G, g_lane, local_rows, src, next_row, next_w);
+            load_ids<row_t, kWeighted>(p, bag_ids + j0 + G, kWeighted ? bag_w + j0 + G : nullptr,
+                                       n - j0 - G, g_lane, local_rows, src, next_row, next_w);
           }
-          const int cnt = static_cast<int>(n - j0 < G ? n - j0 : G);
+          const int cnt = min(G, n - j0);
           for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
             float4 v[kRowsInFlight];
-            float ws[kRowsInFlight];
 #pragma unroll
             for (int u = 0; u < kRowsInFlight; ++u) {
-              const int lane = (u0 + u) & (G - 1);
-              const row_t r = __shfl_sync(gmask, my_row, lane, G);
-              ws[u] = __shfl_sync(gmask, my_w, lane, G);
+              const row_t r = __shfl_sync(gmask, my_row, (u0 + u) & (G - 1), G);
               v[u] = (u0 + u < cnt && r >= 0 && col_ok) ? load_row4(table, f32, r, dim, col)
                                                          : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
-            for (int u = 0; u < kRowsInFlight; ++u) fma4(acc, ws[u], v[u]);
+            for (int u = 0; u < kRowsInFlight; ++u) {
+              fma4(acc, kWeighted ? __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G) : 1.f, v[u]);
+            }
           }
         }
-        if (col_ok) store4(out + b * p.dim_sum + feat.out_col + col, acc);
+        const int b = bag - f * batch;
+        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, acc);
       }
     }
   }
@@ -230,32 +256,17 @@ __global__ void __launch_bounds__(kThreads, 2) rw_lookup_kernel(RwParams p, int 
   }
 }
 
-template <typename out_t, typename row_t>
-void launch_lookup(const RwParams& p, int group_lanes, int64_t bags, cudaStream_t stream) {
-  // Enough CTAs per source to fill the GPU once all W sources are in flight
-  // (one device per process, so the occupancy is computed once).
-  static int resident = 0;
-  if (resident == 0) {
-    int per_sm = 0, device = 0, sms = 0;
-    PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rw_lookup_kernel<out_t, row_t>, kThreads, 0));
-    PGAS_CUDA_CHECK(cudaGetDevice(&device));
-    PGAS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    resident = std::max(1, per_sm * sms);
-  }
+template <typename row_t, bool kWeighted>
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
+  // One wave: W sources share the resident CTAs (one device per process, so the
+  // occupancy is computed once).
+  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted>, kThreads);
+  const int64_t bags = std::max<int64_t>(1, p.num_features * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
-      1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world + 1));
+      1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<out_t, row_t><<<grid, kThreads, 0, stream>>>(p, group_lanes);
-}
-
-template <typename out_t>
-void launch_lookup(const RwParams& p, int group_lanes, int64_t bags, cudaStream_t stream) {
-  if (p.id_bytes == 4) {
-    launch_lookup<out_t, int32_t>(p, group_lanes, bags, stream);
-  } else {
-    launch_lookup<out_t, int64_t>(p, group_lanes, bags, stream);
-  }
+  rw_lookup_kernel<row_t, kWeighted><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
 }
 
 }  // namespace
@@ -268,20 +279,16 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
   TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "rw_lookup: dims must be multiples of 4, got ", max_dim);
   int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
   while (group_lanes < 32 && group_lanes * 4 < max_dim) group_lanes *= 2;
-  const int64_t bags = std::max<int64_t>(1, p.num_features * batch);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
+              "rw_lookup: output dtype must be float32, float16 or bfloat16");
+  const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
-  switch (out_dtype) {
-    case at::kFloat:
-      launch_lookup<float>(p, group_lanes, bags, stream);
-      break;
-    case at::kHalf:
-      launch_lookup<at::Half>(p, group_lanes, bags, stream);
-      break;
-    case at::kBFloat16:
-      launch_lookup<at::BFloat16>(p, group_lanes, bags, stream);
-      break;
-    default:
-      TORCH_CHECK(false, "rw_lookup: output dtype must be float32, float16 or bfloat16");
+  if (p.id_bytes == 4) {
+    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, stream);
+  } else {
+    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
