@@ -117,13 +117,18 @@ def _quick(world: int) -> List[Workload]:
                Workload("quick", 24, 1_000_000, 64, 16384 // world, 32, "uniform")])
 
 
+def _profile(world: int) -> List[Workload]:
+    """One mid-size gather for ncu (scripts/gpu_check.sh profile)."""
+    return [Workload("profile", 48, 1_000_000, 64, 8192, 32, "uniform")]
+
+
 def _smoke(world: int) -> List[Workload]:
     return [Workload("smoke", 3, 1000, 16, 32, 4), Workload("smoke", 3, 1000, 16, 64, 8, "uniform", "zipf1.2")]
 
 
 PRESETS: Dict[str, Callable[[int], List[Workload]]] = {
     "s004": _s004, "s000-weak": _s000_weak, "s000-strong": _s000_strong, "skew": _skew, "quick": _quick,
-    "smoke": _smoke,
+    "profile": _profile, "smoke": _smoke,
 }
 # 1-GPU reference of the scaling presets (unsharded TBE): (tables, batch); weak keeps 64 tables per GPU.
 SINGLE_GPU: Dict[str, Tuple[int, int]] = {"s000-weak": (64, 16384), "s000-strong": (96, 16384)}

@@ -2,11 +2,12 @@
 # One device call: install the TorchRec bundle, build the extension, run the GPU
 # tests, compute-sanitizer on a small 2-rank case, and the first timing table.
 #
-#   bash scripts/gpu_check.sh [quick|full|dlrm|bench [benchmark args]]   # logs, results under $OUT
+#   bash scripts/gpu_check.sh [quick|full|dlrm|profile|bench [benchmark args]]   # logs, results under $OUT
 #
 # quick: a few GPU tests; full: all of it; dlrm: only the DLRM example through
 # torchx (stock vs PGAS inference samples/s); bench: quick GPU tests, then
-# benchmarks.embedding with the given args (default --preset quick).
+# benchmarks.embedding with the given args (default --preset quick); profile:
+# ncu of the fused lookup and FBGEMM's TBE forward on one GPU.
 #
 # Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
 set -uo pipefail
@@ -34,6 +35,23 @@ log "build extension"
 "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log" | tee -a "$OUT/summary.txt"; exit 1; }
 "$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
+
+if [ "$MODE" = profile ]; then
+  # ncu on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  log "ncu: rw_lookup vs TBE forward"
+  timeout 400 "$NCU" --target-processes all -k regex:"rw_lookup_kernel|rw_index_dist_kernel|split_embedding_codegen_forward" \
+    --launch-skip 4 --launch-count 3 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats --section SchedulerStats -o "$OUT/lookup" \
+    "$PY" -m torch.distributed.run --nproc_per_node=1 -m benchmarks.embedding --preset profile --steps 3 \
+    --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out "$OUT/profile" > "$OUT/ncu_run.log" 2>&1
+  echo "ncu exit $?" | tee -a "$OUT/summary.txt"
+  "$NCU" --import "$OUT/lookup.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+  grep -E "rw_lookup_kernel|rw_index_dist|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
+    "$OUT/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
+  log "done"
+  exit 0
+fi
 
 if [ "$MODE" = dlrm ]; then
   # torchx launches torchrun from PATH; the bundle's torchx (0.7.0) runs local_cwd.
