@@ -40,8 +40,8 @@ if [ "$MODE" = profile ]; then
   # ncu on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   log "ncu: rw_lookup vs TBE forward"
-  timeout 400 "$NCU" --target-processes all -k regex:"rw_lookup_kernel|rw_index_dist_kernel|split_embedding_codegen_forward" \
-    --launch-skip 4 --launch-count 3 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+  timeout 400 "$NCU" --target-processes all -k regex:"${NCU_KERNELS:-rw_}" \
+    --launch-skip "${NCU_SKIP:-3}" --launch-count 3 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section LaunchStats --section SchedulerStats -o "$OUT/lookup" \
     "$PY" -m torch.distributed.run --nproc_per_node=1 -m benchmarks.embedding --preset profile --steps 3 \
     --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out "$OUT/profile" > "$OUT/ncu_run.log" 2>&1
