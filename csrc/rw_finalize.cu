@@ -26,7 +26,7 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename out_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     rw_finalize_kernel(RwParams p, out_t* __restrict__ out, const int32_t* __restrict__ col_feature) {
   __shared__ int64_t s_epoch;
   __shared__ int s_ok;

@@ -28,6 +28,8 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
+#include <cstdlib>
+
 #include "rw_pipeline.cuh"
 
 namespace torchrec_pgas {
@@ -91,13 +93,17 @@ namespace {
 constexpr int kThreads = 256;
 
 // 4 consecutive elements of a row of this rank's shard, widened to fp32
-// (read-only for the whole kernel: the non-coherent path is fine).
-__device__ __forceinline__ float4 load_row4(const uint8_t* weights, bool f32, int64_t row, int dim, int col) {
-  if (f32) {
-    return __ldg(reinterpret_cast<const float4*>(weights) + ((row * dim + col) >> 2));
-  }
-  // kF16 (FBGEMM 1.6's training TBE rejects bf16 weights, see rw_pipeline.py).
-  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(weights) + ((row * dim + col) >> 2)));
+// (read-only for the whole kernel: the non-coherent path is fine). fp16 is the
+// other weight dtype (FBGEMM 1.6's training TBE rejects bf16 weights).
+template <typename w_t>
+__device__ __forceinline__ float4 load4_nc(const uint8_t* p);
+template <>
+__device__ __forceinline__ float4 load4_nc<float>(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const float4*>(p));
+}
+template <>
+__device__ __forceinline__ float4 load4_nc<__half>(const uint8_t* p) {
+  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(p)));
 }
 
 constexpr int kRowsInFlight = 8;
@@ -116,16 +122,18 @@ __device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_
 
 // One chunk of a bag's ids: lane g holds id g of the chunk (or -1 past the end
 // or when out of the shard's rows) and, if weighted, its per-sample weight.
+// A row outside the shard (it came from a peer and decides a load address)
+// sets `bad`; the CTA reports it once, after its bags.
 template <typename row_t, bool kWeighted>
-__device__ __forceinline__ void load_ids(const RwParams& p, const row_t* ids, const float* weights, int left,
-                                         int g_lane, row_t local_rows, int src, row_t& row, float& w) {
+__device__ __forceinline__ void load_ids(const row_t* ids, const float* weights, int left, int g_lane,
+                                         row_t local_rows, row_t& row, float& w, bool& bad) {
   row = -1;
   w = 0.f;
   if (g_lane < left) {
     row = __ldcg(ids + g_lane);
     if (kWeighted) w = __ldcg(weights + g_lane);
-    if (row < 0 || row >= local_rows) {  // from a peer; decides a load address
-      corrupt_source(p.state, p.peer_pads, p.rank, src, 2);
+    if (row < 0 || row >= local_rows) {
+      bad = true;
       row = -1;
     }
   }
@@ -142,10 +150,47 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
   }
 }
 
+// Pools one bag (this lane's 4 columns at byte offset `col_off`). Straight-line
+// inner loop: an id past the bag's end or out of the shard's rows becomes row 0
+// with weight 0, so every row load issues unconditionally, kRowsInFlight of
+// them before their sums.
+template <typename w_t, typename row_t, bool kWeighted>
+__device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
+                                           const float* bag_w, int n, int G, int g_lane, unsigned gmask,
+                                           row_t local_rows, bool& bad) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  row_t next_row;
+  float next_w;
+  load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, local_rows, next_row, next_w, bad);
+  for (int j0 = 0; j0 < n; j0 += G) {
+    const row_t my_row = next_row < 0 ? 0 : next_row;
+    const float my_w = next_row < 0 ? 0.f : (kWeighted ? next_w : 1.f);
+    if (j0 + G < n) {
+      load_ids<row_t, kWeighted>(bag_ids + j0 + G, kWeighted ? bag_w + j0 + G : nullptr, n - j0 - G, g_lane,
+                                 local_rows, next_row, next_w, bad);
+    }
+    const int cnt = min(G, n - j0);
+    for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
+      float4 v[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const row_t r = __shfl_sync(gmask, my_row, (u0 + u) & (G - 1), G);
+        v[u] = load4_nc<w_t>(table + static_cast<int64_t>(r) * row_bytes + col_off);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const float w = __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G);
+        fma4(acc, u0 + u < cnt ? w : 0.f, v[u]);
+      }
+    }
+  }
+  return acc;
+}
+
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
-template <typename row_t, bool kWeighted>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
+template <typename row_t, bool kWeighted, int kMB>
+__global__ void __launch_bounds__(kThreads, kMB) rw_lookup_kernel(RwParams p, int group_lanes,
                                                                          int out_kind) {
   __shared__ int64_t s_epoch, s_nnz;
   __shared__ int s_ok;
@@ -194,13 +239,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const int nnz = static_cast<int>(s_nnz);
     const int num_bags = static_cast<int>(p.num_features * p.batch);
     const int batch = static_cast<int>(p.batch);
+    bool bad = false, bad_span = false;
     for (int bag = blockIdx.x * groups_per_cta + group; bag < num_bags; bag += gridDim.x * groups_per_cta) {
       const int f = bag / batch;
       const RwFeature& feat = p.features[f];
       const int64_t begin = __ldcg(offsets + bag);
       const int n = __ldcg(lengths + bag);
       if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
-        if (g_lane == 0) corrupt_source(p.state, p.peer_pads, p.rank, src, 1);  // bag not written
+        bad_span = true;  // this bag's output is not written
         continue;
       }
       const row_t* bag_ids = ids + begin;
@@ -209,39 +255,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
       const bool f32 = feat.dtype == kF32;
       const row_t local_rows = static_cast<row_t>(feat.local_rows);
       const int dim = static_cast<int>(feat.dim);
+      const int row_bytes = dim * (f32 ? 4 : 2);
       for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
         const int col = col0 + 4 * g_lane;
         const bool col_ok = col < dim;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        row_t next_row;
-        float next_w;
-        load_ids<row_t, kWeighted>(p, bag_ids, bag_w, n, g_lane, local_rows, src, next_row, next_w);
-        for (int j0 = 0; j0 < n; j0 += G) {
-          const row_t my_row = next_row;
-          const float my_w = next_w;
-          if (j0 + G < n) {
-            load_ids<row_t, kWeighted>(p, bag_ids + j0 + G, kWeighted ? bag_w + j0 + G : nullptr,
-                                       n - j0 - G, g_lane, local_rows, src, next_row, next_w);
-          }
-          const int cnt = min(G, n - j0);
-          for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
-            float4 v[kRowsInFlight];
-#pragma unroll
-            for (int u = 0; u < kRowsInFlight; ++u) {
-              const row_t r = __shfl_sync(gmask, my_row, (u0 + u) & (G - 1), G);
-              v[u] = (u0 + u < cnt && r >= 0 && col_ok) ? load_row4(table, f32, r, dim, col)
-                                                         : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int u = 0; u < kRowsInFlight; ++u) {
-              fma4(acc, kWeighted ? __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G) : 1.f, v[u]);
-            }
-          }
-        }
+        const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
+        const float4 acc =
+            f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                    gmask, local_rows, bad)
+                : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                     gmask, local_rows, bad);
         const int b = bag - f * batch;
         if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, acc);
       }
     }
+    // Reported once per lane, before this CTA counts as done (so before the signal).
+    if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
   }
 
   __syncthreads();
@@ -256,17 +285,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
   }
 }
 
-template <typename row_t, bool kWeighted>
+template <typename row_t, bool kWeighted, int kMB>
 void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
   // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
-  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted>, kThreads);
+  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kMB>, kThreads);
   const int64_t bags = std::max<int64_t>(1, p.num_features * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
       1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<row_t, kWeighted><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
+  rw_lookup_kernel<row_t, kWeighted, kMB><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
 }
 
 }  // namespace
@@ -283,12 +312,23 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
               "rw_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
+  static const bool mb3 = getenv("PGAS_EXP_MB3") != nullptr;  // EXPERIMENT, removed before landing
+  if (mb3) {
   if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int32_t, true, 3>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int32_t, false, 3>(p, group_lanes, out_kind, stream);
   } else {
-    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int64_t, true, 3>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int64_t, false, 3>(p, group_lanes, out_kind, stream);
+  }
+  } else {
+  if (p.id_bytes == 4) {
+    p.weighted ? launch_lookup<int32_t, true, 2>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int32_t, false, 2>(p, group_lanes, out_kind, stream);
+  } else {
+    p.weighted ? launch_lookup<int64_t, true, 2>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int64_t, false, 2>(p, group_lanes, out_kind, stream);
+  }
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
