@@ -28,8 +28,6 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
-#include <cstdlib>
-
 #include "rw_pipeline.cuh"
 
 namespace torchrec_pgas {
@@ -107,7 +105,9 @@ __device__ __forceinline__ float4 load4_nc<__half>(const uint8_t* p) {
 }
 
 constexpr int kRowsInFlight = 8;
-constexpr int kMinBlocks = 3;  // 24 warps per SM, 8 rows in flight each, no spills
+// 16 warps per SM with 8 rows in flight each and no spills (3 blocks spilled and
+// measured no faster on s000, benchmarks/NOTES.md).
+constexpr int kMinBlocks = 2;
 
 // Out of line: the error path must not cost the hot loop registers.
 __device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_pads, int rank, int src,
@@ -189,8 +189,8 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
 
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
-template <typename row_t, bool kWeighted, int kMB>
-__global__ void __launch_bounds__(kThreads, kMB) rw_lookup_kernel(RwParams p, int group_lanes,
+template <typename row_t, bool kWeighted>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
                                                                          int out_kind) {
   __shared__ int64_t s_epoch, s_nnz;
   __shared__ int s_ok;
@@ -285,17 +285,17 @@ __global__ void __launch_bounds__(kThreads, kMB) rw_lookup_kernel(RwParams p, in
   }
 }
 
-template <typename row_t, bool kWeighted, int kMB>
+template <typename row_t, bool kWeighted>
 void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
   // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
-  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kMB>, kThreads);
+  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted>, kThreads);
   const int64_t bags = std::max<int64_t>(1, p.num_features * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
       1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<row_t, kWeighted, kMB><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
+  rw_lookup_kernel<row_t, kWeighted><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
 }
 
 }  // namespace
@@ -312,15 +312,12 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
               "rw_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
-  static const bool mb3 = getenv("PGAS_EXP_MB3") != nullptr;  // EXPERIMENT, removed before landing
-  if (mb3) {
   if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true, 3>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int32_t, false, 3>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, stream);
   } else {
-    p.weighted ? launch_lookup<int64_t, true, 3>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int64_t, false, 3>(p, group_lanes, out_kind, stream);
-  }
+    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
   } else {
   if (p.id_bytes == 4) {
     p.weighted ? launch_lookup<int32_t, true, 2>(p, group_lanes, out_kind, stream)

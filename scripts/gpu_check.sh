@@ -4,10 +4,11 @@
 #
 #   bash scripts/gpu_check.sh [quick|full|dlrm|profile|bench [benchmark args]]   # logs, results under $OUT
 #
-# quick: a few GPU tests; full: all of it; dlrm: only the DLRM example through
-# torchx (stock vs PGAS inference samples/s); bench: quick GPU tests, then
-# benchmarks.embedding with the given args (default --preset quick); profile:
-# ncu of the fused lookup and FBGEMM's TBE forward on one GPU.
+# quick: a few GPU tests; full: all GPU tests, the benchmark presets s004,
+# s000-weak, s000-strong and skew, compute-sanitizer, the demo; dlrm: only the
+# DLRM example through torchx (stock vs PGAS inference samples/s); bench: quick
+# GPU tests, then benchmarks.embedding with the given args (default --preset
+# quick); profile: ncu of the fused lookup and FBGEMM's TBE forward on one GPU.
 #
 # Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
 set -uo pipefail
@@ -70,15 +71,28 @@ fi
 TESTS=(tests/test_gpu.py)
 [ "$MODE" != full ] && TESTS+=(-k "out_of_range or mismatch or ignore or graph")
 log "GPU tests ($MODE)"
-timeout 420 "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" | tee -a "$OUT/summary.txt"
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/summary.txt"
+
+if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
+  if [ $# -eq 0 ]; then
+    if [ "$MODE" = full ]; then set -- --preset s004 --preset s000-weak --preset s000-strong --preset skew
+    else set -- --preset quick; fi
+  fi
+  log "benchmark: $*"
+  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+    -m benchmarks.embedding --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
+  echo "benchmark exit $?" | tee -a "$OUT/summary.txt"
+  sed -n '/^measured:/,$p' "$OUT/bench.log" | tail -16 | tee -a "$OUT/summary.txt"
+  grep -E "Error|error" "$OUT/bench.log" | tail -5 | tee -a "$OUT/summary.txt"
+fi
 
 if [ "$MODE" = full ]; then
   log "compute-sanitizer memcheck, 2 ranks"
   # API errors are NCCL probing kernel images of other archs at init; count memory errors.
-  timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --target-processes all --error-exitcode 9 \
-    "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
+  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
+    --error-exitcode 9 "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
   grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"
 
@@ -86,23 +100,5 @@ if [ "$MODE" = full ]; then
   timeout 120 "$PY" examples/demo.py > "$OUT/demo.log" 2>&1
   echo "demo exit $?" | tee -a "$OUT/summary.txt"
   sed -n '/^pgas_row_wise vs stock/,$p' "$OUT/demo.log" | tee -a "$OUT/summary.txt"
-
-  log "DLRM inference: stock vs pgas (samples/s)"
-  for sharding in nccl pgas; do
-    timeout 120 "$PY" -m torch.distributed.run --nproc_per_node=2 -m examples.dlrm.run --sharding "$sharding" \
-      --batch-size 4096 --steps 50 --max-rows 1000000 --validate > "$OUT/dlrm_$sharding.log" 2>&1
-    echo "dlrm $sharding exit $?" | tee -a "$OUT/summary.txt"
-    grep -E "^DLRM|^validate" "$OUT/dlrm_$sharding.log" | tee -a "$OUT/summary.txt"
-  done
-
-fi
-if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
-  [ $# -eq 0 ] && set -- --preset quick
-  log "benchmark: $*"
-  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
-    -m benchmarks.embedding --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
-  echo "benchmark exit $?" | tee -a "$OUT/summary.txt"
-  sed -n '/^measured:/,$p' "$OUT/bench.log" | tee -a "$OUT/summary.txt"
-  grep -E "Error|error" "$OUT/bench.log" | tail -5 | tee -a "$OUT/summary.txt"
 fi
 log "done"
