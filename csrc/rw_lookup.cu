@@ -318,14 +318,6 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
   } else {
     p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
                : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
-  } else {
-  if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true, 2>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int32_t, false, 2>(p, group_lanes, out_kind, stream);
-  } else {
-    p.weighted ? launch_lookup<int64_t, true, 2>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int64_t, false, 2>(p, group_lanes, out_kind, stream);
-  }
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
