@@ -28,13 +28,14 @@ log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
   nvidia-smi topo -m 2>/dev/null | head -4
 } | tee "$OUT/summary.txt"
 
+# One setup log: a call brings back at most 8 files (full mode writes exactly 8).
 log "install devbundle"
-bash .devbundle/install_on_device.sh /tmp/site > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+bash .devbundle/install_on_device.sh /tmp/site > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
 export PYTHONPATH=/tmp/site
 
 log "build extension"
-"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log" | tee -a "$OUT/summary.txt"; exit 1; }
+"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> "$OUT/setup.log" 2>&1 \
+  || { tail -30 "$OUT/setup.log" | tee -a "$OUT/summary.txt"; exit 1; }
 "$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
 
 if [ "$MODE" = profile ]; then

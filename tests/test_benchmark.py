@@ -1,0 +1,55 @@
+"""benchmarks.embedding end to end on CPU: 2 ranks (gloo + shm), the smoke preset."""
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Dict
+
+import torch
+
+from benchmarks.embedding import PRESETS, make_inputs
+
+STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"]
+PGAS_STAGES = ["index_dist", "lookup", "finalize", "output_dist"]  # "lookup" is the pipeline's own mark
+
+
+def _run(tmp: str) -> Dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "benchmarks.embedding",
+           "--preset", "smoke", "--steps", "5", "--warmup", "1", "--stage-steps", "2", "--out", tmp]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "smoke: geomean speedup eager" in proc.stdout
+    with open(os.path.join(tmp, "results.json")) as f:
+        return json.load(f)
+
+
+def _expected_hbm_bytes(w: Any, world: int) -> int:
+    """Rows gathered by the busiest owner (mean over the input sets), recomputed from the inputs."""
+    block = (w.rows + world - 1) // world
+    k = PRESETS["smoke"](world).index(w)
+    per_owner = torch.zeros(world, dtype=torch.float64)
+    for rank in range(world):
+        for x in make_inputs(w, w.tables, w.batch_per_gpu, 4, seed=1000 * rank + k, device=torch.device("cpu")):
+            per_owner += torch.bincount(x.values() // block, minlength=world).double() / 4
+    return int((per_owner * 4 * w.dim).max())
+
+
+def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any) -> None:
+    out = _run(str(tmp_path))
+    assert out["meta"]["commit"] == "testsha" and out["meta"]["world_size"] == 2
+    workloads = PRESETS["smoke"](2)
+    assert [r["name"] for r in out["rows"]] == [w.name for w in workloads]
+    for row, w in zip(out["rows"], workloads):
+        assert row["max_abs_err"] <= 1e-4  # both sides agreed before timing
+        for side in ("stock", "pgas"):
+            assert 0 < row[f"{side}_p50_ms"] <= row[f"{side}_p90_ms"]
+        assert abs(row["speedup_eager"] - row["stock_p50_ms"] / row["pgas_p50_ms"]) < 1e-9
+        assert list(row["stock_stages_ms"]) == STOCK_STAGES and list(row["pgas_stages_ms"]) == PGAS_STAGES
+        assert all(v >= 0 for v in [*row["stock_stages_ms"].values(), *row["pgas_stages_ms"].values()])
+        assert row["hbm_bytes"] == _expected_hbm_bytes(w, 2)
+        assert row["pgas_graph_p50_ms"] is None and "not capturable" in row["stock_graph"]  # CPU: no graphs
+    with open(os.path.join(tmp_path, "results.csv")) as f:
+        header = f.readline().strip().split(",")
+    assert "pgas_stage_lookup_ms" in header and "stock_stage_values_a2a_ms" in header
