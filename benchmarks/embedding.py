@@ -221,8 +221,24 @@ def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Di
 # ---- timing -----------------------------------------------------------------------
 
 
+def timed_ms(fn: Callable[[], Any], cuda: bool) -> float:
+    """One call, from an idle GPU: CUDA events around it on the current stream
+    (the GPU-side time, host gaps included), or the wall clock on CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 class Clock:
-    """Per-step times: CUDA events on GPUs, the wall clock on CPU; steps start together."""
+    """Per-step times; steps start together on all ranks."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -234,18 +250,7 @@ class Clock:
         times = []
         for i in range(steps):
             dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(i)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn(i)
-                times.append(1e3 * (time.perf_counter() - t0))
+            times.append(timed_ms(lambda: fn(i), cuda))
         # a step ends when the slowest rank's ends
         t = torch.tensor(times, dtype=torch.float64, device=self.device if cuda else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -331,13 +336,7 @@ def measure_bandwidths(device: torch.device, nbytes: int = 2 << 30, reps: int = 
         times = []
         for _ in range(reps + 2):
             dist.barrier()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(timed_ms(lambda: dst.copy_(src), True))
         return factor * nbytes / (p50(times[2:]) * 1e6)
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -372,15 +371,7 @@ def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
 
     for i in range(args.warmup):
         step(i)
-    times = []
-    for i in range(args.steps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [timed_ms(lambda: step(i), True) for i in range(args.steps)]
     return {"preset": preset, "tables": tables, "batch": batch, "rows": w.rows, "dim": w.dim,
             "pooling": w.pooling, "pooling_dist": w.pooling_dist, "p50_ms": p50(times), "p90_ms": p90(times)}
 
@@ -498,11 +489,13 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
             line += f", graph {statistics.geometric_mean(graphs):.2f}x"
         lines.append(line)
     for s in single:
-        sel = [r for r in rows if r["preset"] == s["preset"]]
-        for r in sel:
-            lines.append(f"{s['preset']}: 1-GPU TBE {s['p50_ms']:.3f} ms; scaling factor (1-GPU / {r['world_size']}-GPU) "
-                         f"stock {s['p50_ms'] / r['stock_p50_ms']:.2f}, pgas {s['p50_ms'] / r['pgas_p50_ms']:.2f}"
-                         + (f", pgas graph {s['p50_ms'] / r['pgas_graph_p50_ms']:.2f}" if r["pgas_graph_p50_ms"] else ""))
+        for r in (r for r in rows if r["preset"] == s["preset"]):
+            t1 = s["p50_ms"]
+            line = (f"{s['preset']}: 1-GPU TBE {t1:.3f} ms; scaling factor (1-GPU / {r['world_size']}-GPU) "
+                    f"stock {t1 / r['stock_p50_ms']:.2f}, pgas {t1 / r['pgas_p50_ms']:.2f}")
+            if r["pgas_graph_p50_ms"]:
+                line += f", pgas graph {t1 / r['pgas_graph_p50_ms']:.2f}"
+            lines.append(line)
     return "\n".join(lines)
 
 
