@@ -75,6 +75,7 @@ setup(
     description="TorchRec sharding plugin: NVSHMEM one-sided communication fused into embedding kernels",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
+    package_data={"torchrec_pgas.planner": ["profiles/*.json"]},
     extras_require={
         # torchx 0.7.0 (the last release) pins urllib3<1.27; the nightly installs cleanly.
         "torchx": ["torchx-nightly==2026.10.26"],

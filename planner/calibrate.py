@@ -1,0 +1,98 @@
+"""Fit a hardware profile from a ``benchmarks.embedding`` run, and show how well it predicts that run.
+
+    # on the device: the measurements (any presets; s004 + s000 cover latency- and bandwidth-bound steps)
+    torchrun --nproc_per_node=2 -m benchmarks.embedding --preset s004 --preset s000-weak --preset s000-strong
+    # anywhere: the fit
+    python -m torchrec_pgas.planner.calibrate benchmarks/results/<folder>/results.json -o profile.json
+
+Uniform-id rows only (the model has no skew term). NCCL has no graph mode (stock TorchRec cannot be
+captured), so its graph coefficients are its eager ones.
+"""
+
+import argparse
+import json
+import statistics
+from typing import Any, Dict, List, Tuple
+
+from torchrec_pgas.planner.cost_model import (
+    NCCL_RW,
+    PGAS_RW,
+    CostModel,
+    HardwareProfile,
+    TableLoad,
+    fit_coefficients,
+    table_bytes,
+)
+
+# (backend, mode) -> the result column it is fitted to
+COLUMNS = {(NCCL_RW, "eager"): "stock_p50_ms", (PGAS_RW, "eager"): "pgas_p50_ms",
+           (PGAS_RW, "graph"): "pgas_graph_p50_ms"}
+
+
+def workload_tables(row: Dict[str, Any]) -> List[TableLoad]:
+    """The benchmark's tables: one feature each, fixed pooling or uniform in [1, pooling]."""
+    mean = row["pooling"] if row["pooling_dist"] == "fixed" else (1 + row["pooling"]) / 2
+    return [TableLoad(f"t{i}", row["rows"], row["dim"], [mean]) for i in range(row["tables"])]
+
+
+def samples(rows: List[Dict[str, Any]], backend: str, column: str) -> List[Dict[str, float]]:
+    out = []
+    for r in rows:
+        if r["ids"] != "uniform" or r.get(column) is None:
+            continue
+        byts = [table_bytes(t, r["batch_per_gpu"], r["world_size"], backend) for t in workload_tables(r)]
+        out.append({"hbm": sum(b.hbm for b in byts), "wire": sum(b.wire for b in byts),
+                    "local": sum(b.local for b in byts), "ms": r[column]})
+    return out
+
+
+def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
+    rows, meta = results["rows"], results["meta"]
+    coeffs: Dict[str, Dict[str, Any]] = {"eager": {}, "graph": {}}
+    for (backend, mode), column in COLUMNS.items():
+        coeffs[mode][backend] = fit_coefficients(samples(rows, backend, column))
+    coeffs["graph"][NCCL_RW] = coeffs["eager"][NCCL_RW]
+    source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
+              f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']})")
+    return HardwareProfile(name, f"{meta['world_size']}x {meta['device']}", meta["world_size"], source, coeffs)
+
+
+def prediction_table(profile: HardwareProfile, results: Dict[str, Any]) -> Tuple[str, Dict[str, float]]:
+    """Predicted vs measured per row and mode; the median absolute relative error per (backend, mode)."""
+    lines = [f"{'workload':<44} {'mode':<5} {'backend':<7} {'measured':>9} {'predicted':>9} {'error':>7}"]
+    errors: Dict[str, List[float]] = {}
+    for r in results["rows"]:
+        if r["ids"] != "uniform":
+            continue
+        for (backend, mode), column in COLUMNS.items():
+            if r.get(column) is None:
+                continue
+            model = CostModel(profile, r["world_size"], r["batch_per_gpu"], mode)
+            pred = model.step_ms(workload_tables(r), backend)
+            err = (pred - r[column]) / r[column]
+            errors.setdefault(f"{backend}/{mode}", []).append(abs(err))
+            lines.append(f"{r['preset'] + '/' + r['name']:<44} {mode:<5} {backend:<7} {r[column]:>9.3f} "
+                         f"{pred:>9.3f} {100 * err:>+6.1f}%")
+    return "\n".join(lines), {k: statistics.median(v) for k, v in errors.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="results.json of benchmarks.embedding")
+    parser.add_argument("-o", "--out", required=True, help="profile JSON to write")
+    parser.add_argument("--name", default="calibrated")
+    args = parser.parse_args()
+    with open(args.results) as f:
+        results = json.load(f)
+    profile = fit(results, args.name)
+    with open(args.out, "w") as f:
+        json.dump(profile.to_json(), f, indent=1)
+    table, mae = prediction_table(profile, results)
+    print(table)
+    for k, v in mae.items():
+        print(f"median |error| {k}: {100 * v:.1f}%")
+    print(f"profile: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Latency-aware cost model of one sharded embedding-bag forward, per backend.
+
+TorchRec's estimator prices communication by bandwidth alone, which cannot tell NCCL from PGAS on the small
+messages where they differ most. Here a step of a backend costs::
+
+    t = alpha                        fixed: launches, host syncs, signal round trips, Python per step
+      + hbm_bytes   * k_hbm          rows gathered by the busiest owner (the lookup)
+      + wire_bytes  * k_wire         ids in and partial pools out that cross to other ranks
+      + local_bytes * k_local        outputs written and unpacked/finalized on this rank
+
+with one coefficient set per backend and timing mode, fitted from ``benchmarks.embedding`` results
+(``python -m torchrec_pgas.planner.calibrate``). Byte counts come from the table config, the per-rank
+batch, the mean pooling factors and the world size; they are the same formulas the benchmark's roofline
+uses. Intra-node NVLink only (PGAS needs load/store-reachable peers).
+"""
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+NCCL_RW = "nccl_rw"
+PGAS_RW = "pgas_rw"
+BACKENDS = (NCCL_RW, PGAS_RW)
+# Bytes of one id on the wire: TorchRec's values all-to-all sends int64; PGAS sends int32 local rows.
+ID_BYTES = {NCCL_RW: 8, PGAS_RW: 4}
+DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "profiles", "h200x2_nvlink.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Coefficients:
+    """One backend in one timing mode: alpha in ms, the others in ms per byte."""
+
+    alpha_ms: float
+    k_hbm: float
+    k_wire: float
+    k_local: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """Fitted coefficients per backend and mode ("eager", "graph"), with where they came from."""
+
+    name: str
+    device: str
+    world_size: int
+    source: str  # the command, commit and date that produced the fit
+    coefficients: Dict[str, Dict[str, Coefficients]]  # mode -> backend -> coefficients
+
+    def get(self, backend: str, mode: str) -> Coefficients:
+        if mode not in self.coefficients or backend not in self.coefficients[mode]:
+            raise KeyError(f"profile '{self.name}' has no {backend} coefficients for mode '{mode}'")
+        return self.coefficients[mode][backend]
+
+    def to_json(self) -> Dict[str, object]:
+        return {
+            "name": self.name, "device": self.device, "world_size": self.world_size, "source": self.source,
+            "coefficients": {m: {b: dataclasses.asdict(c) for b, c in bs.items()}
+                             for m, bs in self.coefficients.items()},
+        }
+
+    @staticmethod
+    def from_json(d: Dict[str, object]) -> "HardwareProfile":
+        coeffs = {m: {b: Coefficients(**c) for b, c in bs.items()}  # type: ignore[union-attr]
+                  for m, bs in d["coefficients"].items()}  # type: ignore[union-attr]
+        return HardwareProfile(str(d["name"]), str(d["device"]), int(d["world_size"]),  # type: ignore[arg-type]
+                               str(d["source"]), coeffs)
+
+
+def load_profile(path: Optional[str] = None, device_name: Optional[str] = None) -> HardwareProfile:
+    """The profile at ``path``, else the shipped H200 NVLink profile (warning if ``device_name``
+    says the hardware is something else: the numbers then only rank the options roughly)."""
+    with open(path or DEFAULT_PROFILE) as f:
+        profile = HardwareProfile.from_json(json.load(f))
+    if path is None and device_name is not None and "H200" not in device_name:
+        warnings.warn(f"torchrec_pgas.planner: no hardware profile for '{device_name}'; using "
+                      f"'{profile.name}' ({profile.device}). Calibrate with python -m torchrec_pgas.planner.calibrate")
+    return profile
+
+
+@dataclasses.dataclass(frozen=True)
+class TableLoad:
+    """What one table asks of a step, per rank."""
+
+    name: str
+    rows: int
+    dim: int
+    pooling: Sequence[float]  # mean ids per bag, one per feature the table serves
+    weight_bytes: int = 4  # bytes per element of the table
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    hbm: float
+    wire: float
+    local: float
+
+
+def table_bytes(t: TableLoad, batch_per_rank: int, world_size: int, backend: str) -> StepBytes:
+    """Per-rank bytes of one table under RW: every rank gathers its 1/W of all W ranks' ids."""
+    ids = batch_per_rank * sum(t.pooling)
+    bags = batch_per_rank * len(t.pooling)
+    remote = (world_size - 1) / world_size
+    out_row = 4 * t.dim  # partial pools are fp32
+    return StepBytes(
+        hbm=ids * t.dim * t.weight_bytes,
+        wire=ids * ID_BYTES[backend] * remote + bags * out_row * (world_size - 1),
+        local=bags * out_row * world_size,
+    )
+
+
+class CostModel:
+    """Per-table and per-step estimates for one world size, batch and timing mode."""
+
+    def __init__(self, profile: HardwareProfile, world_size: int, batch_per_rank: int, mode: str = "eager") -> None:
+        self.profile = profile
+        self.world_size = world_size
+        self.batch_per_rank = batch_per_rank
+        self.mode = mode
+
+    def marginal_ms(self, t: TableLoad, backend: str) -> float:
+        """What adding table ``t`` to a backend costs a step (no fixed part)."""
+        c = self.profile.get(backend, self.mode)
+        b = table_bytes(t, self.batch_per_rank, self.world_size, backend)
+        return b.hbm * c.k_hbm + b.wire * c.k_wire + b.local * c.k_local
+
+    def lookup_ms(self, t: TableLoad, backend: str) -> float:
+        """The HBM (gather) part of ``marginal_ms``: the planner's "compute"."""
+        return table_bytes(t, self.batch_per_rank, self.world_size, backend).hbm * self.profile.get(
+            backend, self.mode).k_hbm
+
+    def step_ms(self, tables: Sequence[TableLoad], backend: str) -> float:
+        """A step with all of ``tables`` on one backend (0 if there are none)."""
+        if not tables:
+            return 0.0
+        return self.profile.get(backend, self.mode).alpha_ms + sum(self.marginal_ms(t, backend) for t in tables)
+
+    def table_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
+        """Per-table price for a planner that sums tables: the marginal cost plus an equal share of the
+        fixed cost among the ``num_tables`` tables being planned (exact when all share one backend)."""
+        return self.profile.get(backend, self.mode).alpha_ms / max(1, num_tables) + self.marginal_ms(t, backend)
+
+    def choose(self, tables: Sequence[TableLoad]) -> Dict[str, str]:
+        """Per table, the backend with the lower price (ties go to NCCL, the stock path)."""
+        n = len(tables)
+        return {t.name: min(BACKENDS, key=lambda b: (self.table_ms(t, b, n), b != NCCL_RW)) for t in tables}
+
+
+def fit_coefficients(samples: List[Dict[str, float]]) -> Coefficients:
+    """Non-negative least squares in relative error over samples with keys
+    ``hbm, wire, local, ms`` (an active-set loop over 4 unknowns: small enough to do by hand)."""
+    import numpy as np
+
+    x = np.array([[1.0, s["hbm"], s["wire"], s["local"]] for s in samples])
+    y = np.array([s["ms"] for s in samples])
+    a, rhs = x / y[:, None], np.ones_like(y)  # relative error: small steps count as much as large ones
+    active = list(range(4))
+    while True:
+        sol = np.zeros(4)
+        sol[active] = np.linalg.lstsq(a[:, active], rhs, rcond=None)[0]
+        negative = [i for i in active if sol[i] < 0]
+        if not negative:
+            return Coefficients(*(float(v) for v in sol))
+        active.remove(min(negative, key=lambda i: sol[i]))

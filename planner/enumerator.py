@@ -1,0 +1,181 @@
+"""``PgasEnumerator``: TorchRec's enumerator, with ``pgas_row_wise`` priced next to ``row_wise``.
+
+Use it in place of ``EmbeddingEnumerator``::
+
+    enumerator = PgasEnumerator(topology, batch_per_rank, constraints=constraints)
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_per_rank, enumerator=enumerator,
+        constraints=constraints, stats=[PgasDecisionStats()])
+    plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], pg)
+
+TorchRec cannot compute shard sizes for a sharding type it does not know, so the PGAS type is enumerated
+as its stock twin (same shards, same storage) and cloned. Both are then priced by the cost model
+(``cost_model.py``); the proposers and partitioner pick per table as usual. Other collective sharding
+types (TW, CW, TWRW) keep TorchRec's bandwidth estimates plus NCCL's fixed-cost share, which those
+estimates leave out; data parallel (no forward communication) is unchanged.
+``ParameterConstraints.sharding_types`` still restricts choices, and
+``backends="pgas"`` / ``"nccl"`` takes one side for every table whose constraints allow both.
+PGAS has no backward pass yet, so ``training=True`` offers no PGAS option.
+"""
+
+import copy
+import dataclasses
+import logging
+from typing import Any, Dict, List, Optional, Union
+
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.types import (
+    Enumerator,
+    ParameterConstraints,
+    Perf,
+    ShardEstimator,
+    ShardingOption,
+    Stats,
+    StorageReservation,
+    Topology,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+
+from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, HardwareProfile, TableLoad, load_profile
+from torchrec_pgas.types import PGAS_ROW_WISE
+
+logger = logging.getLogger(__name__)
+ROW_WISE = ShardingType.ROW_WISE.value
+_BACKEND = {ROW_WISE: NCCL_RW, PGAS_ROW_WISE: PGAS_RW}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One table's prices (ms per step on each rank) and what the model prefers."""
+
+    table: str
+    rows: int
+    dim: int
+    pooling: float
+    nccl_ms: Optional[float]
+    pgas_ms: Optional[float]
+
+    @property
+    def choice(self) -> str:
+        if self.pgas_ms is None:
+            return ROW_WISE
+        if self.nccl_ms is None:
+            return PGAS_ROW_WISE
+        return PGAS_ROW_WISE if self.pgas_ms < self.nccl_ms else ROW_WISE
+
+
+class PgasEnumerator(EmbeddingEnumerator):
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int,
+        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        estimator: Optional[Union[ShardEstimator, List[ShardEstimator]]] = None,
+        profile: Optional[HardwareProfile] = None,
+        mode: str = "eager",
+        backends: str = "auto",
+        training: bool = False,
+    ) -> None:
+        if backends not in ("auto", "pgas", "nccl"):
+            raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
+        super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)
+        self.model = CostModel(profile or load_profile(), topology.world_size, batch_size, mode)
+        self.backends = backends
+        self.training = training
+        self.decisions: List[Decision] = []
+        self._offer: Dict[str, List[str]] = {}  # table -> the RW-family types it may get
+
+    def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
+        kept = super()._filter_sharding_types(name, allowed_sharding_types, sharder_key)
+        # Constraints win over the backend preference; training has no PGAS backward.
+        pgas = PGAS_ROW_WISE in kept and not self.training and (self.backends != "nccl" or ROW_WISE not in kept)
+        stock = ROW_WISE in kept and (self.backends != "pgas" or not pgas)
+        self._offer[name] = [t for t, ok in ((ROW_WISE, stock), (PGAS_ROW_WISE, pgas)) if ok]
+        out = [t for t in kept if t not in (ROW_WISE, PGAS_ROW_WISE)]
+        return out + [ROW_WISE] if self._offer[name] else out
+
+    def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
+        options = super().enumerate(module, sharders)
+        num_tables = len({o.name for o in options})
+        out: List[ShardingOption] = []
+        prices: Dict[str, Dict[str, float]] = {}
+        loads: Dict[str, TableLoad] = {}
+        nccl_share = self.model.profile.get(NCCL_RW, self.model.mode).alpha_ms / max(1, num_tables)
+        for o in options:
+            if o.sharding_type != ROW_WISE or o.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+                if o.sharding_type == ROW_WISE and PGAS_ROW_WISE in self._offer.get(o.name, []) and (
+                        ROW_WISE not in self._offer[o.name]):
+                    continue  # a non-fused RW option of a table that may only go PGAS
+                if not self.training and o.sharding_type != ShardingType.DATA_PARALLEL.value:
+                    # TW/CW/TWRW run TorchRec's same input and output dists: the same fixed
+                    # cost (host syncs, collective latency) that TorchRec's bandwidth-only
+                    # estimate leaves out.
+                    for shard in o.shards:
+                        if shard.perf is not None:
+                            shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
+                out.append(o)
+                continue
+            # The model prices the HBM-resident fused TBE, which the PGAS kernels read too;
+            # other RW kernels (UVM, ...) keep TorchRec's estimate plus the fixed share above.
+            for st in self._offer.get(o.name, [ROW_WISE]):
+                opt = o if st == ROW_WISE else _clone(o, PGAS_ROW_WISE)
+                if not self.training:  # training keeps TorchRec's forward + backward estimates
+                    load = _load(o)
+                    ms = self.model.table_ms(load, _BACKEND[st], num_tables)
+                    _price(opt, compute_ms=self.model.lookup_ms(load, _BACKEND[st]), total_ms=ms)
+                    loads[o.name] = load
+                    prices.setdefault(o.name, {})[st] = ms
+                out.append(opt)
+        self.decisions = [
+            Decision(name, load.rows, load.dim, sum(load.pooling),
+                     prices[name].get(ROW_WISE), prices[name].get(PGAS_ROW_WISE))
+            for name, load in loads.items()
+        ]
+        for d in self.decisions:
+            logger.info("pgas planner: %s nccl %s ms, pgas %s ms -> %s", d.table, d.nccl_ms, d.pgas_ms, d.choice)
+        return out
+
+
+def _load(o: ShardingOption) -> TableLoad:
+    rows, dim = o.tensor.shape
+    return TableLoad(o.name, rows, dim, list(o.input_lengths), o.tensor.element_size())
+
+
+def _clone(o: ShardingOption, sharding_type: str) -> ShardingOption:
+    """Same shards and storage, another type (no deep copy of the table tensor)."""
+    c = copy.copy(o)
+    c.sharding_type = sharding_type
+    c.shards = [dataclasses.replace(s) for s in o.shards]
+    return c
+
+
+def _price(o: ShardingOption, compute_ms: float, total_ms: float) -> None:
+    """Every RW shard costs its rank the table's per-rank step time (inference: no backward)."""
+    for s in o.shards:
+        s.perf = Perf(fwd_compute=compute_ms, fwd_comms=total_ms - compute_ms, bwd_compute=0.0, bwd_comms=0.0)
+
+
+class PgasDecisionStats(Stats):
+    """Planner stats that know the PGAS types: the per-table decision table of a ``PgasEnumerator``
+    (TorchRec's ``EmbeddingStats`` computes I/O sizes per sharding type and rejects unknown ones)."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def log(self, sharding_plan: ShardingPlan, topology: Topology, batch_size: int,
+            storage_reservation: StorageReservation, num_proposals: int, num_plans: int, run_time: float,
+            best_plan: List[ShardingOption], constraints: Optional[Dict[str, ParameterConstraints]] = None,
+            sharders: Optional[List[ModuleSharder[nn.Module]]] = None, enumerator: Optional[Enumerator] = None,
+            debug: bool = False, **kwargs: Any) -> None:
+        chosen = {o.name: o.sharding_type for o in best_plan}
+        decisions = enumerator.decisions if isinstance(enumerator, PgasEnumerator) else []
+
+        def ms(v: Optional[float]) -> str:
+            return "-" if v is None else f"{v:.4f}"
+
+        self.lines = [f"{'table':<20} {'rows':>10} {'dim':>5} {'pool':>6} {'nccl ms':>9} {'pgas ms':>9}  chosen"]
+        self.lines += [f"{d.table:<20} {d.rows:>10} {d.dim:>5} {d.pooling:>6.1f} {ms(d.nccl_ms):>9} "
+                       f"{ms(d.pgas_ms):>9}  {chosen.get(d.table, '?')}" for d in decisions]
+        logger.info("torchrec_pgas planner (%d plans, %.2fs):\n%s", num_plans, run_time, "\n".join(self.lines))

@@ -1,0 +1,159 @@
+"""The planner extension on CPU: cost-model arithmetic, the fit, PgasEnumerator in TorchRec's planner."""
+
+import subprocess
+import sys
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
+from torchrec_pgas.planner.calibrate import fit, prediction_table
+from torchrec_pgas.planner.cost_model import (
+    NCCL_RW,
+    PGAS_RW,
+    Coefficients,
+    CostModel,
+    HardwareProfile,
+    TableLoad,
+    fit_coefficients,
+    load_profile,
+    table_bytes,
+)
+from torchrec_pgas.planner.enumerator import PgasDecisionStats, PgasEnumerator
+from torchrec_pgas.testing import default_model, random_kjt, run_distributed, seeded, shard
+
+
+def _profile(nccl: Coefficients, pgas: Coefficients) -> HardwareProfile:
+    return HardwareProfile("test", "test", 2, "hand-made", {"eager": {NCCL_RW: nccl, PGAS_RW: pgas}})
+
+
+def test_bytes_per_table_by_hand() -> None:
+    t = TableLoad("t", rows=100, dim=8, pooling=[2.0, 3.0])  # 2 features, fp32
+    # batch 10/rank, W=4: 50 ids, 20 bags; 3/4 of the ids and 3 of 4 partials cross; 32-byte partials
+    pgas = table_bytes(t, 10, 4, PGAS_RW)
+    assert (pgas.hbm, pgas.wire, pgas.local) == (50 * 32, 50 * 4 * 0.75 + 20 * 32 * 3, 20 * 32 * 4)
+    assert table_bytes(t, 10, 4, NCCL_RW).wire == 50 * 8 * 0.75 + 20 * 32 * 3
+
+
+def test_step_and_table_prices_and_the_choice() -> None:
+    # NCCL: large fixed cost, fast bytes; PGAS: small fixed cost, slow gather (a made-up machine)
+    prof = _profile(Coefficients(1.0, 1e-9, 0.0, 0.0), Coefficients(0.1, 1e-8, 0.0, 0.0))
+    model = CostModel(prof, world_size=2, batch_per_rank=1000)
+    small, big = TableLoad("small", 10, 4, [1.0]), TableLoad("big", 10**6, 256, [100.0])
+    # big: 1e5 ids * 1 KiB = 1.024e8 bytes -> nccl 0.1024 ms, pgas 1.024 ms of gather
+    assert model.marginal_ms(big, NCCL_RW) == pytest.approx(0.1024)
+    assert model.step_ms([small, big], PGAS_RW) == pytest.approx(0.1 + 1.024 + 1.6e-4)
+    assert model.table_ms(big, NCCL_RW, num_tables=2) == pytest.approx(0.5 + 0.1024)
+    assert model.choose([small, big]) == {"small": PGAS_RW, "big": NCCL_RW}
+    assert model.step_ms([], PGAS_RW) == 0.0
+
+
+def test_fit_recovers_known_coefficients_and_never_goes_negative() -> None:
+    truth = Coefficients(0.2, 3e-10, 2e-9, 0.0)
+    samples = [{"hbm": h, "wire": w, "local": lo,
+                "ms": truth.alpha_ms + h * truth.k_hbm + w * truth.k_wire + lo * truth.k_local}
+               for h, w, lo in [(1e6, 1e5, 1e4), (1e9, 1e7, 5e6), (1e7, 1e8, 1e5), (5e8, 3e5, 2e7), (1e3, 1e3, 1e3)]]
+    got = fit_coefficients(samples)
+    for a, b in zip((got.alpha_ms, got.k_hbm, got.k_wire), (truth.alpha_ms, truth.k_hbm, truth.k_wire)):
+        assert a == pytest.approx(b, rel=1e-6)
+    assert got.k_local == pytest.approx(0.0, abs=1e-15) and got.k_local >= 0
+
+
+def _result_row(tables: int, batch: int, pooling: int, prof: HardwareProfile) -> Dict[str, Any]:
+    row = {"preset": "s004", "name": f"t{tables}-b{batch}-p{pooling}", "tables": tables, "rows": 1000,
+           "dim": 32, "batch_per_gpu": batch, "pooling": pooling, "pooling_dist": "fixed", "ids": "uniform",
+           "world_size": 2}
+    loads = [TableLoad(f"t{i}", 1000, 32, [float(pooling)]) for i in range(tables)]
+    model = CostModel(prof, 2, batch)
+    row["stock_p50_ms"] = model.step_ms(loads, NCCL_RW)
+    row["pgas_p50_ms"] = model.step_ms(loads, PGAS_RW)
+    row["pgas_graph_p50_ms"] = row["pgas_p50_ms"] / 2
+    return row
+
+
+def test_calibration_fits_a_benchmark_run() -> None:
+    prof = _profile(Coefficients(2.0, 5e-10, 1e-9, 6e-10), Coefficients(0.25, 3e-10, 2e-9, 1e-10))
+    rows = [_result_row(t, b, p, prof) for t in (2, 8, 64) for b in (128, 4096) for p in (4, 16)]
+    results = {"meta": {"presets": ["s004"], "commit": "x", "date": "d", "world_size": 2, "device": "GPU"},
+               "rows": rows}
+    fitted = fit(results, "fit")
+    assert fitted.get(PGAS_RW, "eager").alpha_ms == pytest.approx(0.25, rel=1e-4)
+    assert fitted.get(NCCL_RW, "graph") == fitted.get(NCCL_RW, "eager")  # stock has no graph mode
+    _, errors = prediction_table(fitted, results)
+    assert max(errors.values()) < 1e-4
+
+
+def test_shipped_profile_loads_and_unknown_hardware_warns() -> None:
+    prof = load_profile()
+    assert prof.world_size == 2 and "c62b55c" in prof.source
+    with pytest.warns(UserWarning, match="no hardware profile"):
+        load_profile(device_name="NVIDIA A100")
+
+
+CONSTRAINTS = {
+    "t0": ParameterConstraints(sharding_types=["row_wise", "pgas_row_wise"]),
+    "t1": ParameterConstraints(sharding_types=["row_wise"]),
+    "t2": ParameterConstraints(sharding_types=["table_wise"]),
+    "t3": ParameterConstraints(sharding_types=["pgas_row_wise"]),
+    **{f"w{i}": ParameterConstraints(sharding_types=["row_wise", "pgas_row_wise"]) for i in range(4)},
+}
+
+
+def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str]:
+    # Planning is a dry run: a CUDA topology needs no GPU (TorchRec offers no row-wise on CPU).
+    topo = Topology(world_size=2, compute_device="cuda")
+    enumerator = PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends, training=training)
+    stats = PgasDecisionStats()
+    planner = EmbeddingShardingPlanner(topology=topo, batch_size=8, enumerator=enumerator, constraints=CONSTRAINTS,
+                                       stats=[stats])
+    plan = planner.plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
+    types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
+    if not training:  # the stats table names every RW-family table with its choice
+        rows = {line.split()[0]: line.split()[-1] for line in stats.lines[1:]}
+        assert rows == {t: st for t, st in types.items() if st in ("row_wise", "pgas_row_wise")}
+    return types
+
+
+def test_enumerator_prices_both_and_honours_constraints_and_modes() -> None:
+    auto = _plan_types()
+    # the shipped H200 profile: PGAS's fixed cost is ~8x lower, so every free RW table goes PGAS
+    assert auto == {"t0": "pgas_row_wise", "t1": "row_wise", "t2": "table_wise", "t3": "pgas_row_wise",
+                    **{f"w{i}": "pgas_row_wise" for i in range(4)}}
+    nccl = _plan_types("nccl")  # t3's constraint (PGAS only) wins over the preference
+    assert nccl == {**auto, "t0": "row_wise", **{f"w{i}": "row_wise" for i in range(4)}}
+    with pytest.raises(RuntimeError, match="t3"):  # t3 allows only PGAS, which training cannot use
+        _plan_types(training=True)
+    with pytest.raises(ValueError, match="backends"):
+        PgasEnumerator(Topology(world_size=2, compute_device="cuda"), 8, backends="mpi")
+
+
+def _run_planned(rank: int, world: int, types: Dict[str, str]) -> Dict[str, float]:
+    """The planned types on the shm backend, against the unsharded model (not stock: TorchRec 1.6.1's
+    mean callback also divides a table_wise SUM feature next to a row_wise MEAN one, as here)."""
+    model = default_model()
+    sharded = shard(model, types, dist.group.WORLD, torch.device("cpu"), PgasConfig(max_local_batch_size=8))
+    gen = seeded(rank)
+    kjt = random_kjt(model.ebc.embedding_bag_configs(), 8, gen)
+    wkjt = random_kjt(model.webc.embedding_bag_configs(), 8, gen, weighted=True)
+    with torch.no_grad():
+        out, ref = sharded(kjt, wkjt), model(kjt, wkjt)
+    return {k: float((out[k] - ref[k]).abs().max()) for k in ref}
+
+
+def test_planned_mixed_plan_runs_on_shm() -> None:
+    types = _plan_types()
+    assert {"pgas_row_wise", "row_wise", "table_wise"} <= set(types.values())
+    for diffs in run_distributed(_run_planned, 2, types):
+        assert max(diffs.values()) < 1e-5, diffs
+
+
+def test_explain_cli(tmp_path: Any) -> None:
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("world_size: 2\nbatch_per_rank: 1024\ntables:\n"
+                   "  - {name: a, rows: 1000, dim: 16, pooling: 4}\n  - {name: b, rows: 50, dim: 8, pooling: [1, 2]}\n")
+    out = subprocess.run([sys.executable, "-m", "torchrec_pgas.planner.explain", str(cfg)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "pgas_row_wise" in out and out.count("\n") >= 4 and "all NCCL" in out
