@@ -52,8 +52,9 @@ def explain(cfg: Dict[str, Any]) -> str:
                      f"{nb.wire / 1e6:>8.2f}/{pb.wire / 1e6:<9.2f} {nccl:>8.3f} {pgas:>8.3f}  {pick:<15} {reason}")
     chosen = [t for t in tables if choice[t.name] == PGAS_RW]
     others = [t for t in tables if choice[t.name] == NCCL_RW]
+    mixed = model.step_ms(chosen, PGAS_RW) + model.step_ms(others, NCCL_RW)
     lines.append(f"step: all NCCL {model.step_ms(tables, NCCL_RW):.3f} ms, "
-                 f"all PGAS {model.step_ms(tables, PGAS_RW):.3f} ms, chosen {model.step_ms(chosen, PGAS_RW) + model.step_ms(others, NCCL_RW):.3f} ms")
+                 f"all PGAS {model.step_ms(tables, PGAS_RW):.3f} ms, chosen {mixed:.3f} ms")
     return "\n".join(lines)
 
 
