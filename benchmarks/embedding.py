@@ -43,6 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -237,24 +242,18 @@ def timed_ms(fn: Callable[[], Any], cuda: bool) -> float:
     return start.elapsed_time(end)
 
 
-class Clock:
-    """Per-step times; steps start together on all ranks."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def time(self, fn: Callable[[int], Any], steps: int, warmup: int) -> List[float]:
-        for i in range(warmup):
-            fn(i)
-        cuda = self.device.type == "cuda"
-        times = []
-        for i in range(steps):
-            dist.barrier()
-            times.append(timed_ms(lambda: fn(i), cuda))
-        # a step ends when the slowest rank's ends
-        t = torch.tensor(times, dtype=torch.float64, device=self.device if cuda else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
+def time_steps(fn: Callable[[int], Any], steps: int, warmup: int, device: torch.device) -> List[float]:
+    """Per-step times; steps start together on all ranks, and a step ends when the slowest rank's ends."""
+    for i in range(warmup):
+        fn(i)
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(steps):
+        dist.barrier()
+        times.append(timed_ms(lambda: fn(i), cuda))
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def p50(x: Sequence[float]) -> float:
@@ -267,7 +266,7 @@ def p90(x: Sequence[float]) -> float:
 
 def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, pgas: bool) -> torch.Tensor:
     """The ShardedModule forward spelled out, with a mark after each stage."""
-    module = dmp._dmp_wrapped_module
+    module = dmp.module
     names = [b[1] if pgas else b[0] for b in _BOUNDARIES]
     ctx = module.create_context()
     profiling.mark("start")
@@ -353,12 +352,6 @@ def measure_bandwidths(device: torch.device, nbytes: int = 2 << 30, reps: int = 
 def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
                          device: torch.device) -> Dict[str, Any]:
     """Unsharded FBGEMM TBE on one GPU (rank 0; the others wait): the scaling baseline."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
     tables, batch = SINGLE_GPU[preset]
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(w.rows, w.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * tables, device=device)
@@ -389,10 +382,9 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
         torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{w.name}: {m}")
         err = max(err, float((got - ref).abs().max()))
     check_errors(pgas)
-    clock = Clock(device)
     n = len(inputs)
-    t_stock = clock.time(lambda i: stock(inputs[i % n]).values(), args.steps, args.warmup)
-    t_pgas = clock.time(lambda i: pgas(inputs[i % n]).values(), args.steps, args.warmup)
+    t_stock = time_steps(lambda i: stock(inputs[i % n]).values(), args.steps, args.warmup, device)
+    t_pgas = time_steps(lambda i: pgas(inputs[i % n]).values(), args.steps, args.warmup, device)
     row: Dict[str, Any] = {
         "preset": w.preset, "name": w.name, **dataclasses.asdict(w), "world_size": dist.get_world_size(),
         "stock": stock_type, "pgas": pgas_type,
@@ -408,7 +400,7 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
         run = graphed(pgas, inputs)
         for i in range(n):
             torch.testing.assert_close(run(i), stock(inputs[i]).values(), atol=ATOL, rtol=RTOL)
-        t_graph = clock.time(run, args.steps, args.warmup)
+        t_graph = time_steps(run, args.steps, args.warmup, device)
         check_errors(pgas)
         row.update(pgas_graph_p50_ms=p50(t_graph), pgas_graph_p90_ms=p90(t_graph))
         row["speedup_graph"] = row["stock_p50_ms"] / row["pgas_graph_p50_ms"]

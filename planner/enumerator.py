@@ -104,30 +104,28 @@ class PgasEnumerator(EmbeddingEnumerator):
         loads: Dict[str, TableLoad] = {}
         nccl_share = self.model.profile.get(NCCL_RW, self.model.mode).alpha_ms / max(1, num_tables)
         for o in options:
-            if o.sharding_type != ROW_WISE or o.compute_kernel != EmbeddingComputeKernel.FUSED.value:
-                if o.sharding_type == ROW_WISE and PGAS_ROW_WISE in self._offer.get(o.name, []) and (
-                        ROW_WISE not in self._offer[o.name]):
-                    continue  # a non-fused RW option of a table that may only go PGAS
-                if not self.training and o.sharding_type != ShardingType.DATA_PARALLEL.value:
-                    # TW/CW/TWRW run TorchRec's same input and output dists: the same fixed
-                    # cost (host syncs, collective latency) that TorchRec's bandwidth-only
-                    # estimate leaves out.
-                    for shard in o.shards:
-                        if shard.perf is not None:
-                            shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
-                out.append(o)
+            offer = self._offer.get(o.name, [])
+            if o.sharding_type == ROW_WISE and o.compute_kernel == EmbeddingComputeKernel.FUSED.value:
+                # The model prices the HBM-resident fused TBE, which the PGAS kernels read too.
+                for st in offer:
+                    opt = o if st == ROW_WISE else _clone(o, PGAS_ROW_WISE)
+                    if not self.training:  # training keeps TorchRec's forward + backward estimates
+                        load = _load(o)
+                        ms = self.model.table_ms(load, _BACKEND[st], num_tables)
+                        _price(opt, compute_ms=self.model.lookup_ms(load, _BACKEND[st]), total_ms=ms)
+                        loads[o.name] = load
+                        prices.setdefault(o.name, {})[st] = ms
+                    out.append(opt)
                 continue
-            # The model prices the HBM-resident fused TBE, which the PGAS kernels read too;
-            # other RW kernels (UVM, ...) keep TorchRec's estimate plus the fixed share above.
-            for st in self._offer.get(o.name, [ROW_WISE]):
-                opt = o if st == ROW_WISE else _clone(o, PGAS_ROW_WISE)
-                if not self.training:  # training keeps TorchRec's forward + backward estimates
-                    load = _load(o)
-                    ms = self.model.table_ms(load, _BACKEND[st], num_tables)
-                    _price(opt, compute_ms=self.model.lookup_ms(load, _BACKEND[st]), total_ms=ms)
-                    loads[o.name] = load
-                    prices.setdefault(o.name, {})[st] = ms
-                out.append(opt)
+            if o.sharding_type == ROW_WISE and ROW_WISE not in offer:
+                continue  # a non-fused RW option of a table that may only go PGAS
+            if not self.training and o.sharding_type != ShardingType.DATA_PARALLEL.value:
+                # TW/CW/TWRW and non-fused RW run TorchRec's input and output dists: the same
+                # fixed cost (host syncs, collective latency) its bandwidth-only estimate leaves out.
+                for shard in o.shards:
+                    if shard.perf is not None:
+                        shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
+            out.append(o)
         self.decisions = [
             Decision(name, load.rows, load.dim, sum(load.pooling),
                      prices[name].get(ROW_WISE), prices[name].get(PGAS_ROW_WISE))
