@@ -45,9 +45,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // split their work evenly over a grid-stride loop, so a grid must not exceed
 // this: one CTA more would run its whole share after the first wave finished.
 template <typename Kernel>
-int resident_ctas(Kernel kernel, int threads) {
+int resident_ctas(Kernel kernel, int threads, int dynamic_smem = 0) {
   int per_sm = 0, device = 0, sms = 0;
-  PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
   PGAS_CUDA_CHECK(cudaGetDevice(&device));
   PGAS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms > 1 ? per_sm * sms : 1;

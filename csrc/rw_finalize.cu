@@ -125,7 +125,7 @@ at::Tensor rw_finalize_meta(const at::Tensor& buf, const at::Tensor&, const at::
                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, at::IntArrayRef cfg, int64_t batch,
                             at::ScalarType out_dtype) {
-  TORCH_CHECK(cfg.size() == 17, "rw_finalize: layout config must have 17 entries");
+  TORCH_CHECK(cfg.size() == kCfgEntries, "rw_finalize: layout config must have ", kCfgEntries, " entries");
   return at::empty({batch, cfg[10]},
                    buf.options().dtype(out_dtype).device(at::kMeta));
 }

@@ -36,7 +36,7 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
                         const at::Tensor& features, const at::Tensor& state,
                         const at::Tensor& bag_div, const at::Tensor& status,
                         at::IntArrayRef cfg, int64_t batch, int64_t nnz) {
-  TORCH_CHECK(cfg.size() == 18, "pgas_row_wise: layout config must have 18 entries");
+  TORCH_CHECK(cfg.size() == kCfgEntries, "pgas_row_wise: layout config must have ", kCfgEntries, " entries");
   TORCH_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() &&
                   state.is_cuda() && bag_div.is_cuda() && status.is_pinned(),
               "pgas_row_wise: device state tensors on CUDA, status pinned");
@@ -64,7 +64,7 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
-  TORCH_CHECK(peers.numel() == 2 * p.world && features.numel() == 8 * p.num_features &&
+  TORCH_CHECK(peers.numel() == 2 * p.world && features.numel() == kFeatureWords * p.num_features &&
                   state.numel() >= kStateWords &&
                   bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
               "pgas_row_wise: state tensors do not match the layout");

@@ -51,6 +51,7 @@
 namespace torchrec_pgas {
 
 constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
+constexpr int kCfgEntries = 18;  // the layout config list (rw_pipeline.py: _cfg)
 constexpr int kMaxWorld = 64;
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
@@ -81,7 +82,7 @@ enum StateWord : int {
   kStateWords = 16 + kMaxWorld,
 };
 
-// One row per feature of the sharding, in sharding feature order (int64[8]).
+// One row per feature of the sharding, in sharding feature order (int64[kFeatureWords]).
 struct RwFeature {
   int64_t weights;  // address of this rank's shard of the table: [local_rows][dim]
   int64_t local_rows;
@@ -91,7 +92,10 @@ struct RwFeature {
   int64_t out_col;  // first column in the [B, D] output
   int64_t dtype;  // WeightDtype
   int64_t is_mean;
+  int64_t block_magic;  // id / block == (id * magic) >> shift for ids < 2^31; 0 if N >= 2^31
+  int64_t block_shift;  // (layout.py: divisor_magic)
 };
+constexpr int kFeatureWords = sizeof(RwFeature) / sizeof(int64_t);
 
 struct RwParams {
   uint8_t* buf;  // this rank's symmetric buffer

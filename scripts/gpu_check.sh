@@ -42,13 +42,17 @@ if [ "$MODE" = profile ]; then
   # ncu on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   log "ncu: rw_lookup vs TBE forward"
-  timeout 400 "$NCU" --target-processes all -k regex:"${NCU_KERNELS:-rw_}" \
-    --launch-skip "${NCU_SKIP:-3}" --launch-count 3 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section LaunchStats --section SchedulerStats -o "$OUT/lookup" \
-    "$PY" -m torch.distributed.run --nproc_per_node=1 -m benchmarks.embedding --preset profile --steps 3 \
+  # NCU_NPROC=2 profiles a kernel that needs no peer signal (the index dist) with real NVLink stores.
+  timeout 400 "$NCU" --target-processes all -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \
+    --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \
+    --section SourceCounters --section InstructionStats -o "$OUT/lookup" \
+    "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" -m benchmarks.embedding \
+    --preset "${NCU_PRESET:-profile}" --steps 3 \
     --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out "$OUT/profile" > "$OUT/ncu_run.log" 2>&1
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import "$OUT/lookup.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+  "$NCU" --import "$OUT/lookup.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/ncu_source.csv" 2>&1
   grep -E "rw_lookup_kernel|rw_index_dist|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
     "$OUT/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
   log "done"

@@ -21,7 +21,7 @@ fi
 "${PIP[@]}" torch==2.11.0 "$FBGEMM" numpy
 "${PIP[@]}" --no-deps torchrec==1.6.1 tensordict==0.12.4 pyvers==0.2.3 iopath==0.1.9 portalocker==4.4.2
 "${PIP[@]}" torchmetrics==1.0.3 pyre-extensions tqdm pyyaml tabulate cloudpickle orjson packaging \
-  importlib-metadata pytest pytest-timeout
+  importlib-metadata pytest pytest-timeout matplotlib==3.11.2
 # torchx 0.7.0 (the last release) pins urllib3<1.27; the nightly installs cleanly.
 "${PIP[@]}" torchx-nightly==2026.10.26
 

@@ -9,6 +9,8 @@ import pathlib
 import pytest
 import torch
 
+from torchrec_pgas.layout import RwLayout
+
 try:
     import torchrec_pgas._C as _C
 except ImportError:  # pure-Python install (TORCH_PGAS_NO_CUDA=1 or no nvcc)
@@ -50,3 +52,15 @@ def test_dispatch_keys_and_meta_impl() -> None:
         torch._C.DispatchKeySet(torch._C.DispatchKey.Meta), 1024
     )
     assert meta.shape == (1024,) and meta.dtype == torch.uint8 and meta.device.type == "meta"
+
+
+@needs_ext
+def test_rw_finalize_meta_impl_takes_the_layout_config() -> None:
+    """Fake/meta tracing of the step (torch.compile, FX) goes through this impl."""
+    meta = torch.device("meta")
+    t = torch.empty(8, dtype=torch.int64, device=meta)
+    lay = RwLayout(world_size=2, num_features=3, max_batch=16, ids_capacity=64, dim_sum=24, weighted=False, id_bytes=4)
+    cfg = lay.kernel_config(timeout_ns=10**9, rank=0, bounds_mode=0)
+    out = torch.ops.torchrec_pgas.rw_finalize(torch.empty(lay.nbytes, dtype=torch.uint8, device=meta),
+                                             t, t, t, t, t, t, t, cfg, 5, torch.bfloat16)
+    assert out.shape == (5, 24) and out.dtype == torch.bfloat16 and out.device.type == "meta"

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from torchrec_pgas.layout import RwLayout, id_bytes_for
+from torchrec_pgas.layout import RwLayout, divisor_magic, id_bytes_for
 
 
 @pytest.mark.parametrize("world,features,batch,cap,dim,weighted,id_bytes", [
@@ -41,3 +41,19 @@ def test_ids_are_int32_unless_a_shard_needs_64_bits() -> None:
     assert id_bytes_for([10, 2**31 - 1]) == 4
     assert id_bytes_for([10, 2**31]) == 8
     assert RwLayout(2, 1, 1, 8, 4, False, id_bytes=4).id_dtype == torch.int32
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7, 1000, 500_000, 2**20, 2**20 + 1, 2**30 + 7, 2**31 - 1])
+def test_divisor_magic_is_exact_on_every_id_below_2_31(divisor: int) -> None:
+    """The kernel's owner = (id * magic) >> shift must equal id // block exactly (uint64 arithmetic)."""
+    magic, shift = divisor_magic(divisor, hash_size=2**31 - 1)
+    assert 0 < magic < 2**34
+    gen = torch.Generator().manual_seed(divisor)
+    ids = torch.randint(0, 2**31, (200_000,), generator=gen, dtype=torch.int64).tolist()
+    edges = [0, 2**31 - 1] + [q * divisor + r for q in (1, 2, (2**31 - 1) // divisor) for r in (-1, 0, 1)]
+    for i in ids + [e for e in edges if 0 <= e < 2**31]:
+        assert ((i * magic) % 2**64) >> shift == i // divisor, (i, divisor)
+
+
+def test_divisor_magic_falls_back_to_division_for_huge_tables() -> None:
+    assert divisor_magic(2**31, hash_size=2**32) == (0, 0)

@@ -25,7 +25,7 @@ peers store the epoch there after the block is complete.
 """
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -34,6 +34,20 @@ _ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def divisor_magic(divisor: int, hash_size: int) -> Tuple[int, int]:
+    """``(magic, shift)`` with ``id // divisor == (id * magic) >> shift`` for every id in ``[0, 2^31)``.
+
+    The index-dist kernel finds an id's owner with this multiply-shift instead of
+    an integer division. ``magic = ceil(2^k / divisor)`` with ``k = 32 + ceil(log2
+    divisor)`` errs by ``e < divisor <= 2^(k-32)``, and ``id * e < 2^k`` keeps the
+    floor exact. ``(0, 0)`` (the kernel divides) when ids can reach 2^31.
+    """
+    if hash_size > 2**31 - 1:
+        return 0, 0
+    shift = 32 + (divisor - 1).bit_length()
+    return -(-(1 << shift) // divisor), shift
 
 
 def id_bytes_for(block_rows: Sequence[int]) -> int:
@@ -91,6 +105,15 @@ class RwLayout:
     @property
     def id_dtype(self) -> torch.dtype:
         return torch.int32 if self.id_bytes == 4 else torch.int64
+
+    def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int) -> List[int]:
+        """The int list every pgas_row_wise op takes (RwParams, csrc/rw_lookup.cu: make_rw_params)."""
+        return [
+            self.index_block_bytes, self.output_region_off, self.output_block_bytes,
+            self.offsets_off, self.lengths_off, self.ids_off, self.weights_off,
+            self.num_slots, self.max_batch, self.ids_capacity, self.dim_sum, self.num_features,
+            timeout_ns, rank, self.world_size, int(self.weighted), bounds_mode, self.id_bytes,
+        ]
 
     def index_block(self, slot: int, src: int) -> int:
         return (slot * self.world_size + src) * self.index_block_bytes

@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas import runtime as pgas_runtime
-from torchrec_pgas.layout import RwLayout, id_bytes_for
+from torchrec_pgas.layout import RwLayout, divisor_magic, id_bytes_for
 from torchrec_pgas.types import (
     PgasCapacityError,
     PgasConfig,
@@ -355,10 +355,13 @@ class DeviceRwPipeline(PgasRwPipeline):
             )
         self._peers = torch.tensor(peers, dtype=torch.int64, device=dev)
         out_cols = list(itertools.accumulate([0] + self.feature_dims[:-1]))
+        blocks = [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes]
         self._feature_rows = [
-            # weights, local_rows, dtype are filled from the TBEs at the first lookup
-            [0, 0, (n + self.world_size - 1) // self.world_size, n, d, c, 0, int(m)]
-            for n, d, c, m in zip(self.feature_hash_sizes, self.feature_dims, out_cols, self.feature_is_mean)
+            # RwFeature (csrc/rw_pipeline.cuh); weights, local_rows, dtype are filled
+            # from the TBEs at the first lookup
+            [0, 0, blk, n, d, c, 0, int(m), *divisor_magic(blk, n)]
+            for blk, n, d, c, m in zip(blocks, self.feature_hash_sizes, self.feature_dims, out_cols,
+                                       self.feature_is_mean)
         ]
         self._features = torch.tensor(self._feature_rows, dtype=torch.int64, device=dev)
         self._col_feature = torch.tensor(
@@ -367,13 +370,9 @@ class DeviceRwPipeline(PgasRwPipeline):
         self._state = torch.zeros(_STATE_WORDS, dtype=torch.int64, device=dev)
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=dev)
         self._status = torch.zeros(4, dtype=torch.int64).pin_memory()
-        self._cfg = [
-            lay.index_block_bytes, lay.output_region_off, lay.output_block_bytes,
-            lay.offsets_off, lay.lengths_off, lay.ids_off, lay.weights_off,
-            lay.num_slots, lay.max_batch, lay.ids_capacity, lay.dim_sum, lay.num_features,
-            int(self.config.wait_timeout_s * 1e9), self.rank, self.world_size,
-            int(lay.weighted), _BOUNDS_MODES[self.bounds_check_mode], lay.id_bytes,
-        ]
+        self._cfg = lay.kernel_config(
+            int(self.config.wait_timeout_s * 1e9), self.rank, _BOUNDS_MODES[self.bounds_check_mode]
+        )
         self._max_dim = max(self.feature_dims)
         self._out_dtype = torch.float32
         self._tbe_key: List[int] = []
