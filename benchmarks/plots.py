@@ -2,12 +2,14 @@
 
     python -m benchmarks.plots benchmarks/results/<run>
 
-Reads ``<run>/results.json`` and writes the figures next to it, so a result
+Reads ``<run>/results.json`` (and ``planner_validation.csv`` if the planner was
+validated on the run) and writes the figures next to it, so a result
 folder carries its own pictures. A figure whose data the run did not produce
 (a preset left out, no single-GPU reference) is skipped, not drawn empty.
 """
 
 import argparse
+import csv
 import itertools
 import json
 import math
@@ -237,17 +239,48 @@ def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     return fig
 
 
+def planner_scatter(meta: Dict[str, Any], validation: List[Dict[str, str]]) -> Optional[Figure]:
+    """The cost model's leave-one-out prediction against the measurement, one point per (config, backend,
+    mode) of ``planner_validation.csv`` (``python -m torchrec_pgas.planner.calibrate --validate``)."""
+    if not validation:
+        return None
+    fig = _figure(meta, "planner cost model: leave-one-out predicted vs measured step", (7, 6))
+    ax = fig.subplots()
+    series = {("nccl_rw", "eager"): "stock eager", ("pgas_rw", "eager"): "pgas eager", ("pgas_rw", "graph"): "pgas graph"}
+    for (backend, mode), name in series.items():
+        pts = [(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation
+               if v["backend"] == backend and v["mode"] == mode]
+        if pts:
+            ax.scatter(*zip(*pts), color=COLORS[name], s=14, label=name)
+    lo = min(min(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation) / 1.5
+    hi = max(max(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="exact")
+    ax.fill_between([lo, hi], [lo / 1.2, hi / 1.2], [lo * 1.2, hi * 1.2], color="k", alpha=0.08, label="±20%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured P50 (ms)")
+    ax.set_ylabel("predicted (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return fig
+
+
 def make_plots(results_dir: str) -> List[str]:
     """Write every figure the results support into ``results_dir``; returns their paths."""
     with open(os.path.join(results_dir, "results.json")) as f:
         results = json.load(f)
     meta, rows = results["meta"], results["rows"]
+    validation: List[Dict[str, str]] = []
+    if os.path.exists(os.path.join(results_dir, "planner_validation.csv")):
+        with open(os.path.join(results_dir, "planner_validation.csv"), newline="") as f:
+            validation = list(csv.DictReader(f))
     figures = {
         "speedup_heatmap": speedup_heatmap(meta, rows),
         "crossover": crossover(meta, rows),
         "stages": stages(meta, rows),
         "scaling": scaling(meta, rows, results.get("single_gpu", [])),
         "roofline": roofline(meta, rows),
+        "planner_scatter": planner_scatter(meta, validation),
     }
     paths = []
     for name, fig in figures.items():

@@ -4,12 +4,15 @@
     torchrun --nproc_per_node=2 -m benchmarks.embedding --preset s004 --preset s000-weak --preset s000-strong
     # anywhere: the fit
     python -m torchrec_pgas.planner.calibrate benchmarks/results/<folder>/results.json -o profile.json
+    # out of sample: each s004 config predicted by a fit on all the others, and the planner's regret
+    python -m torchrec_pgas.planner.calibrate <results.json> -o profile.json --validate s004 --csv planner.csv
 
 Uniform-id rows only (the model has no skew term). NCCL has no graph mode (stock TorchRec cannot be
 captured), so its graph coefficients are its eager ones.
 """
 
 import argparse
+import csv
 import json
 import statistics
 from typing import Any, Dict, List, Tuple
@@ -76,11 +79,46 @@ def prediction_table(profile: HardwareProfile, results: Dict[str, Any]) -> Tuple
     return "\n".join(lines), {k: statistics.median(v) for k, v in errors.items()}
 
 
+def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
+    """Out-of-sample check of the model and of the choice it makes, on every uniform row of ``preset``.
+
+    Leave-one-out: each row is predicted by a profile fitted on all the other rows, so no row predicts
+    itself. Per mode, the choice is the backend with the lower predicted step; its regret is how much
+    slower the chosen backend measured than the measured faster one. In graph mode NCCL is priced (and
+    measured) eager: stock TorchRec cannot be captured.
+    """
+    rows = [r for r in results["rows"] if r["ids"] == "uniform"]
+    out: List[Dict[str, Any]] = []
+    for i, r in enumerate(rows):
+        if r["preset"] != preset:
+            continue
+        profile = fit({**results, "rows": rows[:i] + rows[i + 1:]}, f"loo-{i}")
+        for mode in ("eager", "graph"):
+            measured = {NCCL_RW: r["stock_p50_ms"], PGAS_RW: r["pgas_p50_ms" if mode == "eager" else "pgas_graph_p50_ms"]}
+            model = CostModel(profile, r["world_size"], r["batch_per_gpu"], mode)
+            predicted = {b: model.step_ms(workload_tables(r), b) for b in measured}
+            chosen = min(predicted, key=lambda b: (predicted[b], b != NCCL_RW))
+            regret = measured[chosen] / min(measured.values()) - 1
+            for b in measured:
+                if mode == "graph" and b == NCCL_RW:
+                    continue  # the eager row already has it
+                out.append({"workload": r["name"], "mode": mode, "backend": b, "measured_ms": measured[b],
+                            "predicted_ms": predicted[b], "error": predicted[b] / measured[b] - 1,
+                            "chosen": chosen, "regret": regret})
+    choices = {(v["workload"], v["mode"]): v["regret"] for v in out}
+    summary = {"median_abs_error": statistics.median(abs(v["error"]) for v in out),
+               "within_5pct": sum(g <= 0.05 for g in choices.values()) / len(choices),
+               "max_regret": max(choices.values())}
+    return out, summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="results.json of benchmarks.embedding")
     parser.add_argument("-o", "--out", required=True, help="profile JSON to write")
     parser.add_argument("--name", default="calibrated")
+    parser.add_argument("--validate", metavar="PRESET", help="leave-one-out predictions and regret on PRESET")
+    parser.add_argument("--csv", help="with --validate: write the per-row predictions and choices here")
     args = parser.parse_args()
     with open(args.results) as f:
         results = json.load(f)
@@ -92,6 +130,22 @@ def main() -> None:
     for k, v in mae.items():
         print(f"median |error| {k}: {100 * v:.1f}%")
     print(f"profile: {args.out}")
+    if args.validate:
+        rows, summary = validate(results, args.validate)
+        print(f"\nleave-one-out on {args.validate}: {'workload':<40} {'mode':<5} {'backend':<7} {'measured':>9} "
+              f"{'predicted':>9} {'error':>7} {'chosen':<7} {'regret':>7}")
+        for v in rows:
+            print(f"{'':<{len(args.validate) + 20}}{v['workload']:<40} {v['mode']:<5} {v['backend']:<7} "
+                  f"{v['measured_ms']:>9.3f} {v['predicted_ms']:>9.3f} {100 * v['error']:>+6.1f}% "
+                  f"{v['chosen']:<7} {100 * v['regret']:>6.1f}%")
+        print(f"median |error| {100 * summary['median_abs_error']:.1f}% (target <= 20%); choice within 5% of the "
+              f"measured better backend on {100 * summary['within_5pct']:.0f}% of (config, mode) (target >= 90%); "
+              f"max regret {100 * summary['max_regret']:.1f}% (target <= 10%)")
+        if args.csv:
+            with open(args.csv, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The planner extension on CPU: cost-model arithmetic, the fit, PgasEnumerator in TorchRec's planner."""
 
+import glob
+import os
+import re
 import subprocess
 import sys
 from typing import Any, Dict
@@ -10,7 +13,7 @@ import torch.distributed as dist
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.planner.calibrate import fit, prediction_table
+from torchrec_pgas.planner.calibrate import fit, prediction_table, validate
 from torchrec_pgas.planner.cost_model import (
     NCCL_RW,
     PGAS_RW,
@@ -86,9 +89,29 @@ def test_calibration_fits_a_benchmark_run() -> None:
     assert max(errors.values()) < 1e-4
 
 
+def test_leave_one_out_validation_and_regret() -> None:
+    """Rows that follow the model are predicted exactly from the others and chosen right; a row measured
+    against the model's choice shows up as regret (the measured ratio of the two backends)."""
+    prof = _profile(Coefficients(2.0, 5e-10, 1e-9, 6e-10), Coefficients(0.25, 3e-10, 2e-9, 1e-10))
+    rows = [_result_row(t, b, p, prof) for t in (2, 8, 64) for b in (128, 4096) for p in (4, 16)]
+    meta = {"presets": ["s004"], "commit": "x", "date": "d", "world_size": 2, "device": "GPU"}
+    out, summary = validate({"meta": meta, "rows": rows}, "s004")
+    assert len(out) == 3 * len(rows)  # nccl eager, pgas eager, pgas graph
+    assert summary["median_abs_error"] < 1e-4 and summary["max_regret"] == 0 and summary["within_5pct"] == 1
+    rows[0]["pgas_p50_ms"] = rows[0]["stock_p50_ms"] * 1.5  # the model still says PGAS for this config
+    out, summary = validate({"meta": meta, "rows": rows}, "s004")
+    bad = [v for v in out if v["workload"] == rows[0]["name"] and v["mode"] == "eager"]
+    assert {v["chosen"] for v in bad} == {PGAS_RW} and bad[0]["regret"] == pytest.approx(0.5)
+    assert summary["max_regret"] == pytest.approx(0.5) and summary["within_5pct"] == pytest.approx(23 / 24)
+
+
 def test_shipped_profile_loads_and_unknown_hardware_warns() -> None:
     prof = load_profile()
-    assert prof.world_size == 2 and "c62b55c" in prof.source
+    commit = re.search(r"commit (\w+)", prof.source)
+    assert prof.world_size == 2 and commit is not None
+    # the run it was fitted on is committed, so the fit can be redone and checked
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}", "results.json"))
     with pytest.warns(UserWarning, match="no hardware profile"):
         load_profile(device_name="NVIDIA A100")
 

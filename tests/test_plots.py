@@ -45,8 +45,12 @@ def test_make_plots_writes_every_figure(tmp_path: Any) -> None:
     rows.append(_row("s000-weak", 26, 4096, 32, 3.0, 1.5))
     single = [{"preset": "s000-weak", "tables": 26, "batch": 4096, "p50_ms": 1.8, "p90_ms": 1.9}]
     _write(str(tmp_path), {"meta": META, "rows": rows, "single_gpu": single})
+    with open(tmp_path / "planner_validation.csv", "w") as f:
+        f.write("workload,mode,backend,measured_ms,predicted_ms,error,chosen,regret\n"
+                "t2-b128-p4-uniform,eager,nccl_rw,2.0,2.2,0.1,pgas_rw,0.0\n"
+                "t2-b128-p4-uniform,graph,pgas_rw,0.1,0.09,-0.1,pgas_rw,0.0\n")
     paths = make_plots(str(tmp_path))
-    names = ["speedup_heatmap", "crossover", "stages", "scaling", "roofline"]
+    names = ["speedup_heatmap", "crossover", "stages", "scaling", "roofline", "planner_scatter"]
     assert paths == [str(tmp_path / f"{n}.png") for n in names]
     for p in paths:
         with open(p, "rb") as f:
