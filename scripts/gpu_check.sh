@@ -18,6 +18,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+# GPU tests and benchmarks use every GPU of the machine (sanitizer and demo: 2 ranks).
+export PGAS_TEST_WORLD=${PGAS_TEST_WORLD:-$(nvidia-smi -L | wc -l)}
 PY=/opt/torch/.venv/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3)
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
@@ -61,7 +63,7 @@ fi
 
 if [ "$MODE" = dlrm ]; then
   # torchx launches torchrun from PATH; the bundle's torchx (0.7.0) runs local_cwd.
-  for sharding in nccl pgas; do
+  for sharding in nccl pgas auto; do
     log "torchx DLRM inference, --sharding $sharding"
     timeout 150 "$PY" -m torchx.cli.main run -s local_cwd torchrec_pgas/components.py:dlrm --nproc_per_node 2 \
       --gpus_per_node 2 -- --sharding "$sharding" --batch-size 4096 --steps 50 --max-rows 1000000 --validate \
@@ -86,7 +88,7 @@ if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
     else set -- --preset quick; fi
   fi
   log "benchmark: $*"
-  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$PGAS_TEST_WORLD" \
     -m benchmarks.embedding --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
   echo "benchmark exit $?" | tee -a "$OUT/summary.txt"
   sed -n '/^measured:/,$p' "$OUT/bench.log" | tail -16 | tee -a "$OUT/summary.txt"

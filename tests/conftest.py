@@ -1,4 +1,5 @@
-"""GPU tests are marked ``gpu`` and skip cleanly where fewer than two GPUs exist."""
+"""GPU tests are marked ``gpu`` and skip cleanly where fewer GPUs exist than their world size (2, or
+``PGAS_TEST_WORLD``)."""
 
 import os
 
@@ -12,9 +13,10 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    if torch.cuda.device_count() >= 2:
+    need = max(2, int(os.environ.get("PGAS_TEST_WORLD", "2")))  # tests/test_gpu.py's world size
+    if torch.cuda.device_count() >= need:
         return
-    skip = pytest.mark.skip(reason=f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    skip = pytest.mark.skip(reason=f"needs {need} GPUs, found {torch.cuda.device_count()}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,4 +1,5 @@
-"""benchmarks.embedding end to end on CPU: 2 ranks (gloo + shm), the smoke preset."""
+"""benchmarks.embedding end to end on CPU (gloo + shm), the smoke preset, at 2, 4 and 8 ranks: the presets
+and the byte accounting hold for any world size (the 4- and 8-GPU runs use the same code)."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import subprocess
 import sys
 from typing import Any, Dict
 
+import pytest
 import torch
 
 from benchmarks.embedding import PRESETS, make_inputs
@@ -14,9 +16,9 @@ STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"
 PGAS_STAGES = ["index_dist", "lookup", "finalize", "output_dist"]  # "lookup" is the pipeline's own mark
 
 
-def _run(tmp: str) -> Dict[str, Any]:
+def _run(tmp: str, world: int) -> Dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "benchmarks.embedding",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "-m", "benchmarks.embedding",
            "--preset", "smoke", "--steps", "5", "--warmup", "1", "--stage-steps", "2", "--out", tmp]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -36,10 +38,11 @@ def _expected_hbm_bytes(w: Any, world: int) -> int:
     return int((per_owner * 4 * w.dim).max())
 
 
-def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any) -> None:
-    out = _run(str(tmp_path))
-    assert out["meta"]["commit"] == "testsha" and out["meta"]["world_size"] == 2
-    workloads = PRESETS["smoke"](2)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any, world: int) -> None:
+    out = _run(str(tmp_path), world)
+    assert out["meta"]["commit"] == "testsha" and out["meta"]["world_size"] == world
+    workloads = PRESETS["smoke"](world)
     assert [r["name"] for r in out["rows"]] == [w.name for w in workloads]
     for row, w in zip(out["rows"], workloads):
         assert row["max_abs_err"] <= 1e-4  # both sides agreed before timing
@@ -48,7 +51,7 @@ def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any) -> None:
         assert abs(row["speedup_eager"] - row["stock_p50_ms"] / row["pgas_p50_ms"]) < 1e-9
         assert list(row["stock_stages_ms"]) == STOCK_STAGES and list(row["pgas_stages_ms"]) == PGAS_STAGES
         assert all(v >= 0 for v in [*row["stock_stages_ms"].values(), *row["pgas_stages_ms"].values()])
-        assert row["hbm_bytes"] == _expected_hbm_bytes(w, 2)
+        assert row["hbm_bytes"] == _expected_hbm_bytes(w, world)
         assert row["pgas_graph_p50_ms"] is None and "not capturable" in row["stock_graph"]  # CPU: no graphs
     with open(os.path.join(tmp_path, "results.csv")) as f:
         header = f.readline().strip().split(",")

@@ -43,3 +43,15 @@ def test_dlrm_trains_with_stock_sharding_only() -> None:
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120,
     )
     assert refused.returncode == 2 and "pgas_row_wise has no backward pass yet" in refused.stderr
+
+
+def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
+    """--sharding auto: collective_plan with PgasEnumerator decides per table (the shipped H200 profile
+    prices PGAS lower for every row-wise table), and the result still matches stock."""
+    out = torchrun("-m", "examples.dlrm.run", "--sharding", "auto", "--batch-size", "32",
+                   "--steps", "4", "--max-rows", "2000", "--validate")
+    table = out[out.index("planner (PgasEnumerator, shipped profile):") + 2:][:26]
+    assert [line.split()[-1] for line in table] == ["pgas_row_wise"] * 26, table
+    assert any(line.startswith("DLRM inference, sharding=auto (26 tables pgas_row_wise, 0 row_wise)")
+               for line in out), out
+    assert any(line.startswith("validate:") and line.endswith("PASS") for line in out), out

@@ -69,7 +69,7 @@ def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_matches_stock_row_wise(world: int) -> None:
     for res in run_distributed(_matches_stock, world):
         # compare_with_stock asserted closeness per batch; every key was seen.

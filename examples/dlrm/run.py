@@ -6,7 +6,9 @@
                   pgas_row_wise has no backward pass yet, so --train is refused.
 --sharding nccl   every table stock row_wise (NCCL, or gloo on CPU): inference,
                   or training with --train (fused SGD for the tables).
-A per-table automatic choice ("auto") arrives with the planner extension.
+--sharding auto   per table, whichever of the two the planner (PgasEnumerator and
+                  its calibrated cost model, run by collective_plan) prices lower;
+                  with --train it can only pick row_wise.
 
 Prints samples/s (global) and AUC / log loss over the run; --validate also
 shards the same model the other way and compares the first steps' predictions.
@@ -16,7 +18,7 @@ import argparse
 import copy
 import os
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +27,9 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -34,7 +37,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from examples.dlrm.data import SyntheticCriteo, table_rows
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors
-from torchrec_pgas.planner import pgas_row_wise
+from torchrec_pgas.planner import PgasDecisionStats, PgasEnumerator, pgas_row_wise
+from torchrec_pgas.types import PGAS_ROW_WISE
 from torchrec_pgas.testing import fill_embeddings_
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
@@ -53,21 +57,42 @@ def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLR
                 over_arch_layer_sizes=[128, 64, 1], dense_device=device)
 
 
-def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: bool, lr: float) -> DistributedModelParallel:
+def planned_types(model: DLRM, batch: int, train: bool) -> Dict[str, str]:
+    """--sharding auto: the planner's choice per table between stock row_wise and pgas_row_wise.
+
+    Planned by ``collective_plan`` (rank 0 plans, every rank gets its plan) on a CUDA topology, which is a
+    dry run that needs no GPU: TorchRec enumerates no row-wise options for a CPU topology.
+    """
+    ebc = model.sparse_arch.embedding_bag_collection
+    rw_types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
+    constraints = {c.name: ParameterConstraints(sharding_types=rw_types, compute_kernels=["fused"])
+                   for c in ebc.embedding_bag_configs()}
+    topology = Topology(world_size=dist.get_world_size(), compute_device="cuda")
+    stats = PgasDecisionStats()
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch, constraints=constraints, stats=[stats],
+        enumerator=PgasEnumerator(topology, batch, constraints=constraints, training=train))
+    plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], dist.group.WORLD)
+    if dist.get_rank() == 0:
+        print("\n".join(["planner (PgasEnumerator, shipped profile):"] + stats.lines), flush=True)
+    return {table: ps.sharding_type for table, ps in plan.plan[EBC_PATH].items()}  # type: ignore[union-attr]
+
+
+def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: bool, lr: float,
+          types: Optional[Dict[str, str]] = None) -> DistributedModelParallel:
+    """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``."""
     world = dist.get_world_size()
     ebc = model.sparse_arch.embedding_bag_collection
     if train:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
-    if sharding == "pgas":
-        sharder: EmbeddingBagCollectionSharder = PgasEmbeddingBagCollectionSharder(
-            pgas_config=PgasConfig(max_local_batch_size=batch))
-        gen = pgas_row_wise
-    else:
-        sharder = EmbeddingBagCollectionSharder()
-        gen = lambda: row_wise(compute_kernel="fused")  # noqa: E731
+    names = [c.name for c in ebc.embedding_bag_configs()]
+    types = types or {t: PGAS_ROW_WISE if sharding == "pgas" else ShardingType.ROW_WISE.value for t in names}
+    sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
+    if PGAS_ROW_WISE in types.values():
+        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=batch))
     plan = construct_module_sharding_plan(
-        ebc, {c.name: gen() for c in ebc.embedding_bag_configs()}, sharder=sharder,
-        local_size=world, world_size=world, device_type=device.type)
+        ebc, {t: pgas_row_wise() if types[t] == PGAS_ROW_WISE else row_wise(compute_kernel="fused") for t in names},
+        sharder=sharder, local_size=world, world_size=world, device_type=device.type)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    plan=ShardingPlan({EBC_PATH: plan}), sharders=[sharder])
     fill_embeddings_(dmp)  # the same tables under either sharding
@@ -120,7 +145,7 @@ def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sharding", choices=["pgas", "nccl"], default="pgas")
+    parser.add_argument("--sharding", choices=["pgas", "nccl", "auto"], default="pgas")
     parser.add_argument("--batch-size", type=int, default=512, help="local batch size per rank")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s")
@@ -144,7 +169,8 @@ def main() -> None:
     dist.init_process_group("nccl" if on_gpu else "gloo")
     model = build_model(args.embedding_dim, args.max_rows, device, args.seed)
     reference = copy.deepcopy(model) if args.validate else None
-    dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr)
+    types = planned_types(model, args.batch_size, args.train) if args.sharding == "auto" else None
+    dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr, types)
     data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
 
     samples_per_s, preds, labels = run(dmp, data, device, args.train, args.lr, args.warmup)
@@ -152,17 +178,21 @@ def main() -> None:
     m = metrics(preds, labels)
     mode = "train" if args.train else "inference"
     backend = ("nvshmem" if on_gpu else "shm") if args.sharding == "pgas" else ("nccl" if on_gpu else "gloo")
+    if types is not None:
+        pgas = sum(t == PGAS_ROW_WISE for t in types.values())
+        backend = f"{pgas} tables pgas_row_wise, {len(types) - pgas} row_wise"
     if rank == 0:
         print(f"DLRM {mode}, sharding={args.sharding} ({backend}), world {dist.get_world_size()}, "
               f"batch {args.batch_size}/rank, {args.steps} steps: {samples_per_s:,.0f} samples/s, "
               f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
 
     if reference is not None:
-        other = shard(reference, "nccl" if args.sharding == "pgas" else "pgas", device, args.batch_size, False, 0.0)
+        # the other side: stock for pgas and auto, PGAS for nccl
+        other = shard(reference, "pgas" if args.sharding == "nccl" else "nccl", device, args.batch_size, False, 0.0)
         first = SyntheticCriteo(args.batch_size, args.validate_steps, args.max_rows, seed=1000 * args.seed + rank)
         if args.train:  # compare the untrained model: rebuild ours the same way
             dmp = shard(build_model(args.embedding_dim, args.max_rows, device, args.seed), args.sharding,
-                        device, args.batch_size, False, 0.0)
+                        device, args.batch_size, False, 0.0, types)
         _, ours, _ = run(dmp, first, device, False, 0.0, 0)
         _, theirs, _ = run(other, first, device, False, 0.0, 0)
         diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(ours, theirs)), device=device)
