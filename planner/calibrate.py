@@ -1,20 +1,26 @@
 """Fit a hardware profile from a ``benchmarks.embedding`` run, and show how well it predicts that run.
 
-    # on the device: the measurements (any presets; s004 + s000 cover latency- and bandwidth-bound steps)
+    # on the device, one command from a repo checkout: measure (s004 + s000 cover latency- and
+    # bandwidth-bound steps, about 2 minutes on 2 GPUs), fit, check out of sample
+    python -m torchrec_pgas.planner.calibrate --measure 2 -o profile.json --validate s004
+    # or in two steps: the measurements (any presets), then the fit anywhere
     torchrun --nproc_per_node=2 -m benchmarks.embedding --preset s004 --preset s000-weak --preset s000-strong
-    # anywhere: the fit
     python -m torchrec_pgas.planner.calibrate benchmarks/results/<folder>/results.json -o profile.json
     # out of sample: each s004 config predicted by a fit on all the others, and the planner's regret
     python -m torchrec_pgas.planner.calibrate <results.json> -o profile.json --validate s004 --csv planner.csv
 
 Uniform-id rows only (the model has no skew term). NCCL has no graph mode (stock TorchRec cannot be
-captured), so its graph coefficients are its eager ones.
+captured), so its graph coefficients are its eager ones; so are PGAS's when the run captured no graphs (CPU).
 """
 
 import argparse
 import csv
+import importlib.util
 import json
+import os
 import statistics
+import subprocess
+import sys
 from typing import Any, Dict, List, Tuple
 
 from torchrec_pgas.planner.cost_model import (
@@ -53,8 +59,14 @@ def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
     rows, meta = results["rows"], results["meta"]
     coeffs: Dict[str, Dict[str, Any]] = {"eager": {}, "graph": {}}
     for (backend, mode), column in COLUMNS.items():
-        coeffs[mode][backend] = fit_coefficients(samples(rows, backend, column))
-    coeffs["graph"][NCCL_RW] = coeffs["eager"][NCCL_RW]
+        found = samples(rows, backend, column)
+        if found:
+            coeffs[mode][backend] = fit_coefficients(found)
+        elif mode == "eager":
+            raise ValueError(f"no uniform-id rows with {column} to fit {backend} on")
+    # Stock TorchRec has no graph mode, and a CPU run captures no graphs: eager stands in.
+    for backend in (NCCL_RW, PGAS_RW):
+        coeffs["graph"].setdefault(backend, coeffs["eager"][backend])
     source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
               f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']})")
     return HardwareProfile(name, f"{meta['world_size']}x {meta['device']}", meta["world_size"], source, coeffs)
@@ -112,14 +124,39 @@ def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]]
     return out, summary
 
 
+DEFAULT_PRESETS = ["s004", "s000-weak", "s000-strong"]
+
+
+def measure(nproc: int, out_dir: str, bench_args: List[str]) -> str:
+    """Run ``benchmarks.embedding`` on ``nproc`` local processes (one per GPU); returns its results.json."""
+    if importlib.util.find_spec("benchmarks.embedding") is None:
+        raise SystemExit("--measure runs benchmarks/embedding.py: run it from a torchrec-pgas checkout")
+    args = bench_args or [a for p in DEFAULT_PRESETS for a in ("--preset", p)]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    "-m", "benchmarks.embedding", "--out", out_dir, *args], check=True)
+    return os.path.join(out_dir, "results.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", help="results.json of benchmarks.embedding")
+    parser.add_argument("results", nargs="?", help="results.json of benchmarks.embedding (not with --measure)")
+    parser.add_argument("--measure", type=int, metavar="NPROC",
+                        help="first run the benchmark on NPROC local GPUs; its results go next to -o")
+    parser.epilog = ("Arguments after -- go to benchmarks.embedding with --measure (default: the presets "
+                     + ", ".join(DEFAULT_PRESETS) + ").")
     parser.add_argument("-o", "--out", required=True, help="profile JSON to write")
     parser.add_argument("--name", default="calibrated")
     parser.add_argument("--validate", metavar="PRESET", help="leave-one-out predictions and regret on PRESET")
     parser.add_argument("--csv", help="with --validate: write the per-row predictions and choices here")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, bench_args = parser.parse_args(argv[:cut]), argv[cut + 1:]
+    if (args.results is None) == (args.measure is None):
+        parser.error("give a results.json or --measure NPROC")
+    if bench_args and args.measure is None:
+        parser.error("benchmark arguments after -- need --measure")
+    if args.measure is not None:
+        args.results = measure(args.measure, os.path.splitext(args.out)[0] + "_results", bench_args)
     with open(args.results) as f:
         results = json.load(f)
     profile = fit(results, args.name)

@@ -39,6 +39,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 
 from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, HardwareProfile, TableLoad, load_profile
+from torchrec_pgas.planner.report import HEADER, decision_row
 from torchrec_pgas.types import PGAS_ROW_WISE
 
 logger = logging.getLogger(__name__)
@@ -48,22 +49,11 @@ _BACKEND = {ROW_WISE: NCCL_RW, PGAS_ROW_WISE: PGAS_RW}
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One table's prices (ms per step on each rank) and what the model prefers."""
+    """One row-wise table as the enumerator saw it: its load, what it may get, and why."""
 
-    table: str
-    rows: int
-    dim: int
-    pooling: float
-    nccl_ms: Optional[float]
-    pgas_ms: Optional[float]
-
-    @property
-    def choice(self) -> str:
-        if self.pgas_ms is None:
-            return ROW_WISE
-        if self.nccl_ms is None:
-            return PGAS_ROW_WISE
-        return PGAS_ROW_WISE if self.pgas_ms < self.nccl_ms else ROW_WISE
+    load: TableLoad
+    offered: List[str]  # row_wise and/or pgas_row_wise
+    reason: Optional[str]  # None: both offered and the cost model decides
 
 
 class PgasEnumerator(EmbeddingEnumerator):
@@ -86,6 +76,8 @@ class PgasEnumerator(EmbeddingEnumerator):
         self.training = training
         self.decisions: List[Decision] = []
         self._offer: Dict[str, List[str]] = {}  # table -> the RW-family types it may get
+        self._why: Dict[str, str] = {}  # table -> why it may not get both
+        self.num_tables = 0  # tables in the last enumeration (each pays 1/num_tables of a fixed cost)
 
     def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
         kept = super()._filter_sharding_types(name, allowed_sharding_types, sharder_key)
@@ -93,14 +85,19 @@ class PgasEnumerator(EmbeddingEnumerator):
         pgas = PGAS_ROW_WISE in kept and not self.training and (self.backends != "nccl" or ROW_WISE not in kept)
         stock = ROW_WISE in kept and (self.backends != "pgas" or not pgas)
         self._offer[name] = [t for t, ok in ((ROW_WISE, stock), (PGAS_ROW_WISE, pgas)) if ok]
+        if PGAS_ROW_WISE in kept and self.training:
+            self._why[name] = "training (no PGAS bwd)"
+        elif PGAS_ROW_WISE in kept and ROW_WISE in kept and self.backends != "auto":
+            self._why[name] = f"backends={self.backends}"
+        elif len(self._offer[name]) == 1:
+            self._why[name] = "constraints"
         out = [t for t in kept if t not in (ROW_WISE, PGAS_ROW_WISE)]
         return out + [ROW_WISE] if self._offer[name] else out
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
         options = super().enumerate(module, sharders)
-        num_tables = len({o.name for o in options})
+        num_tables = self.num_tables = len({o.name for o in options})
         out: List[ShardingOption] = []
-        prices: Dict[str, Dict[str, float]] = {}
         loads: Dict[str, TableLoad] = {}
         nccl_share = self.model.profile.get(NCCL_RW, self.model.mode).alpha_ms / max(1, num_tables)
         for o in options:
@@ -109,12 +106,11 @@ class PgasEnumerator(EmbeddingEnumerator):
                 # The model prices the HBM-resident fused TBE, which the PGAS kernels read too.
                 for st in offer:
                     opt = o if st == ROW_WISE else _clone(o, PGAS_ROW_WISE)
+                    loads[o.name] = _load(o)
                     if not self.training:  # training keeps TorchRec's forward + backward estimates
-                        load = _load(o)
+                        load = loads[o.name]
                         ms = self.model.table_ms(load, _BACKEND[st], num_tables)
                         _price(opt, compute_ms=self.model.lookup_ms(load, _BACKEND[st]), total_ms=ms)
-                        loads[o.name] = load
-                        prices.setdefault(o.name, {})[st] = ms
                     out.append(opt)
                 continue
             if o.sharding_type == ROW_WISE and ROW_WISE not in offer:
@@ -126,13 +122,7 @@ class PgasEnumerator(EmbeddingEnumerator):
                     if shard.perf is not None:
                         shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
             out.append(o)
-        self.decisions = [
-            Decision(name, load.rows, load.dim, sum(load.pooling),
-                     prices[name].get(ROW_WISE), prices[name].get(PGAS_ROW_WISE))
-            for name, load in loads.items()
-        ]
-        for d in self.decisions:
-            logger.info("pgas planner: %s nccl %s ms, pgas %s ms -> %s", d.table, d.nccl_ms, d.pgas_ms, d.choice)
+        self.decisions = [Decision(load, self._offer[name], self._why.get(name)) for name, load in loads.items()]
         return out
 
 
@@ -168,12 +158,8 @@ class PgasDecisionStats(Stats):
             sharders: Optional[List[ModuleSharder[nn.Module]]] = None, enumerator: Optional[Enumerator] = None,
             debug: bool = False, **kwargs: Any) -> None:
         chosen = {o.name: o.sharding_type for o in best_plan}
-        decisions = enumerator.decisions if isinstance(enumerator, PgasEnumerator) else []
-
-        def ms(v: Optional[float]) -> str:
-            return "-" if v is None else f"{v:.4f}"
-
-        self.lines = [f"{'table':<20} {'rows':>10} {'dim':>5} {'pool':>6} {'nccl ms':>9} {'pgas ms':>9}  chosen"]
-        self.lines += [f"{d.table:<20} {d.rows:>10} {d.dim:>5} {d.pooling:>6.1f} {ms(d.nccl_ms):>9} "
-                       f"{ms(d.pgas_ms):>9}  {chosen.get(d.table, '?')}" for d in decisions]
+        if not isinstance(enumerator, PgasEnumerator):
+            return
+        self.lines = [HEADER] + [decision_row(enumerator.model, d.load, enumerator.num_tables,
+                                              chosen.get(d.load.name, "?"), d.reason) for d in enumerator.decisions]
         logger.info("torchrec_pgas planner (%d plans, %.2fs):\n%s", num_plans, run_time, "\n".join(self.lines))

@@ -17,9 +17,8 @@ import argparse
 import json
 from typing import Any, Dict, List
 
-import yaml
-
-from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, TableLoad, load_profile, table_bytes
+from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, TableLoad, load_profile
+from torchrec_pgas.planner.report import HEADER, decision_row
 
 
 def tables_from_config(cfg: Dict[str, Any]) -> List[TableLoad]:
@@ -37,19 +36,10 @@ def explain(cfg: Dict[str, Any]) -> str:
                       cfg.get("mode", "eager"))
     tables = tables_from_config(cfg)
     choice = model.choose(tables)
-    n = len(tables)
     lines = [f"profile {model.profile.name} ({model.profile.device}), world {model.world_size}, "
-             f"batch/rank {model.batch_per_rank}, mode {model.mode}",
-             f"{'table':<16} {'rows':>10} {'dim':>4} {'pool':>6} {'HBM MB':>8} {'wire MB nccl/pgas':>18} "
-             f"{'nccl ms':>8} {'pgas ms':>8}  choice          reason"]
-    for t in tables:
-        nb, pb = (table_bytes(t, model.batch_per_rank, model.world_size, b) for b in (NCCL_RW, PGAS_RW))
-        nccl, pgas = model.table_ms(t, NCCL_RW, n), model.table_ms(t, PGAS_RW, n)
-        fixed = (model.profile.get(NCCL_RW, model.mode).alpha_ms - model.profile.get(PGAS_RW, model.mode).alpha_ms) / n
-        reason = "fixed cost (latency)" if abs(fixed) >= abs(nccl - pgas) / 2 else "bytes (bandwidth)"
-        pick = "pgas_row_wise" if choice[t.name] == PGAS_RW else "row_wise"
-        lines.append(f"{t.name:<16} {t.rows:>10} {t.dim:>4} {sum(t.pooling):>6.1f} {nb.hbm / 1e6:>8.2f} "
-                     f"{nb.wire / 1e6:>8.2f}/{pb.wire / 1e6:<9.2f} {nccl:>8.3f} {pgas:>8.3f}  {pick:<15} {reason}")
+             f"batch/rank {model.batch_per_rank}, mode {model.mode}", HEADER]
+    lines += [decision_row(model, t, len(tables), "pgas_row_wise" if choice[t.name] == PGAS_RW else "row_wise")
+              for t in tables]
     chosen = [t for t in tables if choice[t.name] == PGAS_RW]
     others = [t for t in tables if choice[t.name] == NCCL_RW]
     mixed = model.step_ms(chosen, PGAS_RW) + model.step_ms(others, NCCL_RW)
@@ -62,6 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="YAML or JSON model config")
     args = parser.parse_args()
+    import yaml  # only the CLI reads YAML; the planner imports this module for its table format
+
     with open(args.config) as f:
         cfg = json.load(f) if args.config.endswith(".json") else yaml.safe_load(f)
     print(explain(cfg))

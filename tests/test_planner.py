@@ -125,6 +125,24 @@ CONSTRAINTS = {
 }
 
 
+def _plan_reasons(backends: str) -> Dict[str, str]:
+    """The reason column of the decision table, per table."""
+    topo = Topology(world_size=2, compute_device="cuda")
+    stats = PgasDecisionStats()
+    EmbeddingShardingPlanner(topology=topo, batch_size=8, constraints=CONSTRAINTS, stats=[stats],
+                             enumerator=PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends),
+                             ).plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
+    assert stats.lines[0].split()[:6] == ["table", "rows", "dim", "pool", "HBM", "MB"]
+    return {line.split()[0]: " ".join(line.split()[8:-1]) for line in stats.lines[1:]}
+
+
+def test_decision_table_says_why() -> None:
+    auto, nccl = _plan_reasons("auto"), _plan_reasons("nccl")
+    assert auto["t0"] == "fixed cost (latency)" and auto["t1"] == auto["t3"] == "constraints"
+    assert nccl["t0"] == "backends=nccl" and nccl["t3"] == "constraints"
+    assert "t2" not in auto  # table_wise only: not a row-wise decision
+
+
 def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str]:
     # Planning is a dry run: a CUDA topology needs no GPU (TorchRec offers no row-wise on CPU).
     topo = Topology(world_size=2, compute_device="cuda")
@@ -180,3 +198,18 @@ def test_explain_cli(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, "-m", "torchrec_pgas.planner.explain", str(cfg)],
                          capture_output=True, text=True, check=True).stdout
     assert "pgas_row_wise" in out and out.count("\n") >= 4 and "all NCCL" in out
+
+
+def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
+    """The one-command calibration: benchmark run (smoke preset on 2 CPU ranks here), fit, profile JSON."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
+    proc = subprocess.run([sys.executable, "-m", "torchrec_pgas.planner.calibrate", "--measure", "2", "-o", str(out),
+                           "--", "--preset", "smoke", "--steps", "3", "--warmup", "1", "--stage-steps", "1"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    prof = load_profile(str(out))
+    assert "presets smoke; commit testsha" in prof.source
+    assert prof.get(PGAS_RW, "graph") == prof.get(PGAS_RW, "eager")  # a CPU run captures no graphs
+    assert (tmp_path / "profile_results" / "results.json").exists()
