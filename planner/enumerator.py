@@ -38,6 +38,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 
+from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, HardwareProfile, TableLoad, load_profile
 from torchrec_pgas.planner.report import HEADER, decision_row
 from torchrec_pgas.types import PGAS_ROW_WISE
@@ -78,9 +79,13 @@ class PgasEnumerator(EmbeddingEnumerator):
         self._offer: Dict[str, List[str]] = {}  # table -> the RW-family types it may get
         self._why: Dict[str, str] = {}  # table -> why it may not get both
         self.num_tables = 0  # tables in the last enumeration (each pays 1/num_tables of a fixed cost)
+        self._pgas_sharder = False  # the enumerated sharders include PgasEmbeddingBagCollectionSharder
 
     def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
-        kept = super()._filter_sharding_types(name, allowed_sharding_types, sharder_key)
+        allowed = list(allowed_sharding_types)
+        if self._pgas_sharder and ROW_WISE in allowed:  # the sharder lists stock types only (see its doc)
+            allowed.append(PGAS_ROW_WISE)
+        kept = super()._filter_sharding_types(name, allowed, sharder_key)
         # Constraints win over the backend preference; training has no PGAS backward.
         pgas = PGAS_ROW_WISE in kept and not self.training and (self.backends != "nccl" or ROW_WISE not in kept)
         stock = ROW_WISE in kept and (self.backends != "pgas" or not pgas)
@@ -95,6 +100,7 @@ class PgasEnumerator(EmbeddingEnumerator):
         return out + [ROW_WISE] if self._offer[name] else out
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
+        self._pgas_sharder = any(isinstance(s, PgasEmbeddingBagCollectionSharder) for s in sharders)
         options = super().enumerate(module, sharders)
         num_tables = self.num_tables = len({o.name for o in options})
         out: List[ShardingOption] = []

@@ -213,3 +213,12 @@ def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
     assert "presets smoke; commit testsha" in prof.source
     assert prof.get(PGAS_RW, "graph") == prof.get(PGAS_RW, "eager")  # a CPU run captures no graphs
     assert (tmp_path / "profile_results" / "results.json").exists()
+
+
+def test_stock_planner_accepts_the_pgas_sharder() -> None:
+    """DMP plans with TorchRec's own planner when given no plan: it must not meet a type it cannot size."""
+    topo = Topology(world_size=2, compute_device="cuda")
+    plan = EmbeddingShardingPlanner(topology=topo, batch_size=8).plan(
+        default_model(), [PgasEmbeddingBagCollectionSharder()])
+    types = {ps.sharding_type for m in plan.plan.values() for ps in m.values()}
+    assert types and not types & {"pgas_row_wise"}

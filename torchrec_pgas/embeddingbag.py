@@ -83,6 +83,10 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """Drop-in replacement for ``EmbeddingBagCollectionSharder`` adding ``pgas_row_wise``.
 
     Tables planned with stock sharding types are sharded exactly as before.
+    ``sharding_types()`` lists only the stock types: TorchRec's own enumerator
+    (what DMP uses when given no plan) cannot size shards of a type it does not
+    know. PGAS types come from a plan: ``PgasEnumerator`` (it offers them for
+    this sharder) or a hand-built one (``torchrec_pgas.planner.pgas_row_wise``).
 
     Args:
         fused_params: as for the stock sharder (TBE optimizer, output dtype,
@@ -123,9 +127,6 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
         )
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return super().sharding_types(compute_device_type) + list(PGAS_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         if sharding_type in PGAS_SHARDING_TYPES:
