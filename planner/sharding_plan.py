@@ -5,10 +5,30 @@ from typing import Optional
 
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.sharding_plan import ParameterShardingGenerator, row_wise
+from torchrec.distributed.sharding_plan import ParameterShardingGenerator, row_wise, table_wise
 from torchrec.distributed.types import ModuleSharder, ParameterSharding
 
-from torchrec_pgas.types import PGAS_ROW_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
+
+
+def _renamed(stock: ParameterShardingGenerator, sharding_type: str) -> ParameterShardingGenerator:
+    def _generator(
+        param: nn.Parameter,
+        local_size: int,
+        world_size: int,
+        device_type: str,
+        sharder: ModuleSharder[nn.Module],
+    ) -> ParameterSharding:
+        ps = stock(param, local_size, world_size, device_type, sharder)
+        return dataclasses.replace(ps, sharding_type=sharding_type)
+
+    return _generator
+
+
+def pgas_table_wise(rank: int, compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
+    """Like ``table_wise(rank)``: the whole table on ``rank``, the same ``state_dict``; CPU (shm) only so far."""
+    return _renamed(table_wise(rank=rank, compute_kernel=compute_kernel or EmbeddingComputeKernel.FUSED.value),
+                    PGAS_TABLE_WISE)
 
 
 def pgas_row_wise(compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
@@ -21,16 +41,4 @@ def pgas_row_wise(compute_kernel: Optional[str] = None) -> ParameterShardingGene
             ebc, {"t0": pgas_row_wise(), "t1": row_wise()}, sharder=PgasEmbeddingBagCollectionSharder()
         )
     """
-    stock = row_wise(compute_kernel=compute_kernel or EmbeddingComputeKernel.FUSED.value)
-
-    def _generator(
-        param: nn.Parameter,
-        local_size: int,
-        world_size: int,
-        device_type: str,
-        sharder: ModuleSharder[nn.Module],
-    ) -> ParameterSharding:
-        ps = stock(param, local_size, world_size, device_type, sharder)
-        return dataclasses.replace(ps, sharding_type=PGAS_ROW_WISE)
-
-    return _generator
+    return _renamed(row_wise(compute_kernel=compute_kernel or EmbeddingComputeKernel.FUSED.value), PGAS_ROW_WISE)

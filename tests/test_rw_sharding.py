@@ -1,24 +1,23 @@
 """pgas_row_wise through DistributedModelParallel on the shm backend, against stock TorchRec."""
 
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict
 
 import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import pgas_lookups
 from torchrec_pgas.testing import (
-    TwoEbcModel,
+    all_tables,
     compare_with_stock,
     default_model,
-    random_kjt,
     run_distributed,
-    seeded,
+    sample_batches,
     shard,
+    shard_metadata,
 )
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
@@ -30,39 +29,15 @@ CPU = torch.device("cpu")
 SMALL = PgasConfig(max_local_batch_size=16, wait_timeout_s=60)
 
 
-def _batches(model: TwoEbcModel, rank: int, batch: int = 4) -> List[Tuple[KeyedJaggedTensor, KeyedJaggedTensor]]:
-    gen = seeded(1000 + rank)
-    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
-    return [
-        (random_kjt(t, batch, gen), random_kjt(w, batch, gen, weighted=True)),
-        (random_kjt(t, batch, gen, max_len=12), random_kjt(w, batch, gen, weighted=True)),
-        (random_kjt(t, batch, gen, empty=True), random_kjt(w, batch, gen, weighted=True, empty=True)),
-        (random_kjt(t, 1, gen), random_kjt(w, 1, gen, weighted=True)),
-    ]
-
-
-def _all(model: TwoEbcModel, sharding_type: str) -> Dict[str, str]:
-    names = [c.name for ebc in (model.ebc, model.webc) for c in ebc.embedding_bag_configs()]
-    return {n: sharding_type for n in names}
-
-
-def _metadata(sd: Dict[str, Any]) -> Dict[str, Any]:
-    out = {}
-    for k, v in sd.items():
-        assert isinstance(v, ShardedTensor), k
-        out[k] = (tuple(v.size()), [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in v.metadata().shards_metadata])
-    return out
-
-
 def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
     model = default_model()
-    cmp = compare_with_stock(model, _all(model, PGAS_ROW_WISE), _batches(model, rank), dist.group.WORLD, CPU, SMALL)
-    pgas = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
-    stock = shard(model, _all(model, "row_wise"), dist.group.WORLD, CPU, stock=True)
+    cmp = compare_with_stock(model, all_tables(model, PGAS_ROW_WISE), sample_batches(model, rank), dist.group.WORLD, CPU, SMALL)
+    pgas = shard(model, all_tables(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
+    stock = shard(model, all_tables(model, "row_wise"), dist.group.WORLD, CPU, stock=True)
     return {
         "lookups": len(list(pgas_lookups(pgas))),
         "diffs": cmp.max_abs_diff,
-        "same_state_dict": _metadata(pgas.state_dict()) == _metadata(stock.state_dict()),
+        "same_state_dict": shard_metadata(pgas.state_dict()) == shard_metadata(stock.state_dict()),
         "keys": sorted(pgas.state_dict().keys()),
         "optim_keys": sorted(pgas.fused_optimizer.state_dict()["state"].keys()),
         "stock_optim_keys": sorted(stock.fused_optimizer.state_dict()["state"].keys()),
@@ -82,9 +57,9 @@ def test_matches_stock_row_wise(world: int) -> None:
 
 def _mixed(rank: int, world: int) -> Dict[str, float]:
     model = default_model()
-    types = _all(model, PGAS_ROW_WISE)
+    types = all_tables(model, PGAS_ROW_WISE)
     types.update({"t0": "row_wise", "w1": "row_wise", "w2": "table_wise"})
-    return compare_with_stock(model, types, _batches(model, rank), dist.group.WORLD, CPU, SMALL).max_abs_diff
+    return compare_with_stock(model, types, sample_batches(model, rank), dist.group.WORLD, CPU, SMALL).max_abs_diff
 
 
 def test_mixed_plan_row_wise_pgas_and_table_wise() -> None:
@@ -95,10 +70,10 @@ def test_mixed_plan_row_wise_pgas_and_table_wise() -> None:
 def _mean_next_to_table_wise(rank: int, world: int) -> Dict[str, float]:
     """MEAN tables of three sharding types in one EBC, against the unsharded model."""
     model = default_model()
-    types = _all(model, PGAS_ROW_WISE)
+    types = all_tables(model, PGAS_ROW_WISE)
     types.update({"t1": "row_wise", "t3": "table_wise"})
     sharded = shard(model, types, dist.group.WORLD, CPU, SMALL)
-    kjt, wkjt = _batches(model, rank)[0]
+    kjt, wkjt = sample_batches(model, rank)[0]
     with torch.no_grad():
         out, ref = sharded(kjt, wkjt), model(kjt, wkjt)
     return {k: float((out[k] - ref[k]).abs().max()) for k in ref}
@@ -112,7 +87,7 @@ def test_mean_pooling_is_divided_once() -> None:
 
 def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
     model = default_model()
-    types = _all(model, PGAS_ROW_WISE)
+    types = all_tables(model, PGAS_ROW_WISE)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     results: Dict[str, str] = {}
 
@@ -128,7 +103,7 @@ def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
         for k, v in sharded.state_dict().items():  # no rank's weights were written
             assert torch.equal(v.local_shards()[0].tensor, local_before[k]), (name, k)
 
-    good, wgood = _batches(model, rank)[0]
+    good, wgood = sample_batches(model, rank)[0]
 
     def with_id(kjt: KeyedJaggedTensor, pos: int, value: int) -> KeyedJaggedTensor:
         values = kjt.values().clone()
@@ -140,9 +115,9 @@ def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
     attempt("too_large", with_id(good, pos_tf1, 37) if rank == 1 else good, wgood)
     attempt("negative", with_id(good, 0, -5) if rank == 0 else good, wgood)
     attempt("capacity", good, wgood, config=PgasConfig(max_local_batch_size=16, max_ids_per_rank=2))
-    small, wsmall = _batches(model, rank, batch=3 if rank == 1 else 4)[0]
+    small, wsmall = sample_batches(model, rank, batch=3 if rank == 1 else 4)[0]
     attempt("batch_mismatch", small, wsmall)
-    big, wbig = _batches(model, rank, batch=17)[0]
+    big, wbig = sample_batches(model, rank, batch=17)[0]
     attempt("batch_too_large", big, wbig)
     for mode in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE):
         with warnings.catch_warnings(record=True) as caught:
@@ -176,8 +151,8 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 def _warning_mode_reads_row_zero(rank: int, world: int) -> float:
     model = default_model()
-    types = _all(model, PGAS_ROW_WISE)
-    kjt, wkjt = _batches(model, rank)[0]
+    types = all_tables(model, PGAS_ROW_WISE)
+    kjt, wkjt = sample_batches(model, rank)[0]
     bad_values = kjt.values().clone()
     bad_values[0] = 10_000
     bad = KeyedJaggedTensor(kjt.keys(), bad_values, None, kjt.lengths(), stride=kjt.stride())
@@ -198,9 +173,9 @@ def test_ignore_mode_replaces_bad_ids_by_row_zero() -> None:
 def _pipelined(rank: int, world: int) -> str:
     """Two index dists in flight before the first lookup, as TorchRec's train pipelines do."""
     model = default_model()
-    sharded = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
+    sharded = shard(model, all_tables(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
     sebc = sharded.module.ebc
-    batches = [b for b, _ in _batches(model, rank)[:3]]
+    batches = [b for b, _ in sample_batches(model, rank)[:3]]
     ctxs, inputs = [], []
     for kjt in batches[:2]:
         ctx = sebc.create_context()
@@ -224,8 +199,8 @@ def test_one_index_dist_may_run_ahead() -> None:
 
 def _backward(rank: int, world: int) -> str:
     model = default_model()
-    sharded = shard(model, _all(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
-    kjt, wkjt = _batches(model, rank)[0]
+    sharded = shard(model, all_tables(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
+    kjt, wkjt = sample_batches(model, rank)[0]
     out = sharded(kjt, wkjt)
     try:
         sum(v.sum() for v in out.values()).backward()
@@ -236,4 +211,4 @@ def _backward(rank: int, world: int) -> str:
 
 def test_backward_is_refused_not_silently_skipped() -> None:
     for msg in run_distributed(_backward, 2):
-        assert "pgas_row_wise has no backward pass yet" in msg
+        assert "pgas_row_wise has no backward pass yet: shard the tables you train with 'row_wise'" in msg

@@ -22,21 +22,21 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.rw_sharding import (
-    PgasRwPooledEmbeddingSharding,
-    PgasRwPooledEmbeddingsLookup,
-    strip_pgas_fused_params,
-)
+from torchrec_pgas.sharding.common import PgasPooledEmbeddingsLookup, strip_pgas_fused_params
+from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
+from torchrec_pgas.sharding.tw_sharding import PgasTwPooledEmbeddingSharding
 from torchrec_pgas.types import (
     FUSED_PARAM_PGAS_CONFIG,
     PGAS_ROW_WISE,
     PGAS_SHARDING_TYPES,
+    PGAS_TABLE_WISE,
     PgasConfig,
     pgas_config_from_fused_params,
 )
 
 
 _SUM_THEN_DIVIDE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+_PGAS_SHARDINGS = {PGAS_ROW_WISE: PgasRwPooledEmbeddingSharding, PGAS_TABLE_WISE: PgasTwPooledEmbeddingSharding}
 
 
 class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -70,8 +70,9 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     ]:
         config = pgas_config_from_fused_params(sharding_infos[0].fused_params)
         infos = [strip_pgas_fused_params(i, FUSED_PARAM_PGAS_CONFIG) for i in sharding_infos]
-        if infos[0].param_sharding.sharding_type == PGAS_ROW_WISE:
-            return PgasRwPooledEmbeddingSharding(
+        sharding_type = infos[0].param_sharding.sharding_type
+        if sharding_type in _PGAS_SHARDINGS:
+            return _PGAS_SHARDINGS[sharding_type](
                 infos, env, device, pgas_config=config, qcomm_codecs_registry=qcomm_codecs_registry
             )
         return super().create_embedding_bag_sharding(
@@ -80,7 +81,8 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """Drop-in replacement for ``EmbeddingBagCollectionSharder`` adding ``pgas_row_wise``.
+    """Drop-in replacement for ``EmbeddingBagCollectionSharder`` adding ``pgas_row_wise`` and
+    ``pgas_table_wise`` (the latter on the shm backend so far).
 
     Tables planned with stock sharding types are sharded exactly as before.
     ``sharding_types()`` lists only the stock types: TorchRec's own enumerator
@@ -150,7 +152,7 @@ def check_errors(module: nn.Module) -> None:
         lookup.check()
 
 
-def pgas_lookups(module: nn.Module) -> Iterator[PgasRwPooledEmbeddingsLookup]:
+def pgas_lookups(module: nn.Module) -> Iterator[PgasPooledEmbeddingsLookup]:
     """The PGAS lookup modules inside ``module`` (a DMP or a sharded model)."""
     for m in module.modules():
         if isinstance(m, PgasShardedEmbeddingBagCollection):
@@ -158,5 +160,5 @@ def pgas_lookups(module: nn.Module) -> Iterator[PgasRwPooledEmbeddingsLookup]:
             for lookup in m._lookups:
                 while isinstance(lookup, DistributedDataParallel):
                     lookup = lookup.module
-                if isinstance(lookup, PgasRwPooledEmbeddingsLookup):
+                if isinstance(lookup, PgasPooledEmbeddingsLookup):
                     yield lookup

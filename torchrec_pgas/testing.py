@@ -37,18 +37,31 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
-from torchrec_pgas.planner.sharding_plan import pgas_row_wise
-from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
+from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
 ATOL: float = 1e-5
 RTOL: float = 1e-5
 
-STOCK_TWIN: Dict[str, str] = {PGAS_ROW_WISE: "row_wise"}
-_GENERATORS: Dict[str, Callable[[], Any]] = {
-    PGAS_ROW_WISE: pgas_row_wise,
-    "row_wise": lambda: row_wise(compute_kernel="fused"),
-    "table_wise": lambda: table_wise(rank=0, compute_kernel="fused"),
+STOCK_TWIN: Dict[str, str] = {PGAS_ROW_WISE: "row_wise", PGAS_TABLE_WISE: "table_wise"}
+# Table-wise types take the owner as "table_wise@1" (rank 0 when left out).
+_GENERATORS: Dict[str, Callable[[int], Any]] = {
+    PGAS_ROW_WISE: lambda rank: pgas_row_wise(),
+    PGAS_TABLE_WISE: lambda rank: pgas_table_wise(rank),
+    "row_wise": lambda rank: row_wise(compute_kernel="fused"),
+    "table_wise": lambda rank: table_wise(rank=rank, compute_kernel="fused"),
 }
+
+
+def _generator(sharding: str) -> Any:
+    kind, _, rank = sharding.partition("@")
+    return _GENERATORS[kind](int(rank or 0))
+
+
+def stock_twin(sharding: str) -> str:
+    """The stock type of a plan entry, keeping its owner: "pgas_table_wise@1" -> "table_wise@1"."""
+    kind, at, rank = sharding.partition("@")
+    return STOCK_TWIN.get(kind, kind) + at + rank
 
 
 def default_tables(prefix: str = "t") -> List[EmbeddingBagConfig]:
@@ -120,6 +133,33 @@ def random_kjt(
     )
 
 
+def sample_batches(model: TwoEbcModel, rank: int, batch: int = 4) -> List[Tuple[KeyedJaggedTensor, KeyedJaggedTensor]]:
+    """Four (kjt, weighted kjt) steps for ``rank``: plain, long bags, all bags empty, batch 1."""
+    gen = seeded(1000 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    return [
+        (random_kjt(t, batch, gen), random_kjt(w, batch, gen, weighted=True)),
+        (random_kjt(t, batch, gen, max_len=12), random_kjt(w, batch, gen, weighted=True)),
+        (random_kjt(t, batch, gen, empty=True), random_kjt(w, batch, gen, weighted=True, empty=True)),
+        (random_kjt(t, 1, gen), random_kjt(w, 1, gen, weighted=True)),
+    ]
+
+
+def all_tables(model: TwoEbcModel, sharding_type: str) -> Dict[str, str]:
+    """Every table of both EBCs with one sharding type."""
+    return {c.name: sharding_type for ebc in (model.ebc, model.webc) for c in ebc.embedding_bag_configs()}
+
+
+def shard_metadata(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """Per state_dict key: global size and every shard's offsets, sizes and placement."""
+    out = {}
+    for k, v in sd.items():
+        assert isinstance(v, ShardedTensor), k
+        out[k] = (tuple(v.size()), [(m.shard_offsets, m.shard_sizes, str(m.placement))
+                                    for m in v.metadata().shards_metadata])
+    return out
+
+
 def build_plan(
     model: TwoEbcModel,
     types: Dict[str, str],
@@ -130,7 +170,7 @@ def build_plan(
     plan = {}
     for path, ebc in (("ebc", model.ebc), ("webc", model.webc)):
         gens = {
-            cfg.name: _GENERATORS[types[cfg.name]]() for cfg in ebc.embedding_bag_configs()
+            cfg.name: _generator(types[cfg.name]) for cfg in ebc.embedding_bag_configs()
         }
         plan[path] = construct_module_sharding_plan(
             ebc, gens, sharder=sharder, local_size=world_size, world_size=world_size,
@@ -221,7 +261,7 @@ def compare_with_stock(
     ``tol`` (absolute and relative) is for fp32; half-precision weights or
     outputs need ~1e-2.
     """
-    stock_types = {t: STOCK_TWIN.get(st, st) for t, st in types.items()}
+    stock_types = {t: stock_twin(st) for t, st in types.items()}
     pgas = shard(model, types, pg, device, config, fused_params)
     stock = shard(model, stock_types, pg, device, fused_params=fused_params, stock=True)
     diffs: Dict[str, float] = {}

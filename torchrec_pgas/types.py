@@ -9,7 +9,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 PGAS_ROW_WISE: str = "pgas_row_wise"
 """Row-wise sharding whose index dist and output dist are one-sided PGAS puts."""
 
-PGAS_SHARDING_TYPES = (PGAS_ROW_WISE,)
+PGAS_TABLE_WISE: str = "pgas_table_wise"
+"""Table-wise sharding: ids go one-sided to the table's owner, which writes pooled rows into the requester."""
+
+PGAS_SHARDING_TYPES = (PGAS_ROW_WISE, PGAS_TABLE_WISE)
 
 # Key under which the sharder passes its PgasConfig through TorchRec's per-table
 # fused_params (the same channel TorchRec uses for its own "__register_*" keys);

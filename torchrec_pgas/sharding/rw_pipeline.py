@@ -1,8 +1,7 @@
 """The three stages of one ``pgas_row_wise`` step, on each backend.
 
-``PgasRwPipeline`` holds what both paths share: the symmetric buffer and its
-layout, the signal pad, the host-side checks that need no device sync, and the
-FIFO step counters. Two paths implement the stages:
+Two paths implement the stages over the shared ``PgasPipeline`` state
+(``common.py``):
 
 * ``HostRwPipeline`` writes the algorithm against the runtime API (put,
   signal, wait) with torch ops and the stock TBE lookup; it is what the
@@ -12,10 +11,9 @@ FIFO step counters. Two paths implement the stages:
   capturable); it is what the ``nvshmem`` backend runs.
 """
 
-import bisect
 import itertools
 import warnings
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -25,11 +23,10 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
-from torchrec_pgas import runtime as pgas_runtime
-from torchrec_pgas.layout import RwLayout, divisor_magic, id_bytes_for
+from torchrec_pgas.layout import divisor_magic
+from torchrec_pgas.sharding.common import PgasPipeline, PoolFn, no_backward
 from torchrec_pgas.types import (
-    PgasCapacityError,
-    PgasConfig,
+    PGAS_ROW_WISE,
     PgasError,
     PgasInputError,
     PgasPeerAbortError,
@@ -38,151 +35,12 @@ from torchrec_pgas.types import (
 
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
 
-PoolFn = Callable[[KeyedJaggedTensor], torch.Tensor]
-
-
-class _NoBackward(torch.autograd.Function):
-    """Makes a training step fail loudly instead of silently skipping embedding grads."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        raise NotImplementedError(
-            "pgas_row_wise has no backward pass yet: shard the tables you train "
-            "with 'row_wise' (the state_dict is the same, so checkpoints move freely)"
-        )
-
-
-def no_backward(out: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled():  # a backward through here must raise, not skip
-        return _NoBackward.apply(out.requires_grad_())
-    return out
-
-
-class PgasRwPipeline:
-    """State shared by the three stage modules of one ``pgas_row_wise`` sharding.
-
-    Each stage keeps its own FIFO step counter, the way a GPU stream would; the
-    k-th lookup consumes the k-th index dist. Two buffer slots (epoch parity)
-    let one index dist run ahead of the lookup, as TorchRec's train pipelines
-    do; deeper run-ahead raises.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        env: ShardingEnv,
-        device: torch.device,
-        feature_names: List[str],
-        feature_tables: List[str],
-        feature_hash_sizes: List[int],
-        feature_dims: List[int],
-        feature_is_mean: List[bool],
-        is_weighted: bool,
-        config: PgasConfig,
-        bounds_check_mode: BoundsCheckMode,
-    ) -> None:
-        num_features = len(feature_names)
-        world_size = env.world_size
-        self.layout = RwLayout(
-            world_size=world_size,
-            num_features=num_features,
-            max_batch=config.max_local_batch_size,
-            ids_capacity=config.ids_capacity(num_features),
-            dim_sum=sum(feature_dims),
-            weighted=is_weighted,
-            id_bytes=id_bytes_for([(n + world_size - 1) // world_size for n in feature_hash_sizes]),
-        )
-        self.rt = pgas_runtime.init(env.process_group, device=device, heap_hint=self.layout.nbytes)
-        self.rank = self.rt.rank
-        self.world_size = self.rt.world_size
-        self.device = device
-        self.feature_names = feature_names
-        self.feature_tables = feature_tables
-        self.feature_hash_sizes = feature_hash_sizes
-        self.feature_dims = feature_dims
-        self.feature_is_mean = feature_is_mean
-        self.config = config
-        self.bounds_check_mode = bounds_check_mode
-        self.buf = self.rt.alloc(name, self.layout.nbytes)
-        self.pad = self.rt.alloc_signals(name, self.layout.num_signal_slots)
-        self.issued = 0  # index dists issued (epochs are 1-based)
-        self.looked_up = 0  # lookups completed
-
-    def _fail(self, err: PgasError) -> PgasError:
-        """Abort the pad so peers waiting on this rank raise instead of hanging."""
-        self.rt.abort(self.pad, str(err))
-        return err
-
-    def bad_id_message(self, f: int, value: int) -> str:
-        return (
-            f"pgas_row_wise: feature '{self.feature_names[f]}' (table "
-            f"'{self.feature_tables[f]}') has id {value} outside [0, {self.feature_hash_sizes[f]})"
-        )
-
-    def _check_step(self, kjt: KeyedJaggedTensor) -> None:
-        """Checks on host-known sizes only (no device sync), before anything is written."""
-        lay = self.layout
-        if kjt.variable_stride_per_key():
-            raise self._fail(
-                PgasInputError("pgas_row_wise does not support variable batch size per feature")
-            )
-        batch = kjt.stride()
-        if batch > lay.max_batch:
-            raise self._fail(
-                PgasCapacityError(
-                    f"pgas_row_wise: local batch size {batch} exceeds "
-                    f"PgasConfig.max_local_batch_size={lay.max_batch}"
-                )
-            )
-        if self.issued - self.looked_up >= lay.num_slots:
-            raise self._fail(
-                PgasError(
-                    f"pgas_row_wise: {self.issued - self.looked_up} index dists are already "
-                    f"in flight; at most {lay.num_slots} may run ahead of the lookup"
-                )
-            )
-        nnz = kjt.values().numel()
-        if nnz > lay.ids_capacity:
-            raise self._fail(
-                PgasCapacityError(
-                    f"pgas_row_wise: rank {self.rank} has {nnz} ids in one step, above "
-                    f"the capacity of {lay.ids_capacity} (PgasConfig.max_ids_per_rank / "
-                    "avg_pooling_capacity)"
-                )
-            )
-
-    def _next_lookup_epoch(self) -> int:
-        if self.looked_up >= self.issued:
-            raise self._fail(PgasError("pgas_row_wise: lookup called without an index dist"))
-        self.looked_up += 1
-        return self.looked_up
-
-    def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        raise NotImplementedError
-
-    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
-        """Owner and requester stages; returns the final ``[B, D]`` pooled output.
-
-        ``pool`` is the stock TBE lookup of a received KJT, ``tbes`` the TBE
-        modules whose weight storage the fused kernels read directly.
-        """
-        raise NotImplementedError
-
-    def check(self) -> None:
-        """Raise errors the device recorded (after a stream sync); no-op on the host path."""
-
-
-class HostRwPipeline(PgasRwPipeline):
+class HostRwPipeline(PgasPipeline):
     """The algorithm over the runtime API, with torch ops and the stock TBE lookup."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         device = self.device
-        self._hash_sizes = torch.tensor(self.feature_hash_sizes, dtype=torch.int64, device=device)
         self._block_sizes = torch.tensor(
             [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes],
             dtype=torch.int64,
@@ -193,30 +51,6 @@ class HostRwPipeline(PgasRwPipeline):
         if any(self.feature_is_mean):
             self._mean_features = torch.tensor(self.feature_is_mean, device=device)
             self._dims = torch.tensor(self.feature_dims, device=device)
-        self._warned: set = set()
-
-    def _order(self) -> List[int]:
-        """Remote peers first (their bytes travel), this rank last."""
-        return [(self.rank + 1 + k) % self.world_size for k in range(self.world_size)]
-
-    def _check_ids(self, kjt: KeyedJaggedTensor, values: torch.Tensor) -> torch.Tensor:
-        """Apply the bounds-check mode; ids decide the owner and the remote address."""
-        per_feature = kjt.length_per_key()
-        hash_per_id = torch.repeat_interleave(
-            self._hash_sizes, torch.tensor(per_feature, device=values.device)
-        )
-        bad = (values < 0) | (values >= hash_per_id)
-        if not bool(bad.any()):
-            return values
-        pos = int(torch.nonzero(bad)[0])
-        f = bisect.bisect_right(list(itertools.accumulate(per_feature)), pos)
-        msg = self.bad_id_message(f, int(values[pos]))
-        if self.bounds_check_mode == BoundsCheckMode.FATAL:
-            raise self._fail(PgasInputError(msg))
-        if self.bounds_check_mode == BoundsCheckMode.WARNING and f not in self._warned:
-            self._warned.add(f)
-            warnings.warn(msg + "; such ids read row 0 (BoundsCheckMode.WARNING)")
-        return torch.where(bad, torch.zeros_like(values), values)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         self._check_step(kjt)
@@ -280,15 +114,8 @@ class HostRwPipeline(PgasRwPipeline):
                 raise self._fail(
                     PgasError(f"corrupt index header from rank {src}: epoch {h_epoch}, nnz {nnz}")
                 )
-            received = KeyedJaggedTensor(  # compacted: offsets are the prefix sums of lengths
-                keys=self.feature_names,
-                values=self.buf.view(lay.id_dtype, block + lay.ids_off, nnz).to(torch.int64),
-                lengths=lengths.to(torch.int64),
-                weights=self.buf.view(torch.float32, block + lay.weights_off, nnz) if lay.weighted else None,
-                stride=batch,
-            )
             with torch.no_grad():
-                partial = pool(received)
+                partial = pool(self.received(block, self.feature_names, lengths, nnz, batch))
             out_dtype = partial.dtype
             self.rt.put(self.buf, src, lay.output_block(slot, self.rank), partial)
             self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
@@ -308,7 +135,7 @@ class HostRwPipeline(PgasRwPipeline):
             )
         if self._mean_features is not None:
             out = out / self._mean_divisor(kjt)
-        return no_backward(out.to(out_dtype))
+        return no_backward(out.to(out_dtype), self.kind)
 
     def _mean_divisor(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """[B, D] divisor, like TorchRec RW: bag length (or weight sum) + eps; 1 for sum."""
@@ -331,7 +158,7 @@ _WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1}
 _BOUNDS_MODES = {BoundsCheckMode.FATAL: 0, BoundsCheckMode.WARNING: 1, BoundsCheckMode.IGNORE: 2}
 
 
-class DeviceRwPipeline(PgasRwPipeline):
+class DeviceRwPipeline(PgasPipeline):
     """Three fused kernel launches per step on the current stream; no host sync.
 
     Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
@@ -447,7 +274,7 @@ class DeviceRwPipeline(PgasRwPipeline):
             raise self._fail(PgasError(f"pgas_row_wise lookup failed to launch: {e}")) from e
         if not torch.cuda.is_current_stream_capturing():
             self._slot_free[epoch % self.layout.num_slots].record()
-        return no_backward(out)
+        return no_backward(out, self.kind)
 
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
@@ -487,7 +314,10 @@ def _per_feature(tbe: nn.Module) -> List[torch.Tensor]:
     return [tables[t] for t in tbe.feature_table_map]
 
 
-def make_rw_pipeline(device: torch.device, **kwargs: Any) -> PgasRwPipeline:
+def make_rw_pipeline(device: torch.device, env: ShardingEnv, feature_hash_sizes: List[int],
+                     feature_dims: List[int], **kwargs: Any) -> PgasPipeline:
     """Fused kernels on CUDA (nvshmem backend), the runtime-API path on CPU (shm)."""
     cls = DeviceRwPipeline if device.type == "cuda" else HostRwPipeline
-    return cls(device=device, **kwargs)
+    blocks = [(n + env.world_size - 1) // env.world_size for n in feature_hash_sizes]
+    return cls(device=device, env=env, feature_hash_sizes=feature_hash_sizes, feature_dims=feature_dims,
+               kind=PGAS_ROW_WISE, shard_rows=blocks, block_dim_sum=sum(feature_dims), **kwargs)

@@ -1,0 +1,110 @@
+"""The stages of one ``pgas_table_wise`` step (the ``shm`` CPU backend so far).
+
+Table t lives whole on its owner. One step, for W ranks with the F features of
+this sharding (TorchRec's TW orders them rank by rank, so the features of owner
+d are one contiguous range):
+
+1. index dist (requester): put the lengths, ids and weights of owner d's
+   feature range into d's index block for this source, then signal d. No
+   bucketize and no splits exchange: an id's owner is its table's.
+2. lookup (owner): for every source, remote ones first, wait for its signal,
+   pool its bags of the local tables with the stock TW lookup (the TBE, MEAN
+   included), put the ``[B_src, D_owner]`` block straight into the source's
+   output block for this owner, then signal it.
+3. gather (requester): wait for the W owners. Their blocks side by side, in
+   rank order, are the stock TW output (``TwPooledEmbeddingDist``'s layout).
+
+Each requester's batch travels in its header and its owners pool at that
+batch, so ranks may feed different local batch sizes, as stock TW allows.
+"""
+
+import itertools
+from typing import Any, List, Sequence
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas import profiling
+from torchrec_pgas.sharding.common import PgasPipeline, PoolFn, no_backward
+from torchrec_pgas.types import PGAS_TABLE_WISE, PgasError
+
+
+class HostTwPipeline(PgasPipeline):
+    """The algorithm over the runtime API, with torch ops and the stock TW lookup."""
+
+    def __init__(self, *args: Any, features_per_rank: List[int], dim_sum_per_rank: List[int],
+                 out_dtype: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dim_sum_per_rank = dim_sum_per_rank
+        self.out_dtype = out_dtype
+        self._first = list(itertools.accumulate([0] + features_per_rank))  # owner d: [first[d], first[d+1])
+        self.local_features = self.feature_names[self._first[self.rank] : self._first[self.rank + 1]]
+
+    def index_dist(self, kjt: KeyedJaggedTensor) -> None:
+        self._check_step(kjt)
+        lay = self.layout
+        batch = kjt.stride()
+        values = self._check_ids(kjt, kjt.values().to(torch.int64))
+        weights = kjt.weights_or_none()
+        lengths, offsets = kjt.lengths().to(torch.int64), kjt.offsets()
+        self.issued += 1
+        epoch = self.issued
+        block = lay.index_block(epoch % lay.num_slots, self.rank)
+        for dest in self._order():
+            f0, f1 = self._first[dest] * batch, self._first[dest + 1] * batch
+            lo, hi = int(offsets[f0]), int(offsets[f1])
+            dest_lengths = lengths[f0:f1]
+            self.rt.put(self.buf, dest, block + lay.header_off, torch.tensor([epoch, batch, hi - lo, 0]))
+            self.rt.put(self.buf, dest, block + lay.offsets_off,
+                        torch.ops.fbgemm.asynchronous_complete_cumsum(dest_lengths))
+            self.rt.put(self.buf, dest, block + lay.lengths_off, dest_lengths.to(torch.int32))
+            self.rt.put(self.buf, dest, block + lay.ids_off, values[lo:hi].to(lay.id_dtype))
+            if lay.weighted:
+                assert weights is not None
+                self.rt.put(self.buf, dest, block + lay.weights_off, weights[lo:hi].float())
+            self.rt.signal(self.pad, dest, lay.index_signal(self.rank), epoch)
+
+    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+        lay = self.layout
+        epoch = self._next_lookup_epoch()
+        slot = epoch % lay.num_slots
+        timeout = self.config.wait_timeout_s
+        for src in self._order():
+            self.rt.wait(self.pad, [lay.index_signal(src)], epoch, timeout, f"index data from rank {src}")
+            block = lay.index_block(slot, src)
+            h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
+            self.rt.check()
+            # The header decides what is read: check it like any address.
+            if h_epoch != epoch or not 0 <= h_batch <= lay.max_batch or not 0 <= nnz <= lay.ids_capacity:
+                raise self._fail(PgasError(
+                    f"corrupt index header from rank {src}: epoch {h_epoch}, batch {h_batch}, nnz {nnz}"))
+            lengths = self.buf.view(torch.int32, block + lay.lengths_off, len(self.local_features) * h_batch)
+            if int(lengths.sum()) != nnz:
+                raise self._fail(PgasError(f"corrupt index lengths from rank {src}: they do not sum to {nnz}"))
+            if self.local_features:
+                with torch.no_grad():
+                    pooled = pool(self.received(block, self.local_features, lengths, nnz, h_batch)).to(self.out_dtype)
+                self.rt.put(self.buf, src, lay.output_block(slot, self.rank), pooled)
+            self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
+        profiling.mark("lookup")
+        self.rt.wait(self.pad, [lay.output_signal(s) for s in range(self.world_size)], epoch, timeout,
+                     "pooled outputs")
+        batch = kjt.stride()
+        blocks = [self.buf.view(self.out_dtype, lay.output_block(slot, owner), batch * d).view(batch, d)
+                  for owner, d in enumerate(self.dim_sum_per_rank) if d > 0]
+        out = torch.cat(blocks, dim=1) if blocks else torch.empty(batch, 0, dtype=self.out_dtype)
+        return no_backward(out, self.kind)
+
+
+def make_tw_pipeline(device: torch.device, feature_hash_sizes: List[int], dim_sum_per_rank: List[int],
+                     **kwargs: Any) -> PgasPipeline:
+    """The runtime-API path (shm). The fused GPU kernels are not written yet."""
+    if device.type == "cuda":
+        raise PgasError(
+            "pgas_table_wise runs on the shm (CPU) backend only so far; its fused GPU kernels are not "
+            "written yet. Shard these tables with 'table_wise' or 'pgas_row_wise' on GPUs."
+        )
+    return HostTwPipeline(device=device, feature_hash_sizes=feature_hash_sizes, dim_sum_per_rank=dim_sum_per_rank,
+                          kind=PGAS_TABLE_WISE, shard_rows=feature_hash_sizes,
+                          block_dim_sum=max(dim_sum_per_rank, default=0), **kwargs)
