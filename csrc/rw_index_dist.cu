@@ -244,13 +244,16 @@ void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* 
   while (group_lanes < 32 && 2 * group_lanes * num_bags <= p.nnz) group_lanes *= 2;
   const auto kernel = rw_index_dist_kernel<index_t, row_t>;
   const int smem = kWarps * p.world * 32 * static_cast<int>(sizeof(int32_t));  // W KiB
-  // One device and one world per process: the occupancy is computed once.
-  static const int resident = [&] {
+  // One device per process; the occupancy depends on W (shared memory), so it is
+  // recomputed when a sharding of another world size launches.
+  static int resident_for_world = -1, resident = 0;
+  if (resident_for_world != p.world) {
     if (smem > 48 * 1024) {
       PGAS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    return resident_ctas(kernel, kWarps * 32, smem);
-  }();
+    resident = resident_ctas(kernel, kWarps * 32, smem);
+    resident_for_world = p.world;
+  }
   // Tiles of 32 bags, or fewer when the step is too small to fill the GPU with them.
   int tile_bags = 32;
   while (tile_bags > 32 / group_lanes && (num_bags + kWarps * tile_bags - 1) / (kWarps * tile_bags) < resident) {

@@ -68,9 +68,10 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
                   state.numel() >= kStateWords &&
                   bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
               "pgas_row_wise: state tensors do not match the layout");
-  TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch < INT32_MAX,
+  // 32-bit bag numbers, including a tile of 32 past the last bag (rw_index_dist.cu).
+  TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch < INT32_MAX - 64,
               "pgas_row_wise: ", p.capacity, " ids and ", p.num_features * p.max_batch,
-              " bags per step must stay below 2^31 (PgasConfig)");
+              " bags per step must stay below 2^31 - 64 (PgasConfig)");
   TORCH_CHECK(batch >= 0 && batch <= p.max_batch, "pgas_row_wise: batch ", batch,
               " outside [0, ", p.max_batch, "]");
   TORCH_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas_row_wise: ", nnz,

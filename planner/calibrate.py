@@ -100,13 +100,17 @@ def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]]
     measured) eager: stock TorchRec cannot be captured.
     """
     rows = [r for r in results["rows"] if r["ids"] == "uniform"]
+    if not any(r["preset"] == preset for r in rows):
+        raise ValueError(f"no uniform-id rows of preset '{preset}' to validate on")
     out: List[Dict[str, Any]] = []
     for i, r in enumerate(rows):
         if r["preset"] != preset:
             continue
         profile = fit({**results, "rows": rows[:i] + rows[i + 1:]}, f"loo-{i}")
         for mode in ("eager", "graph"):
-            measured = {NCCL_RW: r["stock_p50_ms"], PGAS_RW: r["pgas_p50_ms" if mode == "eager" else "pgas_graph_p50_ms"]}
+            if r[COLUMNS[(PGAS_RW, mode)]] is None:
+                continue  # no graph captured (a CPU run, or --no-graph)
+            measured = {NCCL_RW: r["stock_p50_ms"], PGAS_RW: r[COLUMNS[(PGAS_RW, mode)]]}
             model = CostModel(profile, r["world_size"], r["batch_per_gpu"], mode)
             predicted = {b: model.step_ms(workload_tables(r), b) for b in measured}
             chosen = min(predicted, key=lambda b: (predicted[b], b != NCCL_RW))
@@ -129,8 +133,14 @@ DEFAULT_PRESETS = ["s004", "s000-weak", "s000-strong"]
 
 def measure(nproc: int, out_dir: str, bench_args: List[str]) -> str:
     """Run ``benchmarks.embedding`` on ``nproc`` local processes (one per GPU); returns its results.json."""
-    if importlib.util.find_spec("benchmarks.embedding") is None:
+    try:
+        found = importlib.util.find_spec("benchmarks.embedding") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
         raise SystemExit("--measure runs benchmarks/embedding.py: run it from a torchrec-pgas checkout")
+    if "--out" in bench_args:
+        raise SystemExit("--measure writes the benchmark results next to -o; leave --out out")
     args = bench_args or [a for p in DEFAULT_PRESETS for a in ("--preset", p)]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                     "-m", "benchmarks.embedding", "--out", out_dir, *args], check=True)

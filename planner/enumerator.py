@@ -21,11 +21,12 @@ PGAS has no backward pass yet, so ``training=True`` offers no PGAS option.
 import copy
 import dataclasses
 import logging
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Set, Union
 
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.planner.types import (
     Enumerator,
     ParameterConstraints,
@@ -79,11 +80,11 @@ class PgasEnumerator(EmbeddingEnumerator):
         self._offer: Dict[str, List[str]] = {}  # table -> the RW-family types it may get
         self._why: Dict[str, str] = {}  # table -> why it may not get both
         self.num_tables = 0  # tables in the last enumeration (each pays 1/num_tables of a fixed cost)
-        self._pgas_sharder = False  # the enumerated sharders include PgasEmbeddingBagCollectionSharder
+        self._pgas_modules: Set[str] = set()  # sharder keys of the module types the PGAS sharder shards
 
     def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
         allowed = list(allowed_sharding_types)
-        if self._pgas_sharder and ROW_WISE in allowed:  # the sharder lists stock types only (see its doc)
+        if sharder_key in self._pgas_modules and ROW_WISE in allowed:  # it lists stock types only (see its doc)
             allowed.append(PGAS_ROW_WISE)
         kept = super()._filter_sharding_types(name, allowed, sharder_key)
         # Constraints win over the backend preference; training has no PGAS backward.
@@ -100,7 +101,10 @@ class PgasEnumerator(EmbeddingEnumerator):
         return out + [ROW_WISE] if self._offer[name] else out
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
-        self._pgas_sharder = any(isinstance(s, PgasEmbeddingBagCollectionSharder) for s in sharders)
+        # Only the modules the PGAS sharder shards can get PGAS types; reasons are per enumeration.
+        self._pgas_modules = {sharder_name(s.module_type) for s in sharders
+                              if isinstance(s, PgasEmbeddingBagCollectionSharder)}
+        self._offer, self._why = {}, {}
         options = super().enumerate(module, sharders)
         num_tables = self.num_tables = len({o.name for o in options})
         out: List[ShardingOption] = []

@@ -103,6 +103,12 @@ def test_leave_one_out_validation_and_regret() -> None:
     bad = [v for v in out if v["workload"] == rows[0]["name"] and v["mode"] == "eager"]
     assert {v["chosen"] for v in bad} == {PGAS_RW} and bad[0]["regret"] == pytest.approx(0.5)
     assert summary["max_regret"] == pytest.approx(0.5) and summary["within_5pct"] == pytest.approx(23 / 24)
+    for r in rows:  # a run without graph captures (CPU, --no-graph): eager rows only
+        r["pgas_graph_p50_ms"] = None
+    out, _ = validate({"meta": meta, "rows": rows}, "s004")
+    assert len(out) == 2 * len(rows) and {v["mode"] for v in out} == {"eager"}
+    with pytest.raises(ValueError, match="no uniform-id rows of preset 's000-weak'"):
+        validate({"meta": meta, "rows": rows}, "s000-weak")
 
 
 def test_shipped_profile_loads_and_unknown_hardware_warns() -> None:
@@ -222,3 +228,26 @@ def test_stock_planner_accepts_the_pgas_sharder() -> None:
         default_model(), [PgasEmbeddingBagCollectionSharder()])
     types = {ps.sharding_type for m in plan.plan.values() for ps in m.values()}
     assert types and not types & {"pgas_row_wise"}
+
+
+def test_pgas_offered_only_to_the_modules_of_the_pgas_sharder() -> None:
+    """An EmbeddingCollection next to the EBC, planned with its own stock sharder: its tables may not get
+    pgas_row_wise (no sharder of that module can shard it)."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    class Both(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = default_model().ebc
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="e0", embedding_dim=8, num_embeddings=1000,
+                                                                  feature_names=["ef0"])], device=torch.device("meta"))
+
+    topo = Topology(world_size=2, compute_device="cuda")
+    rw = {t: ParameterConstraints(sharding_types=["row_wise", "pgas_row_wise"]) for t in ("e0", "t0")}
+    plan = EmbeddingShardingPlanner(topology=topo, batch_size=8, constraints=rw, stats=[PgasDecisionStats()],
+                                    enumerator=PgasEnumerator(topo, 8, constraints=rw)).plan(
+        Both(), [PgasEmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+    assert plan.plan["ec"]["e0"].sharding_type == "row_wise"
+    assert plan.plan["ebc"]["t0"].sharding_type == "pgas_row_wise"

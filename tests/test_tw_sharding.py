@@ -134,3 +134,38 @@ def _backward(rank: int, world: int) -> List[str]:
 def test_backward_is_refused_with_the_stock_twin_named() -> None:
     for msgs in run_distributed(_backward, 2):
         assert msgs and "pgas_table_wise has no backward pass yet" in msgs[0] and "'table_wise'" in msgs[0]
+
+
+def _corrupt_peer(rank: int, world: int, kind: str) -> str:
+    """Rank 1's ids put to rank 0 carry a row rank 0 does not hold (a corrupt peer, injected at its runtime
+    put); rank 0 must refuse them before its TBE reads them, and abort rank 1 instead of hanging it."""
+    model = default_model()
+    types = all_tables(model, PGAS_ROW_WISE) if kind == PGAS_ROW_WISE else _spread(model, world)
+    sharded = shard(model, types, dist.group.WORLD, CPU, SMALL)
+    if rank == 1:
+        for lookup in pgas_lookups(sharded):
+            pipe = lookup._pipeline
+            assert pipe is not None
+            put, ids_off = pipe.rt.put, pipe.layout.ids_off
+
+            def corrupt(buf: Any, dest: int, offset: int, data: torch.Tensor, put: Any = put, ids_off: int = ids_off) -> None:
+                if dest == 0 and offset % pipe.layout.index_block_bytes == ids_off and data.numel():
+                    data = data.clone()
+                    data[0] = 10**6
+                put(buf, dest, offset, data)
+
+            pipe.rt.put = corrupt  # type: ignore[method-assign]
+    kjt, wkjt = sample_batches(model, rank)[0]
+    try:
+        with torch.no_grad():
+            sharded(kjt, wkjt)
+    except PgasError as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_owner_refuses_rows_it_does_not_hold(kind: str) -> None:
+    r0, r1 = run_distributed(_corrupt_peer, 2, kind)
+    assert r0 == "PgasError: corrupt index data from rank 1: a row outside this rank's shard", r0
+    assert r1.startswith("PgasPeerAbortError: rank 0 aborted"), r1

@@ -44,6 +44,8 @@ def divisor_magic(divisor: int, hash_size: int) -> Tuple[int, int]:
     divisor)`` errs by ``e < divisor <= 2^(k-32)``, and ``id * e < 2^k`` keeps the
     floor exact. ``(0, 0)`` (the kernel divides) when ids can reach 2^31.
     """
+    if divisor < 1:
+        raise ValueError(f"divisor_magic: divisor {divisor} (a table with no rows?)")
     if hash_size > 2**31 - 1:
         return 0, 0
     shift = 32 + (divisor - 1).bit_length()

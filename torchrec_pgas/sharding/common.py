@@ -188,14 +188,23 @@ class PgasPipeline:
             warnings.warn(msg + "; such ids read row 0 (BoundsCheckMode.WARNING)")
         return torch.where(bad, torch.zeros_like(values), values)
 
-    def received(self, src_block: int, keys: List[str], lengths: torch.Tensor, nnz: int,
-                 batch: int) -> KeyedJaggedTensor:
-        """A source's checked index block as a KJT for the stock lookup (compacted: offsets are the
-        prefix sums of ``lengths``)."""
+    def received(self, src: int, src_block: int, keys: List[str], key_rows: List[int], lengths: torch.Tensor,
+                 nnz: int, batch: int) -> KeyedJaggedTensor:
+        """Source ``src``'s index block as a KJT for the stock lookup (compacted: offsets are the prefix
+        sums of ``lengths``), after checking what a peer wrote: lengths sum to ``nnz`` and are >= 0, and
+        every id is a row this rank holds (``key_rows`` per key). The TBE's own bounds check follows the
+        user's mode, which may be off; these decide what is read here."""
         lay = self.layout
+        ids = self.buf.view(lay.id_dtype, src_block + lay.ids_off, nnz).to(torch.int64)
+        if bool((lengths < 0).any()) or int(lengths.sum()) != nnz:
+            raise self._fail(PgasError(f"corrupt index lengths from rank {src}: negative, or not summing to {nnz}"))
+        per_key = lengths.view(len(keys), batch).sum(1)
+        limit = torch.repeat_interleave(torch.tensor(key_rows, dtype=torch.int64), per_key.to(torch.int64))
+        if bool(((ids < 0) | (ids >= limit)).any()):
+            raise self._fail(PgasError(f"corrupt index data from rank {src}: a row outside this rank's shard"))
         return KeyedJaggedTensor(
             keys=keys,
-            values=self.buf.view(lay.id_dtype, src_block + lay.ids_off, nnz).to(torch.int64),
+            values=ids,
             lengths=lengths.to(torch.int64),
             weights=self.buf.view(torch.float32, src_block + lay.weights_off, nnz) if lay.weighted else None,
             stride=batch,

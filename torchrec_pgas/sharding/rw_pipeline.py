@@ -41,11 +41,10 @@ class HostRwPipeline(PgasPipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         device = self.device
-        self._block_sizes = torch.tensor(
-            [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes],
-            dtype=torch.int64,
-            device=device,
-        )
+        blocks = [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes]
+        self._block_sizes = torch.tensor(blocks, dtype=torch.int64, device=device)
+        # This rank's rows of each table (the last block is short, or empty for tiny tables).
+        self._local_rows = [max(0, min(b, n - self.rank * b)) for b, n in zip(blocks, self.feature_hash_sizes)]
         # Mean pooling: divisor columns, 1 for sum features (applied after the sum).
         self._mean_features: Optional[torch.Tensor] = None
         if any(self.feature_is_mean):
@@ -109,13 +108,13 @@ class HostRwPipeline(PgasPipeline):
                     )
                 )
             lengths = self.buf.view(torch.int32, block + lay.lengths_off, lay.num_features * batch)
-            # nnz and lengths decide what the TBE reads: check them like any address.
-            if h_epoch != epoch or not 0 <= nnz <= lay.ids_capacity or int(lengths.sum()) != nnz:
+            # nnz, lengths and ids decide what the TBE reads: check them like any address.
+            if h_epoch != epoch or not 0 <= nnz <= lay.ids_capacity:
                 raise self._fail(
                     PgasError(f"corrupt index header from rank {src}: epoch {h_epoch}, nnz {nnz}")
                 )
             with torch.no_grad():
-                partial = pool(self.received(block, self.feature_names, lengths, nnz, batch))
+                partial = pool(self.received(src, block, self.feature_names, self._local_rows, lengths, nnz, batch))
             out_dtype = partial.dtype
             self.rt.put(self.buf, src, lay.output_block(slot, self.rank), partial)
             self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)

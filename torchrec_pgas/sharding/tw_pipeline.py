@@ -39,7 +39,9 @@ class HostTwPipeline(PgasPipeline):
         self.dim_sum_per_rank = dim_sum_per_rank
         self.out_dtype = out_dtype
         self._first = list(itertools.accumulate([0] + features_per_rank))  # owner d: [first[d], first[d+1])
-        self.local_features = self.feature_names[self._first[self.rank] : self._first[self.rank + 1]]
+        mine = slice(self._first[self.rank], self._first[self.rank + 1])
+        self.local_features = self.feature_names[mine]
+        self._local_rows = self.feature_hash_sizes[mine]  # whole tables
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         self._check_step(kjt)
@@ -80,11 +82,10 @@ class HostTwPipeline(PgasPipeline):
                 raise self._fail(PgasError(
                     f"corrupt index header from rank {src}: epoch {h_epoch}, batch {h_batch}, nnz {nnz}"))
             lengths = self.buf.view(torch.int32, block + lay.lengths_off, len(self.local_features) * h_batch)
-            if int(lengths.sum()) != nnz:
-                raise self._fail(PgasError(f"corrupt index lengths from rank {src}: they do not sum to {nnz}"))
+            received = self.received(src, block, self.local_features, self._local_rows, lengths, nnz, h_batch)
             if self.local_features:
                 with torch.no_grad():
-                    pooled = pool(self.received(block, self.local_features, lengths, nnz, h_batch)).to(self.out_dtype)
+                    pooled = pool(received).to(self.out_dtype)
                 self.rt.put(self.buf, src, lay.output_block(slot, self.rank), pooled)
             self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
         profiling.mark("lookup")
