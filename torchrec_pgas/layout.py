@@ -1,4 +1,4 @@
-"""Byte layout of the symmetric buffer of one ``pgas_row_wise`` sharding.
+"""Byte layout of the symmetric buffer of one PGAS sharding (``pgas_row_wise``; see below for table-wise).
 
 Every rank holds the same buffer (sizes are plan-time constants)::
 
@@ -22,6 +22,10 @@ needs no scan across bags.
 ``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
 lookup). The signal pad holds one index slot and one output slot per peer;
 peers store the epoch there after the block is complete.
+
+``pgas_table_wise`` uses the same layout: an index block holds only the
+features of its owner's tables (whole-table row ids), and an output block is
+the owner's ``[B, D_owner]`` pooled columns (``D`` here is the widest owner's).
 """
 
 from dataclasses import dataclass
