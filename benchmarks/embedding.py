@@ -4,7 +4,9 @@
     torchrun --nproc_per_node=2 -m benchmarks.embedding --preset s004 --preset s000-weak --preset s000-strong
 
 For each workload: one EBC (meta device, fp32), sharded twice with DMP (stock
-``row_wise``, and ``pgas_row_wise``) from the same weights; both get the same
+``row_wise`` and ``pgas_row_wise``, or with ``--pair tw`` stock ``table_wise``
+and ``pgas_table_wise``, tables round-robin over the ranks; table-wise PGAS
+runs on the CPU backend only so far) from the same weights; both get the same
 per-rank inputs and must agree before anything is timed. Then:
 
 * eager: >= 100 steps after a warm-up, rotating among >= 4 input sets, each step
@@ -50,7 +52,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -59,21 +61,33 @@ from tqdm import tqdm
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling
 from torchrec_pgas.layout import RwLayout
-from torchrec_pgas.planner import pgas_row_wise
+from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import fill_embeddings_
 
-# (stock sharding type, PGAS sharding type, their plan generators)
-PAIRS: Dict[str, Tuple[str, str, Callable[[], Any], Callable[[], Any]]] = {
-    "rw": ("row_wise", "pgas_row_wise", lambda: row_wise(compute_kernel="fused"), pgas_row_wise),
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A stock sharding type and its PGAS twin, their plan generators per (table index, world size),
+    and the names of the five ShardedModule stage boundaries on each side."""
+
+    stock: str
+    pgas: str
+    stock_plan: Callable[[int, int], Any]
+    pgas_plan: Callable[[int, int], Any]
+    stock_stages: Tuple[str, ...]
+    pgas_stages: Tuple[str, ...] = ("index_dist", "index_dist", "index_dist", "finalize", "output_dist")
+
+
+# Stock boundaries: input_dist() (RW: bucketize + splits a2a launch; TW: splits a2a launch), the first
+# wait (splits a2a, a host sync, + values a2a launch), the second wait, compute (TBE), the output dist
+# (RW: reduce-scatter; TW: all-to-all). PGAS: host checks + index-dist kernel, nothing, nothing, the
+# lookup (its "lookup" mark) + finalize, nothing. Table-wise tables go round-robin over the ranks.
+PAIRS: Dict[str, Pair] = {
+    "rw": Pair("row_wise", "pgas_row_wise", lambda i, w: row_wise(compute_kernel="fused"),
+               lambda i, w: pgas_row_wise(), ("bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist")),
+    "tw": Pair("table_wise", "pgas_table_wise", lambda i, w: table_wise(rank=i % w, compute_kernel="fused"),
+               lambda i, w: pgas_table_wise(i % w), ("splits_launch", "splits_a2a", "values_a2a", "lookup",
+                                                     "output_dist")),
 }
-# Stage names per ShardedModule boundary (stock, pgas); the PGAS pipeline adds "lookup" itself.
-_BOUNDARIES = (
-    ("bucketize", "index_dist"),  # input_dist(): bucketize + splits a2a launch | host checks + index-dist kernel
-    ("splits_a2a", "index_dist"),  # first wait: splits a2a (host sync) + values a2a launch | nothing
-    ("values_a2a", "index_dist"),  # second wait
-    ("lookup", "finalize"),  # compute: TBE | fused lookup ("lookup" mark) + finalize
-    ("output_dist", "output_dist"),  # output dist: reduce-scatter | nothing
-)
 ATOL, RTOL = 1e-4, 1e-5  # fp32 sums of up to 128 rows from ranks in different orders
 
 
@@ -172,23 +186,32 @@ def make_inputs(w: Workload, tables: int, batch: int, n_sets: int, seed: int,
     return out
 
 
-def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int) -> Tuple[int, int]:
-    """(HBM bytes gathered, bytes sent over NVLink) of the busiest rank, averaged over
-    the input sets; the same volumes for both sides (ids and lengths in, fp32 partial
-    pools of every bag out)."""
+def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> Tuple[int, int]:
+    """(HBM bytes gathered, bytes sent over NVLink) of the busiest rank, averaged over the input sets;
+    the same volumes for both sides. In: ids (8 bytes) and per-bag lengths/offsets. Out: RW, an fp32
+    partial pool of every bag to each other rank; TW, the owner's pooled rows to each other rank."""
     block = (w.rows + world - 1) // world
     counts = torch.zeros(world, dtype=torch.float64, device=inputs[0].values().device)
     for x in inputs:
-        counts += torch.bincount(x.values() // block, minlength=world).double()
+        if pair == "rw":  # the owner of an id is its row block
+            counts += torch.bincount(x.values() // block, minlength=world).double()
+        else:  # the owner of an id is its table's rank
+            owners = torch.arange(w.tables, device=counts.device) % world
+            counts += torch.zeros_like(counts).index_add_(0, owners, x.lengths().view(w.tables, -1).sum(1).double())
     counts /= len(inputs)
     matrix = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(matrix, counts)
     per = torch.stack(matrix).cpu()  # [src][owner] ids
     row_bytes = 4 * w.dim
     hbm = per.sum(0) * row_bytes
-    bags = w.tables * w.batch_per_gpu
     remote_ids = per.sum(1) - per.diagonal()
-    nvlink = remote_ids * 8 + (world - 1) * bags * (12 + row_bytes)
+    if pair == "rw":
+        bags = w.tables * w.batch_per_gpu
+        nvlink = remote_ids * 8 + (world - 1) * bags * (12 + row_bytes)
+    else:
+        own = torch.tensor([len(range(r, w.tables, world)) for r in range(world)], dtype=torch.float64)
+        remote_bags = (w.tables - own) * w.batch_per_gpu
+        nvlink = remote_ids * 8 + remote_bags * 12 + (world - 1) * own * w.batch_per_gpu * row_bytes
     return int(hbm.max()), int(nvlink.max())
 
 
@@ -201,11 +224,11 @@ def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: to
                                    feature_names=[f"f{i}"]) for i in range(w.tables)],
         device=torch.device("meta"),
     )
-    _, _, stock_gen, pgas_gen = PAIRS[pair]
+    gen = PAIRS[pair].pgas_plan if pgas else PAIRS[pair].stock_plan
     sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config) if pgas else EmbeddingBagCollectionSharder()
     world = dist.get_world_size()
     plan = construct_module_sharding_plan(
-        ebc, {f"t{i}": (pgas_gen if pgas else stock_gen)() for i in range(w.tables)}, sharder=sharder,
+        ebc, {f"t{i}": gen(i, world) for i in range(w.tables)}, sharder=sharder,
         local_size=world, world_size=world, device_type=device.type)
     dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    plan=ShardingPlan({"": plan}), sharders=[sharder])
@@ -264,10 +287,9 @@ def p90(x: Sequence[float]) -> float:
     return sorted(x)[min(len(x) - 1, int(0.9 * len(x)))]
 
 
-def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, pgas: bool) -> torch.Tensor:
-    """The ShardedModule forward spelled out, with a mark after each stage."""
+def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, names: Sequence[str]) -> torch.Tensor:
+    """The ShardedModule forward spelled out, with a mark named ``names[k]`` after stage k."""
     module = dmp.module
-    names = [b[1] if pgas else b[0] for b in _BOUNDARIES]
     ctx = module.create_context()
     profiling.mark("start")
     splits = module.input_dist(ctx, kjt)
@@ -283,7 +305,7 @@ def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, pgas: 
     return values
 
 
-def stage_breakdown(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedTensor], pgas: bool,
+def stage_breakdown(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedTensor], names: Sequence[str],
                     steps: int, device: torch.device) -> Dict[str, float]:
     """Median ms per stage on this rank over ``steps`` synchronized steps."""
     samples: Dict[str, List[float]] = {}
@@ -292,7 +314,7 @@ def stage_breakdown(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedT
         if device.type == "cuda":
             torch.cuda.synchronize()
         with profiling.stage_timer(device) as timer:
-            staged_forward(dmp, inputs[i % len(inputs)], pgas)
+            staged_forward(dmp, inputs[i % len(inputs)], names)
             stages = timer.stages()
         for k, v in stages.items():
             samples.setdefault(k, []).append(v)
@@ -375,7 +397,7 @@ def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
 def run_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
                  inputs: List[KeyedJaggedTensor], args: argparse.Namespace, device: torch.device,
                  bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
-    stock_type, pgas_type = PAIRS[args.pair][:2]
+    pair = PAIRS[args.pair]
     err = 0.0
     for x in inputs:  # the two sides agree before anything is timed
         ref, got = stock(x).values(), pgas(x).values()
@@ -387,7 +409,7 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
     t_pgas = time_steps(lambda i: pgas(inputs[i % n]).values(), args.steps, args.warmup, device)
     row: Dict[str, Any] = {
         "preset": w.preset, "name": w.name, **dataclasses.asdict(w), "world_size": dist.get_world_size(),
-        "stock": stock_type, "pgas": pgas_type,
+        "stock": pair.stock, "pgas": pair.pgas,
         "nnz_per_rank": p50([x.values().numel() for x in inputs]),
         "stock_p50_ms": p50(t_stock), "stock_p90_ms": p90(t_stock),
         "pgas_p50_ms": p50(t_pgas), "pgas_p90_ms": p90(t_pgas),
@@ -404,10 +426,10 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
         check_errors(pgas)
         row.update(pgas_graph_p50_ms=p50(t_graph), pgas_graph_p90_ms=p90(t_graph))
         row["speedup_graph"] = row["stock_p50_ms"] / row["pgas_graph_p50_ms"]
-    row["stock_stages_ms"] = stage_breakdown(stock, inputs, False, args.stage_steps, device)
-    row["pgas_stages_ms"] = stage_breakdown(pgas, inputs, True, args.stage_steps, device)
+    row["stock_stages_ms"] = stage_breakdown(stock, inputs, pair.stock_stages, args.stage_steps, device)
+    row["pgas_stages_ms"] = stage_breakdown(pgas, inputs, pair.pgas_stages, args.stage_steps, device)
     check_errors(pgas)
-    hbm, nvlink = traffic(w, inputs, dist.get_world_size())
+    hbm, nvlink = traffic(w, inputs, dist.get_world_size(), args.pair)
     row.update(hbm_bytes=hbm, nvlink_bytes=nvlink, floor_ms=None,
                roofline_stock=None, roofline_pgas=None, roofline_graph=None)
     if bandwidths is not None:

@@ -16,10 +16,10 @@ STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"
 PGAS_STAGES = ["index_dist", "lookup", "finalize", "output_dist"]  # "lookup" is the pipeline's own mark
 
 
-def _run(tmp: str, world: int) -> Dict[str, Any]:
+def _run(tmp: str, world: int, *extra: str) -> Dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "-m", "benchmarks.embedding",
-           "--preset", "smoke", "--steps", "5", "--warmup", "1", "--stage-steps", "2", "--out", tmp]
+           "--preset", "smoke", "--steps", "5", "--warmup", "1", "--stage-steps", "2", "--out", tmp, *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "smoke: geomean speedup eager" in proc.stdout
@@ -56,3 +56,21 @@ def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any, world: int) -> 
     with open(os.path.join(tmp_path, "results.csv")) as f:
         header = f.readline().strip().split(",")
     assert "pgas_stage_lookup_ms" in header and "stock_stage_values_a2a_ms" in header
+
+
+def test_table_wise_pair(tmp_path: Any) -> None:
+    """--pair tw: stock table_wise vs pgas_table_wise (tables round-robin), bit-exact, its own stage names,
+    and HBM bytes = the ids of the busiest owner's tables from every rank."""
+    out = _run(str(tmp_path), 2, "--pair", "tw")
+    for row, w in zip(out["rows"], PRESETS["smoke"](2)):
+        assert (row["stock"], row["pgas"], row["max_abs_err"]) == ("table_wise", "pgas_table_wise", 0.0)
+        assert list(row["stock_stages_ms"]) == ["splits_launch", *STOCK_STAGES[1:]]
+        assert list(row["pgas_stages_ms"]) == PGAS_STAGES
+        k = PRESETS["smoke"](2).index(w)
+        per_owner = torch.zeros(2, dtype=torch.float64)
+        for rank in range(2):
+            for x in make_inputs(w, w.tables, w.batch_per_gpu, 4, seed=1000 * rank + k, device=torch.device("cpu")):
+                per_table = x.lengths().view(w.tables, -1).sum(1).double()
+                per_owner += torch.zeros(2, dtype=torch.float64).index_add_(0, torch.arange(w.tables) % 2, per_table) / 4
+        assert row["hbm_bytes"] == int((per_owner * 4 * w.dim).max())
+
