@@ -169,6 +169,11 @@ class PgasPipeline:
         """Remote peers first (their bytes travel), this rank last."""
         return [(self.rank + 1 + k) % self.world_size for k in range(self.world_size)]
 
+    def _checked_ids(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """The host path's checks of a step before anything is written; its ids after the bounds mode."""
+        self._check_step(kjt)
+        return self._check_ids(kjt, kjt.values().to(torch.int64))
+
     def _check_ids(self, kjt: KeyedJaggedTensor, values: torch.Tensor) -> torch.Tensor:
         """Apply the bounds-check mode; ids decide the owner and the remote address."""
         per_feature = kjt.length_per_key()

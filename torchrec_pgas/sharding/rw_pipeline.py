@@ -52,10 +52,9 @@ class HostRwPipeline(PgasPipeline):
             self._dims = torch.tensor(self.feature_dims, device=device)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        self._check_step(kjt)
+        values = self._checked_ids(kjt)
         lay = self.layout
         batch = kjt.stride()
-        values = self._check_ids(kjt, kjt.values().to(torch.int64))
         weights = kjt.weights_or_none()
         lengths, ids, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
             kjt.lengths().view(-1).to(torch.int64),

@@ -44,10 +44,9 @@ class HostTwPipeline(PgasPipeline):
         self._local_rows = self.feature_hash_sizes[mine]  # whole tables
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        self._check_step(kjt)
+        values = self._checked_ids(kjt)
         lay = self.layout
         batch = kjt.stride()
-        values = self._check_ids(kjt, kjt.values().to(torch.int64))
         weights = kjt.weights_or_none()
         lengths, offsets = kjt.lengths().to(torch.int64), kjt.offsets()
         self.issued += 1
