@@ -192,12 +192,12 @@ def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: 
     partial pool of every bag to each other rank; TW, the owner's pooled rows to each other rank."""
     block = (w.rows + world - 1) // world
     counts = torch.zeros(world, dtype=torch.float64, device=inputs[0].values().device)
+    table_owner = torch.arange(w.tables, device=counts.device) % world
     for x in inputs:
         if pair == "rw":  # the owner of an id is its row block
             counts += torch.bincount(x.values() // block, minlength=world).double()
         else:  # the owner of an id is its table's rank
-            owners = torch.arange(w.tables, device=counts.device) % world
-            counts += torch.zeros_like(counts).index_add_(0, owners, x.lengths().view(w.tables, -1).sum(1).double())
+            counts.index_add_(0, table_owner, x.lengths().view(w.tables, -1).sum(1).double())
     counts /= len(inputs)
     matrix = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(matrix, counts)

@@ -51,10 +51,9 @@ _BACKEND = {ROW_WISE: NCCL_RW, PGAS_ROW_WISE: PGAS_RW}
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One row-wise table as the enumerator saw it: its load, what it may get, and why."""
+    """One row-wise table as the enumerator saw it: its load, and why it may not get both types."""
 
     load: TableLoad
-    offered: List[str]  # row_wise and/or pgas_row_wise
     reason: Optional[str]  # None: both offered and the cost model decides
 
 
@@ -114,11 +113,10 @@ class PgasEnumerator(EmbeddingEnumerator):
             offer = self._offer.get(o.name, [])
             if o.sharding_type == ROW_WISE and o.compute_kernel == EmbeddingComputeKernel.FUSED.value:
                 # The model prices the HBM-resident fused TBE, which the PGAS kernels read too.
+                load = loads[o.name] = _load(o)
                 for st in offer:
                     opt = o if st == ROW_WISE else _clone(o, PGAS_ROW_WISE)
-                    loads[o.name] = _load(o)
                     if not self.training:  # training keeps TorchRec's forward + backward estimates
-                        load = loads[o.name]
                         ms = self.model.table_ms(load, _BACKEND[st], num_tables)
                         _price(opt, compute_ms=self.model.lookup_ms(load, _BACKEND[st]), total_ms=ms)
                     out.append(opt)
@@ -132,7 +130,7 @@ class PgasEnumerator(EmbeddingEnumerator):
                     if shard.perf is not None:
                         shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
             out.append(o)
-        self.decisions = [Decision(load, self._offer[name], self._why.get(name)) for name, load in loads.items()]
+        self.decisions = [Decision(load, self._why.get(name)) for name, load in loads.items()]
         return out
 
 

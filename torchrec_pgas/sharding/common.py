@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 import itertools
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -107,6 +107,7 @@ class PgasPipeline:
         self.feature_hash_sizes = feature_hash_sizes
         self.feature_dims = feature_dims
         self.feature_is_mean = feature_is_mean
+        self.shard_rows = shard_rows
         self.config = config
         self.bounds_check_mode = bounds_check_mode
         self.buf = self.rt.alloc(name, self.layout.nbytes)
@@ -192,6 +193,26 @@ class PgasPipeline:
             self._warned.add(f)
             warnings.warn(msg + "; such ids read row 0 (BoundsCheckMode.WARNING)")
         return torch.where(bad, torch.zeros_like(values), values)
+
+    def _source_index(self, src: int, epoch: int) -> Tuple[int, int, int]:
+        """Wait for ``src``'s index block of ``epoch``; its (offset, batch, nnz) once the header checks out
+        (it decides what is read, so it is checked like any address)."""
+        lay = self.layout
+        self.rt.wait(self.pad, [lay.index_signal(src)], epoch, self.config.wait_timeout_s,
+                     f"index data from rank {src}")
+        block = lay.index_block(epoch % lay.num_slots, src)
+        h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
+        self.rt.check()
+        if h_epoch != epoch or not 0 <= h_batch <= lay.max_batch or not 0 <= nnz <= lay.ids_capacity:
+            raise self._fail(PgasError(
+                f"corrupt index header from rank {src}: epoch {h_epoch}, batch {h_batch}, nnz {nnz}"))
+        return block, h_batch, nnz
+
+    def _await_outputs(self, epoch: int, what: str) -> None:
+        """Wait until every owner has written this rank's output block of ``epoch``."""
+        lay = self.layout
+        self.rt.wait(self.pad, [lay.output_signal(s) for s in range(self.world_size)], epoch,
+                     self.config.wait_timeout_s, what)
 
     def received(self, src: int, src_block: int, keys: List[str], key_rows: List[int], lengths: torch.Tensor,
                  nnz: int, batch: int) -> KeyedJaggedTensor:

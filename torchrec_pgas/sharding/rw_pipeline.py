@@ -41,10 +41,9 @@ class HostRwPipeline(PgasPipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         device = self.device
-        blocks = [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes]
-        self._block_sizes = torch.tensor(blocks, dtype=torch.int64, device=device)
+        self._block_sizes = torch.tensor(self.shard_rows, dtype=torch.int64, device=device)
         # This rank's rows of each table (the last block is short, or empty for tiny tables).
-        self._local_rows = [max(0, min(b, n - self.rank * b)) for b, n in zip(blocks, self.feature_hash_sizes)]
+        self._local_rows = [max(0, min(b, n - self.rank * b)) for b, n in zip(self.shard_rows, self.feature_hash_sizes)]
         # Mean pooling: divisor columns, 1 for sum features (applied after the sum).
         self._mean_features: Optional[torch.Tensor] = None
         if any(self.feature_is_mean):
@@ -92,13 +91,9 @@ class HostRwPipeline(PgasPipeline):
         epoch = self._next_lookup_epoch()
         slot = epoch % lay.num_slots
         batch = kjt.stride()
-        timeout = self.config.wait_timeout_s
         out_dtype: Optional[torch.dtype] = None
         for src in self._order():
-            self.rt.wait(self.pad, [lay.index_signal(src)], epoch, timeout, f"index data from rank {src}")
-            block = lay.index_block(slot, src)
-            h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
-            self.rt.check()
+            block, h_batch, nnz = self._source_index(src, epoch)
             if h_batch != batch:
                 raise self._fail(
                     PgasInputError(
@@ -107,24 +102,13 @@ class HostRwPipeline(PgasPipeline):
                     )
                 )
             lengths = self.buf.view(torch.int32, block + lay.lengths_off, lay.num_features * batch)
-            # nnz, lengths and ids decide what the TBE reads: check them like any address.
-            if h_epoch != epoch or not 0 <= nnz <= lay.ids_capacity:
-                raise self._fail(
-                    PgasError(f"corrupt index header from rank {src}: epoch {h_epoch}, nnz {nnz}")
-                )
             with torch.no_grad():
                 partial = pool(self.received(src, block, self.feature_names, self._local_rows, lengths, nnz, batch))
             out_dtype = partial.dtype
             self.rt.put(self.buf, src, lay.output_block(slot, self.rank), partial)
             self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
         profiling.mark("lookup")
-        self.rt.wait(
-            self.pad,
-            [lay.output_signal(s) for s in range(self.world_size)],
-            epoch,
-            timeout,
-            "partial pooled outputs",
-        )
+        self._await_outputs(epoch, "partial pooled outputs")
         assert out_dtype is not None
         out = torch.zeros(batch, lay.dim_sum, dtype=torch.float32, device=self.device)
         for s in range(self.world_size):  # rank order: deterministic sums
@@ -180,12 +164,11 @@ class DeviceRwPipeline(PgasPipeline):
             )
         self._peers = torch.tensor(peers, dtype=torch.int64, device=dev)
         out_cols = list(itertools.accumulate([0] + self.feature_dims[:-1]))
-        blocks = [(n + self.world_size - 1) // self.world_size for n in self.feature_hash_sizes]
         self._feature_rows = [
             # RwFeature (csrc/rw_pipeline.cuh); weights, local_rows, dtype are filled
             # from the TBEs at the first lookup
             [0, 0, blk, n, d, c, 0, int(m), *divisor_magic(blk, n)]
-            for blk, n, d, c, m in zip(blocks, self.feature_hash_sizes, self.feature_dims, out_cols,
+            for blk, n, d, c, m in zip(self.shard_rows, self.feature_hash_sizes, self.feature_dims, out_cols,
                                        self.feature_is_mean)
         ]
         self._features = torch.tensor(self._feature_rows, dtype=torch.int64, device=dev)

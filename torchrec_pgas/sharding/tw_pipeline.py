@@ -41,7 +41,7 @@ class HostTwPipeline(PgasPipeline):
         self._first = list(itertools.accumulate([0] + features_per_rank))  # owner d: [first[d], first[d+1])
         mine = slice(self._first[self.rank], self._first[self.rank + 1])
         self.local_features = self.feature_names[mine]
-        self._local_rows = self.feature_hash_sizes[mine]  # whole tables
+        self._local_rows = self.shard_rows[mine]  # whole tables
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         values = self._checked_ids(kjt)
@@ -70,16 +70,8 @@ class HostTwPipeline(PgasPipeline):
         lay = self.layout
         epoch = self._next_lookup_epoch()
         slot = epoch % lay.num_slots
-        timeout = self.config.wait_timeout_s
         for src in self._order():
-            self.rt.wait(self.pad, [lay.index_signal(src)], epoch, timeout, f"index data from rank {src}")
-            block = lay.index_block(slot, src)
-            h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
-            self.rt.check()
-            # The header decides what is read: check it like any address.
-            if h_epoch != epoch or not 0 <= h_batch <= lay.max_batch or not 0 <= nnz <= lay.ids_capacity:
-                raise self._fail(PgasError(
-                    f"corrupt index header from rank {src}: epoch {h_epoch}, batch {h_batch}, nnz {nnz}"))
+            block, h_batch, nnz = self._source_index(src, epoch)
             lengths = self.buf.view(torch.int32, block + lay.lengths_off, len(self.local_features) * h_batch)
             received = self.received(src, block, self.local_features, self._local_rows, lengths, nnz, h_batch)
             if self.local_features:
@@ -88,8 +80,7 @@ class HostTwPipeline(PgasPipeline):
                 self.rt.put(self.buf, src, lay.output_block(slot, self.rank), pooled)
             self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
         profiling.mark("lookup")
-        self.rt.wait(self.pad, [lay.output_signal(s) for s in range(self.world_size)], epoch, timeout,
-                     "pooled outputs")
+        self._await_outputs(epoch, "pooled outputs")
         batch = kjt.stride()
         blocks = [self.buf.view(self.out_dtype, lay.output_block(slot, owner), batch * d).view(batch, d)
                   for owner, d in enumerate(self.dim_sum_per_rank) if d > 0]
