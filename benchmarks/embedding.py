@@ -5,8 +5,8 @@
 
 For each workload: one EBC (meta device, fp32), sharded twice with DMP (stock
 ``row_wise`` and ``pgas_row_wise``, or with ``--pair tw`` stock ``table_wise``
-and ``pgas_table_wise``, tables round-robin over the ranks; table-wise PGAS
-runs on the CPU backend only so far) from the same weights; both get the same
+and ``pgas_table_wise``, tables round-robin over the ranks) from the same
+weights; both get the same
 per-rank inputs and must agree before anything is timed. Then:
 
 * eager: >= 100 steps after a warm-up, rotating among >= 4 input sets, each step
@@ -21,7 +21,12 @@ per-rank inputs and must agree before anything is timed. Then:
   (between the fused lookup and the finalize), see ``torchrec_pgas.profiling``;
 * roofline: floor = max over ranks of max(HBM bytes gathered / HBM bandwidth,
   bytes this rank sends over NVLink / P2P bandwidth), both bandwidths measured
-  in the same run (device copy; concurrent peer copies to the next rank).
+  in the same run (device copy; concurrent peer copies to the next rank);
+* ``--comm-timeline`` (GPU): one PGAS step with the kernels' remote-store
+  counter on (``DevicePipeline.trace_comm``): cumulative bytes this rank stored
+  into peers against time, next to the stock side's shape from its stage times
+  (no bytes until the values all-to-all, none during the lookup, the pooled
+  rows in the output all-to-all at the end).
 
 Runs on CPU too (gloo + the ``shm`` backend; no graph, no roofline): the
 ``smoke`` preset is what CI runs. Results: ``results.json`` + ``results.csv``
@@ -60,6 +65,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling
+from torchrec_pgas.embeddingbag import pgas_lookups
 from torchrec_pgas.layout import RwLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import fill_embeddings_
@@ -186,10 +192,11 @@ def make_inputs(w: Workload, tables: int, batch: int, n_sets: int, seed: int,
     return out
 
 
-def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> Tuple[int, int]:
-    """(HBM bytes gathered, bytes sent over NVLink) of the busiest rank, averaged over the input sets;
-    the same volumes for both sides. In: ids (8 bytes) and per-bag lengths/offsets. Out: RW, an fp32
-    partial pool of every bag to each other rank; TW, the owner's pooled rows to each other rank."""
+def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> Tuple[int, int, int]:
+    """(HBM bytes gathered, bytes sent over NVLink, of which pooled output) of the busiest rank, averaged
+    over the input sets; the same volumes for both sides. In: ids (8 bytes) and per-bag lengths/offsets.
+    Out: RW, an fp32 partial pool of every bag to each other rank; TW, the owner's pooled rows to each
+    other rank."""
     block = (w.rows + world - 1) // world
     counts = torch.zeros(world, dtype=torch.float64, device=inputs[0].values().device)
     table_owner = torch.arange(w.tables, device=counts.device) % world
@@ -207,12 +214,15 @@ def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: 
     remote_ids = per.sum(1) - per.diagonal()
     if pair == "rw":
         bags = w.tables * w.batch_per_gpu
-        nvlink = remote_ids * 8 + (world - 1) * bags * (12 + row_bytes)
+        out = torch.full_like(remote_ids, (world - 1) * bags * row_bytes)
+        nvlink = remote_ids * 8 + (world - 1) * bags * 12 + out
     else:
         own = torch.tensor([len(range(r, w.tables, world)) for r in range(world)], dtype=torch.float64)
         remote_bags = (w.tables - own) * w.batch_per_gpu
-        nvlink = remote_ids * 8 + remote_bags * 12 + (world - 1) * own * w.batch_per_gpu * row_bytes
-    return int(hbm.max()), int(nvlink.max())
+        out = (world - 1) * own * w.batch_per_gpu * row_bytes
+        nvlink = remote_ids * 8 + remote_bags * 12 + out
+    busiest = int(nvlink.argmax())
+    return int(hbm.max()), int(nvlink[busiest]), int(out[busiest])
 
 
 # ---- models -----------------------------------------------------------------------
@@ -319,6 +329,29 @@ def stage_breakdown(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedT
         for k, v in stages.items():
             samples.setdefault(k, []).append(v)
     return {k: p50(v) for k, v in samples.items()}
+
+
+def comm_timeline(dmp: DistributedModelParallel, x: KeyedJaggedTensor, expected_bytes: int,
+                  records: int = 4096) -> List[Tuple[float, int]]:
+    """(ms since the step's index dist started, bytes this rank has stored into peers) of one traced
+    PGAS step, a record each ~1/500 of the expected bytes."""
+    (pipeline,) = [lookup._pipeline for lookup in pgas_lookups(dmp)]  # the benchmark's EBC: one type
+    trace = pipeline.trace_comm(records, max(64, expected_bytes // 500))
+    dmp(x)
+    torch.cuda.synchronize()
+    pipeline.stop_trace()
+    t = trace.cpu().tolist()
+    return [(0.0, 0)] + [((ns - t[0][0]) / 1e6, b) for ns, b in t[1:] if ns > 0]
+
+
+def stock_comm_shape(stages_ms: Dict[str, float], in_bytes: int, out_bytes: int) -> List[Tuple[float, int]]:
+    """The stock side's cumulative bytes from its stage times: the ids move during the values
+    all-to-all, nothing during the lookup, the pooled rows during the output dist."""
+    names = list(stages_ms)
+    t = list(itertools.accumulate(stages_ms[n] for n in names))
+    before_values = t[names.index("values_a2a") - 1]
+    return [(0.0, 0), (before_values, 0), (t[names.index("values_a2a")], in_bytes),
+            (t[names.index("lookup")], in_bytes), (t[names.index("output_dist")], in_bytes + out_bytes)]
 
 
 def graphed(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedTensor]) -> Callable[[int], torch.Tensor]:
@@ -429,7 +462,12 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
     row["stock_stages_ms"] = stage_breakdown(stock, inputs, pair.stock_stages, args.stage_steps, device)
     row["pgas_stages_ms"] = stage_breakdown(pgas, inputs, pair.pgas_stages, args.stage_steps, device)
     check_errors(pgas)
-    hbm, nvlink = traffic(w, inputs, dist.get_world_size(), args.pair)
+    hbm, nvlink, nvlink_out = traffic(w, inputs, dist.get_world_size(), args.pair)
+    if args.comm_timeline and device.type == "cuda":
+        row["comm_timeline"] = {
+            "pgas": comm_timeline(pgas, inputs[0], nvlink),
+            "stock_model": stock_comm_shape(row["stock_stages_ms"], nvlink - nvlink_out, nvlink_out),
+        }
     row.update(hbm_bytes=hbm, nvlink_bytes=nvlink, floor_ms=None,
                roofline_stock=None, roofline_pgas=None, roofline_graph=None)
     if bandwidths is not None:
@@ -523,6 +561,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--stage-steps", type=int, default=20)
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
+    parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     presets = args.preset or ["quick"]

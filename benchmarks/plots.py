@@ -265,6 +265,29 @@ def planner_scatter(meta: Dict[str, Any], validation: List[Dict[str, str]]) -> O
     return fig
 
 
+def comm_timeline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Bytes this rank stored into peers over one step (the paper's Fig. 7 shape): PGAS measured by the
+    kernels' counter (``--comm-timeline``), stock drawn from its stage times (flat, then bursts)."""
+    traced = [r for r in rows if r.get("comm_timeline")]
+    # The paper's weak/strong configs when the run has them, else the two largest steps.
+    rows = [r for r in traced if r["preset"] in PAPER_SPEEDUP] or sorted(
+        traced, key=lambda r: r["nvlink_bytes"])[-2:]
+    if not rows:
+        return None
+    fig = _figure(meta, "communication over one step: bytes stored into other GPUs", (6 * len(rows), 4.5))
+    for ax, r in zip(fig.subplots(1, len(rows), squeeze=False)[0], rows):
+        pgas, stock = r["comm_timeline"]["pgas"], r["comm_timeline"]["stock_model"]
+        ax.plot(*zip(*pgas), color=COLORS["pgas eager"], label=f"{r['pgas']} (device counter)")
+        ax.plot(*zip(*stock), color=COLORS["stock eager"], ls="--", label=f"{r['stock']} (from stage times)")
+        ax.set_title(_label(r), fontsize=9)
+        ax.set_xlabel("time since the step started (ms)")
+        ax.set_ylabel("bytes stored remotely")
+        ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
 def make_plots(results_dir: str) -> List[str]:
     """Write every figure the results support into ``results_dir``; returns their paths."""
     with open(os.path.join(results_dir, "results.json")) as f:
@@ -281,6 +304,7 @@ def make_plots(results_dir: str) -> List[str]:
         "scaling": scaling(meta, rows, results.get("single_gpu", [])),
         "roofline": roofline(meta, rows),
         "planner_scatter": planner_scatter(meta, validation),
+        "comm_timeline": comm_timeline(meta, rows),
     }
     paths = []
     for name, fig in figures.items():

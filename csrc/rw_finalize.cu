@@ -1,10 +1,13 @@
-// pgas_row_wise stage 3 (requester): wait for the W owners, reduce, mean-pool.
+// Stage 3 (requester): wait for the W owners, reduce, mean-pool.
 //
-// Reads the W partial blocks [slot][owner] of this rank's output region, each
-// already in the final [B, D] layout, and sums them in rank order (fixed order:
-// results do not depend on arrival order) into a fresh [B, D] tensor. MEAN
-// features divide by the bag's divisor (length or weight sum, + 1e-6, as
-// TorchRec's row-wise mean) that index_dist stored in bag_div[slot].
+// Reads the partial blocks [slot][owner] of this rank's output region, each
+// already in the final [B, D] layout: a column's value is the sum, in rank
+// order (fixed order: results do not depend on arrival order), of the blocks
+// of the owners holding rows of its table (all W for pgas_row_wise, so a
+// reduction; the one owner for pgas_table_wise, so a copy) into a fresh [B, D]
+// tensor. Row-wise MEAN features divide by the bag's divisor (length or weight
+// sum, + 1e-6, as TorchRec's row-wise mean) that index_dist stored in
+// bag_div[slot]; table-wise MEAN was pooled by the owner.
 //
 // Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
 // CTA streams 4-element vectors (grid-stride). The last CTA publishes the
@@ -54,12 +57,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int64_t col = (v - b * vecs_per_row) * 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (s_ok) {
-      for (int owner = 0; owner < p.world; ++owner) {
+      const RwFeature& feat = p.features[col_feature[col / 4]];
+      const int owner_end = static_cast<int>(feat.owner_base + feat.owner_count);
+      for (int owner = static_cast<int>(feat.owner_base); owner < owner_end; ++owner) {
         const out_t* part = reinterpret_cast<const out_t*>(p.buf + output_block(p, slot, owner));
         fma4(acc, 1.f, load4_cg(part + b * p.dim_sum + col));
       }
       const int32_t f = col_feature[col / 4];
-      if (p.features[f].is_mean) {
+      if (feat.is_mean == kMeanRequester) {
         const float d = bag_div[f * p.batch + b] + kMeanEps;
         acc.x /= d;
         acc.y /= d;

@@ -1,4 +1,7 @@
-// pgas_row_wise stage 1 (requester): bucketize + scatter ids straight into the owners.
+// Stage 1 (requester): bucketize + scatter ids straight into the owners.
+//
+// owner = owner_base + id / block: the row block for pgas_row_wise, the table's
+// owner for pgas_table_wise (block = N, one block), see rw_pipeline.cuh.
 //
 // Layout written: this rank's index block [slot][src = rank] in every owner's
 // buffer (see rw_pipeline.cuh). Bag fb keeps the requester's CSR span
@@ -77,6 +80,15 @@ __device__ __forceinline__ unsigned same_owner_lanes(int owner, unsigned gmask) 
   return same;
 }
 
+// Comm timeline: the bytes of one chunk's ids bound for other ranks, counted by
+// the warp's first live lane (out of line, like trace_remote_bytes).
+__device__ __noinline__ void trace_ids(const RwParams& p, int owner, bool weighted) {
+  const unsigned remote = __ballot_sync(0xffffffffu, owner >= 0 && owner != p.rank);
+  if (remote != 0 && threadIdx.x % 32 == __ffs(remote) - 1) {
+    trace_remote_bytes(p.state, __popc(remote) * (p.id_bytes + (weighted ? 4 : 0)));
+  }
+}
+
 template <typename index_t, typename row_t>
 __global__ void __launch_bounds__(kWarps * 32, 4)
     rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values,
@@ -91,6 +103,10 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
   if (threadIdx.x == 0) s_epoch = p.state[kCtrIndex] + 1;
+  if (threadIdx.x == 0 && blockIdx.x == 0 && p.state[kTraceBuf] != 0) {
+    // Record 0: the step's start (profiling.comm_timeline zeroes the counter first).
+    reinterpret_cast<int64_t*>(p.state[kTraceBuf])[0] = static_cast<int64_t>(global_timer_ns());
+  }
   __syncthreads();
   const int64_t epoch = s_epoch;
   const int64_t slot = epoch % p.num_slots;
@@ -111,6 +127,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int num_bags = static_cast<int>(p.num_features * p.batch);
   const int batch = static_cast<int>(p.batch);
   const int nnz = static_cast<int>(p.nnz);
+  const bool trace = p.state[kTraceBuf] != 0;
   float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
   // Warp iteration `it` takes bag (sub * groups_per_warp + group) of tile
   // it / per_tile, sub = it % per_tile; warp gw owns tiles gw, gw + total_warps, ...
@@ -152,6 +169,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     const int f = valid ? bag / batch : 0;
     const RwFeature& feat = p.features[f];
     const int64_t hash_size = feat.hash_size, block = feat.block;
+    const int owner_base = static_cast<int>(feat.owner_base);
     const uint64_t magic = static_cast<uint64_t>(feat.block_magic);
     const int shift = static_cast<int>(feat.block_shift);
     if (!chunk_loaded) load_chunk(values, weights, begin, n, g_lane, next_id, next_w);
@@ -176,8 +194,12 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
             id = 0;
           }
         }
-        if (id >= 0) locate(id, block, magic, shift, owner, row);
+        if (id >= 0) {
+          locate(id, block, magic, shift, owner, row);
+          owner += owner_base;
+        }
       }
+      if (trace) trace_ids(p, owner, weights != nullptr);
       const unsigned same = same_owner_lanes(owner, gmask);
       const int base = owner >= 0 ? count[owner * 32] : 0;
       __syncwarp();
@@ -205,9 +227,13 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
       __syncwarp();
       const int b = static_cast<int>(tile * T) + lane;
       if (lane < T && b < num_bags) {
-        for (int d = 0; d < W; ++d) {
+        // Only the ranks holding rows of the bag's table read it (all for RW, the owner for TW).
+        const RwFeature& fb = p.features[b / batch];
+        const int d_end = static_cast<int>(fb.owner_base + fb.owner_count);
+        for (int d = static_cast<int>(fb.owner_base); d < d_end; ++d) {
           reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[b] = tile_len[d * 32 + lane];
           reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[b] = s_begin[warp][lane];
+          if (trace && d != p.rank) trace_remote_bytes(p.state, 12);
         }
       }
       __syncwarp();

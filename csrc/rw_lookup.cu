@@ -1,4 +1,9 @@
-// pgas_row_wise stage 2 (owner): fused gather + pool + one-sided output write.
+// Stage 2 (owner): fused gather + pool + one-sided output write.
+//
+// Serves the bags of features [lookup_f_lo, lookup_f_hi): all of them for
+// pgas_row_wise, this owner's tables for pgas_table_wise, whose sources may
+// each have their own batch (variable_batch: read from the source's header).
+// Table-wise MEAN is pooled here with the TBE's arithmetic (kMeanOwner).
 //
 // Grid (ctas_per_source, W): CTA (x, k) serves source src = (rank + 1 + k) % W,
 // so the remote sources' CTAs are scheduled first and the local source pads
@@ -61,6 +66,9 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   p.weighted = static_cast<int32_t>(cfg[15]);
   p.bounds_mode = static_cast<int32_t>(cfg[16]);
   p.id_bytes = static_cast<int32_t>(cfg[17]);
+  p.lookup_f_lo = static_cast<int32_t>(cfg[18]);
+  p.lookup_f_hi = static_cast<int32_t>(cfg[19]);
+  p.variable_batch = static_cast<int32_t>(cfg[20]);
   TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
@@ -72,6 +80,9 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch < INT32_MAX - 64,
               "pgas_row_wise: ", p.capacity, " ids and ", p.num_features * p.max_batch,
               " bags per step must stay below 2^31 - 64 (PgasConfig)");
+  TORCH_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
+              "pgas: lookup feature range [", p.lookup_f_lo, ", ", p.lookup_f_hi, ") outside [0, ",
+              p.num_features, ")");
   TORCH_CHECK(batch >= 0 && batch <= p.max_batch, "pgas_row_wise: batch ", batch,
               " outside [0, ", p.max_batch, "]");
   TORCH_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas_row_wise: ", nnz,
@@ -193,7 +204,7 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
 template <typename row_t, bool kWeighted>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
                                                                          int out_kind) {
-  __shared__ int64_t s_epoch, s_nnz;
+  __shared__ int64_t s_epoch, s_nnz, s_batch;
   __shared__ int s_ok;
   const int k = blockIdx.y;
   const int src = (p.rank + 1 + k) % p.world;
@@ -205,17 +216,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     int ok = wait_epoch(p, signal, epoch, 1, src);
     if (ld_acquire_sys(signal) >= epoch) {
       const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
-      if (h_batch != p.batch) {
+      if (!p.variable_batch && h_batch != p.batch) {
         record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
         ok = 0;
-      } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity) {
+      } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
         record_error(p, kErrCorrupt, src, 0);
         ok = 0;
       }
     }
     if (!ok) abort_peer(p, src);
     s_epoch = epoch;
-    s_nnz = ok ? __ldcg(header + 2) : 0;  // the value checked above
+    s_nnz = ok ? __ldcg(header + 2) : 0;  // the values checked above
+    s_batch = ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
     s_ok = ok;
   }
   __syncthreads();
@@ -238,10 +250,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
     // 32-bit bag and id positions (make_rw_params checks F * Bmax and C < 2^31).
     const int nnz = static_cast<int>(s_nnz);
-    const int num_bags = static_cast<int>(p.num_features * p.batch);
-    const int batch = static_cast<int>(p.batch);
+    const int batch = static_cast<int>(s_batch);
+    // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
+    const int bag_end = p.lookup_f_hi * batch;
+    const bool remote = src != p.rank;
+    const bool trace = p.state[kTraceBuf] != 0 && remote;
     bool bad = false, bad_span = false;
-    for (int bag = blockIdx.x * groups_per_cta + group; bag < num_bags; bag += gridDim.x * groups_per_cta) {
+    for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
+         bag += gridDim.x * groups_per_cta) {
       const int f = bag / batch;
       const RwFeature& feat = p.features[f];
       const int64_t begin = __ldcg(offsets + bag);
@@ -266,9 +282,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
                                                     gmask, local_rows, bad)
                 : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
                                                      gmask, local_rows, bad);
+        float4 v = acc;
+        if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
+          const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
+          v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+        }
         const int b = bag - f * batch;
-        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, acc);
+        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
       }
+      if (trace && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
     }
     // Reported once per lane, before this CTA counts as done (so before the signal).
     if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
@@ -291,7 +313,7 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_
   // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
   static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted>, kThreads);
-  const int64_t bags = std::max<int64_t>(1, p.num_features * p.batch);
+  const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
       1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));

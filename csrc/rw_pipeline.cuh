@@ -1,4 +1,12 @@
-// pgas_row_wise on the GPU: parameters and helpers shared by the three stage kernels.
+// pgas_row_wise and pgas_table_wise on the GPU: parameters and helpers shared by
+// the three stage kernels.
+//
+// Table-wise is the one-owner case of row-wise: a TW table is one row block of
+// N rows held by its owner (RwFeature: block = N, owner_base = the owner,
+// owner_count = 1), where a RW table is W blocks of ceil(N/W) rows on ranks
+// 0..W-1. The same kernels run both; an owner's lookup serves only the
+// feature range it holds (cfg), and the finalize reads the blocks of the
+// owners of each column (one for TW: a copy; W for RW: a sum).
 //
 // Symmetric buffer (same on every rank; torchrec_pgas/layout.py is the source
 // of truth for the offsets, passed in as RwParams):
@@ -51,11 +59,14 @@
 namespace torchrec_pgas {
 
 constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
-constexpr int kCfgEntries = 18;  // the layout config list (rw_pipeline.py: _cfg)
+constexpr int kCfgEntries = 21;  // the layout config list (layout.py: RwLayout.kernel_config)
 constexpr int kMaxWorld = 64;
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
 enum WeightDtype : int32_t { kF32 = 0, kF16 = 1 };
+// Row-wise MEAN divides the summed partials by length + 1e-6 on the requester
+// (TorchRec RW); table-wise MEAN is the owner's TBE arithmetic, sum * (1.f / L).
+enum MeanMode : int32_t { kMeanNone = 0, kMeanRequester = 1, kMeanOwner = 2 };
 enum BoundsMode : int32_t { kBoundsFatal = 0, kBoundsWarning = 1, kBoundsIgnore = 2 };
 
 // Error codes of the device error record (torchrec_pgas/sharding/rw_pipeline.py decodes them).
@@ -78,6 +89,13 @@ enum StateWord : int {
   kDoneLookup = 4,
   kDoneFinal = 5,
   kErrCode = 8,  // kErrCode..kErrCode+3: code, a, b, c
+  // Opt-in comm timeline (profiling.comm_timeline): int64 [cap][2] records of
+  // (globaltimer ns, cumulative bytes this rank stored into peers' memory),
+  // one per `step` bytes; 0 in kTraceBuf turns it off.
+  kTraceBuf = 12,
+  kTraceStep = 13,
+  kTraceCap = 14,
+  kTraceBytes = 15,
   kDoneSrc = 16,  // + k for the k-th source of the lookup grid
   kStateWords = 16 + kMaxWorld,
 };
@@ -91,9 +109,11 @@ struct RwFeature {
   int64_t dim;
   int64_t out_col;  // first column in the [B, D] output
   int64_t dtype;  // WeightDtype
-  int64_t is_mean;
+  int64_t is_mean;  // MeanMode
   int64_t block_magic;  // id / block == (id * magic) >> shift for ids < 2^31; 0 if N >= 2^31
   int64_t block_shift;  // (layout.py: divisor_magic)
+  int64_t owner_base;  // row block k of the table lives on rank owner_base + k
+  int64_t owner_count;  // W (row-wise) or 1 (table-wise)
 };
 constexpr int kFeatureWords = sizeof(RwFeature) / sizeof(int64_t);
 
@@ -112,6 +132,8 @@ struct RwParams {
   int64_t num_slots, max_batch, capacity, dim_sum, num_features;
   int64_t timeout_ns;
   int32_t rank, world, weighted, bounds_mode, id_bytes;
+  int32_t lookup_f_lo, lookup_f_hi;  // the features whose rows this rank holds
+  int32_t variable_batch;  // 1: each source's batch comes from its header (TW)
   int64_t batch, nnz;  // this step, this rank
 };
 
@@ -235,6 +257,20 @@ __device__ __forceinline__ void fma4(float4& acc, float w, float4 x) {
   acc.y += w * x.y;
   acc.z += w * x.z;
   acc.w += w * x.w;
+}
+
+// Comm timeline (opt-in): add `bytes` stored into peers' memory; a record per
+// `step` bytes crossed. Out of line: the hot loops pay one uniform branch.
+__device__ __noinline__ inline void trace_remote_bytes(int64_t* state, int64_t bytes) {
+  int64_t* trace = reinterpret_cast<int64_t*>(state[kTraceBuf]);
+  const int64_t step = state[kTraceStep], cap = state[kTraceCap];
+  const int64_t old = static_cast<int64_t>(
+      atomicAdd(reinterpret_cast<unsigned long long*>(state + kTraceBytes), static_cast<unsigned long long>(bytes)));
+  const int64_t k = (old + bytes) / step;
+  if (k > old / step && k < cap) {
+    trace[2 * k] = static_cast<int64_t>(global_timer_ns());
+    trace[2 * k + 1] = old + bytes;
+  }
 }
 
 }  // namespace torchrec_pgas

@@ -1,46 +1,71 @@
 #!/usr/bin/env bash
-# One device call: install the TorchRec bundle, build the extension, run the GPU
-# tests, compute-sanitizer on a small 2-rank case, and the first timing table.
+# One device call: install the TorchRec bundle, build the extension, then the steps asked for.
 #
-#   bash scripts/gpu_check.sh [quick|full|dlrm|profile|bench [benchmark args]]   # logs, results under $OUT
+#   bash scripts/gpu_check.sh STEPS [benchmark args]      # logs and results under $OUT
 #
-# quick: a few GPU tests; full: all GPU tests, the benchmark presets s004,
-# s000-weak, s000-strong and skew, compute-sanitizer, the demo; dlrm: only the
-# DLRM example through torchx (stock vs PGAS inference samples/s); bench: quick
-# GPU tests, then benchmarks.embedding with the given args (default --preset
-# quick); profile: ncu of the fused lookup and FBGEMM's TBE forward on one GPU.
+# STEPS is a comma list, or a name for one:
+#   tests      every GPU test (tests/ -m gpu) at PGAS_TEST_WORLD ranks; quick-tests: a few of them
+#   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
+#   bench-tw   the same for table_wise vs pgas_table_wise
+#   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs (issue: 4-GPU scaling)
+#   sanitizer  compute-sanitizer memcheck of a small 2-rank case
+#   demo       the `make demo` job on nvshmem
+#   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
+#   profile    ncu of the fused lookup and FBGEMM's TBE forward on one GPU
+#   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
+# A call brings back at most 8 files: the benchmark keeps results.json only (the CSV is
+# python -m benchmarks.plots' input too, rebuilt from it), logs go to one file per step.
 # Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
 set -uo pipefail
-MODE=${1:-full}
+STEPS=${1:-full}
 shift || true
+FULL=0
+[ "$STEPS" = full ] && FULL=1 && STEPS=tests,bench-rw,sanitizer,demo
+FULL_PRESETS=(--preset s004 --preset s000-weak --preset s000-strong --preset skew)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 # GPU tests and benchmarks use every GPU of the machine (sanitizer and demo: 2 ranks).
-export PGAS_TEST_WORLD=${PGAS_TEST_WORLD:-$(nvidia-smi -L | wc -l)}
+GPUS=$(nvidia-smi -L | wc -l)
+export PGAS_TEST_WORLD=${PGAS_TEST_WORLD:-$GPUS}
 PY=/opt/torch/.venv/bin/python3
 [ -x "$PY" ] || PY=$(command -v python3)
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 {
   echo "commit: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  echo "steps: $STEPS $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  nvidia-smi topo -m 2>/dev/null | head -4
+  nvidia-smi topo -m 2>/dev/null | head -$((GPUS + 2))
 } | tee "$OUT/summary.txt"
 
-# One setup log: a call brings back at most 8 files (full mode writes exactly 8).
 log "install devbundle"
-bash .devbundle/install_on_device.sh /tmp/site > "$OUT/setup.log" 2>&1 || { tail "$OUT/setup.log"; exit 1; }
+bash .devbundle/install_on_device.sh /tmp/site > /tmp/setup.log 2>&1 || { cp /tmp/setup.log "$OUT/"; exit 1; }
 export PYTHONPATH=/tmp/site
 
 log "build extension"
-"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> "$OUT/setup.log" 2>&1 \
-  || { tail -30 "$OUT/setup.log" | tee -a "$OUT/summary.txt"; exit 1; }
+"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
+  || { cp /tmp/setup.log "$OUT/"; tail -30 /tmp/setup.log | tee -a "$OUT/summary.txt"; exit 1; }
 "$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
 
-if [ "$MODE" = profile ]; then
+# benchmarks.embedding on $1 GPUs into $OUT/$2 (results.json kept), logged to $OUT/bench.log.
+bench() {
+  local n=$1 name=$2
+  shift 2
+  log "benchmark $name ($n GPUs): $*"
+  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$n" \
+    -m benchmarks.embedding --out "/tmp/bench/$name" "$@" > /tmp/bench.log 2>&1
+  echo "benchmark $name exit $?" | tee -a "$OUT/summary.txt"
+  { echo "### $name: $*"; cat /tmp/bench.log; } >> "$OUT/bench.log"
+  sed -n '/^measured:/,$p' /tmp/bench.log | grep -v "^results:" | tail -16 | tee -a "$OUT/summary.txt"
+  grep -E "Error|error" /tmp/bench.log | tail -5 | tee -a "$OUT/summary.txt"
+  mkdir -p "$OUT/$name" && cp "/tmp/bench/$name/results.json" "$OUT/$name/" 2>/dev/null
+}
+
+if has profile; then
   # ncu on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   log "ncu: rw_lookup vs TBE forward"
@@ -57,55 +82,77 @@ if [ "$MODE" = profile ]; then
   "$NCU" --import "$OUT/lookup.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/ncu_source.csv" 2>&1
   grep -E "rw_lookup_kernel|rw_index_dist|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
     "$OUT/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
-  log "done"
-  exit 0
 fi
 
-if [ "$MODE" = dlrm ]; then
-  # torchx launches torchrun from PATH; the bundle's torchx (0.7.0) runs local_cwd.
-  for sharding in nccl pgas auto; do
-    log "torchx DLRM inference, --sharding $sharding"
-    timeout 150 "$PY" -m torchx.cli.main run -s local_cwd torchrec_pgas/components.py:dlrm --nproc_per_node 2 \
-      --gpus_per_node 2 -- --sharding "$sharding" --batch-size 4096 --steps 50 --max-rows 1000000 --validate \
-      > "$OUT/torchx_dlrm_$sharding.log" 2>&1
-    echo "torchx dlrm $sharding exit $?" | tee -a "$OUT/summary.txt"
-    grep -E "DLRM|validate|job finished|Error" "$OUT/torchx_dlrm_$sharding.log" | tail -6 | tee -a "$OUT/summary.txt"
+if has tests || has quick-tests; then
+  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py -m gpu)
+  has quick-tests && TESTS+=(-k "out_of_range or mismatch or ignore or graph or bit_exact or comm")
+  log "GPU tests at world size $PGAS_TEST_WORLD"
+  timeout "${TEST_TIMEOUT:-360}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning "${TESTS[@]}" \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30 | tee -a "$OUT/summary.txt"
+fi
+
+[ $# -eq 0 ] && [ "$FULL" = 1 ] && set -- "${FULL_PRESETS[@]}"
+[ $# -eq 0 ] && set -- --preset quick
+has bench-rw && bench "$PGAS_TEST_WORLD" bench-rw --pair rw "$@"
+has bench-tw && bench "$PGAS_TEST_WORLD" bench-tw --pair tw "$@"
+
+if has scaling; then
+  # The 1-GPU TBE reference runs once (in the 1-GPU pass); graphs are timed at every size.
+  for n in $(seq 1 "$PGAS_TEST_WORLD"); do
+    for pair in rw tw; do
+      extra=(--no-single-gpu)
+      [ "$n" = 1 ] && [ "$pair" = rw ] && extra=()
+      bench "$n" "scaling-$pair-$n" --pair "$pair" --preset s000-weak --preset s000-strong \
+        --steps "${SCALING_STEPS:-50}" "${extra[@]}"
+    done
   done
-  log "done"
-  exit 0
+  # One results file for the plots: every world size's rows.
+  "$PY" - "$OUT" <<'PYEOF'
+import glob, json, os, sys
+out = sys.argv[1]
+files = sorted(glob.glob(os.path.join(out, "scaling-*", "results.json")))
+runs = [json.load(open(f)) for f in files]
+merged = {"meta": {**runs[0]["meta"], "runs": [r["meta"] for r in runs]},
+          "rows": [row for r in runs for row in r["rows"]],
+          "single_gpu": [s for r in runs for s in r.get("single_gpu", [])]}
+os.makedirs(os.path.join(out, "scaling"), exist_ok=True)
+json.dump(merged, open(os.path.join(out, "scaling", "results.json"), "w"), indent=1)
+for f in files:
+    os.remove(f)
+    os.rmdir(os.path.dirname(f))
+print(f"merged {len(files)} runs, {len(merged['rows'])} rows")
+PYEOF
 fi
 
-TESTS=(tests/test_gpu.py)
-[ "$MODE" != full ] && TESTS+=(-k "out_of_range or mismatch or ignore or graph")
-log "GPU tests ($MODE)"
-timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
-echo "pytest exit $?" | tee -a "$OUT/summary.txt"
-grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/summary.txt"
-
-if [ "$MODE" = full ] || [ "$MODE" = bench ]; then
-  if [ $# -eq 0 ]; then
-    if [ "$MODE" = full ]; then set -- --preset s004 --preset s000-weak --preset s000-strong --preset skew
-    else set -- --preset quick; fi
-  fi
-  log "benchmark: $*"
-  timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run --nproc_per_node="$PGAS_TEST_WORLD" \
-    -m benchmarks.embedding --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
-  echo "benchmark exit $?" | tee -a "$OUT/summary.txt"
-  sed -n '/^measured:/,$p' "$OUT/bench.log" | tail -16 | tee -a "$OUT/summary.txt"
-  grep -E "Error|error" "$OUT/bench.log" | tail -5 | tee -a "$OUT/summary.txt"
-fi
-
-if [ "$MODE" = full ]; then
+if has sanitizer; then
   log "compute-sanitizer memcheck, 2 ranks"
   # API errors are NCCL probing kernel images of other archs at init; count memory errors.
   timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
     --error-exitcode 9 "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
   grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"
+fi
 
+if has demo; then
   log "demo (the make demo job) on nvshmem"
   timeout 120 "$PY" examples/demo.py > "$OUT/demo.log" 2>&1
   echo "demo exit $?" | tee -a "$OUT/summary.txt"
   sed -n '/^pgas_row_wise vs stock/,$p' "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+fi
+
+if has dlrm; then
+  # torchx launches torchrun from PATH; the bundle's torchx (0.7.0) runs local_cwd.
+  for sharding in nccl pgas auto; do
+    log "torchx DLRM inference, --sharding $sharding"
+    timeout 150 "$PY" -m torchx.cli.main run -s local_cwd torchrec_pgas/components.py:dlrm --nproc_per_node 2 \
+      --gpus_per_node 2 -- --sharding "$sharding" --batch-size 4096 --steps 50 --max-rows 1000000 --validate \
+      > /tmp/dlrm.log 2>&1
+    echo "torchx dlrm $sharding exit $?" | tee -a "$OUT/summary.txt"
+    { echo "### torchx dlrm --sharding $sharding"; cat /tmp/dlrm.log; } >> "$OUT/torchx_dlrm.log"
+    grep -E "DLRM|validate|job finished|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
+  done
 fi
 log "done"

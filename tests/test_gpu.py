@@ -19,6 +19,7 @@ import torchrec_pgas
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
 from torchrec_pgas.testing import (
     TwoEbcModel,
+    all_tables,
     check_errors,
     compare_with_stock,
     default_model,
@@ -26,8 +27,17 @@ from torchrec_pgas.testing import (
     run_distributed,
     seeded,
     shard,
+    spread_tables,
+    stock_twin,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE, PgasBackendType, PgasConfig, PgasError, PgasInputError
+from torchrec_pgas.types import (
+    PGAS_ROW_WISE,
+    PGAS_TABLE_WISE,
+    PgasBackendType,
+    PgasConfig,
+    PgasError,
+    PgasInputError,
+)
 
 pytestmark = pytest.mark.gpu
 WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
@@ -121,13 +131,18 @@ def _random_case(seed: int, world: int) -> Tuple[TwoEbcModel, Dict[str, str], Di
         return out
 
     model = TwoEbcModel(tables("t", False), tables("w", True), seed=seed)
-    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    # One kind per case: stock 1.6.1 mis-divides TW features next to a RW MEAN table
+    # (a mixed plan is checked against the unsharded model, test_tw_sharding).
+    table_wise = rnd.random() < 0.5
+    names = [c.name for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()]
+    types = {n: f"{PGAS_TABLE_WISE}@{rnd.randrange(world)}" if table_wise else PGAS_ROW_WISE for n in names}
     shape = {
         "batch": rnd.randint(1, 64),
         "max_len": rnd.choice([0, 1, 4, 16, 40]),
         "skew": rnd.random() < 0.3,  # most ids in rank 0's block
         "fused_params": {"output_dtype": out_type},
-        "tol": 1e-5 if (data_type, out_type) == (DataType.FP32, SparseType.FP32) else 2e-2,
+        # TW: the owner sums a bag's rows in the TBE's order and means with its arithmetic.
+        "tol": 0.0 if table_wise else 1e-5 if (data_type, out_type) == (DataType.FP32, SparseType.FP32) else 2e-2,
     }
     return model, types, shape
 
@@ -209,12 +224,19 @@ def test_1000_back_to_back_steps() -> None:
 # ---- bad input ---------------------------------------------------------------------------
 
 
-def _bad_id(rank: int, world: int) -> Dict[str, Any]:
+def _types(model: TwoEbcModel, kind: str, world: int) -> Dict[str, str]:
+    """Every table ``pgas_row_wise``, or ``pgas_table_wise`` round-robin over the ranks."""
+    if kind == PGAS_TABLE_WISE:
+        return spread_tables(model, world)
+    return all_tables(model, kind)
+
+
+def _bad_id(rank: int, world: int, kind: str) -> Dict[str, Any]:
     model = default_model()
     dev = _device(rank)
-    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    types = _types(model, kind, world)
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8))
-    stock = shard(model, {k: "row_wise" for k in types}, dist.group.WORLD, dev, stock=True)
+    stock = shard(model, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, dev, stock=True)
     before = {k: v.local_shards()[0].tensor.clone() for k, v in pgas.state_dict().items()}
     gen = seeded(rank)
     kjt = random_kjt(model.ebc.embedding_bag_configs(), 8, gen, 4).to(dev)
@@ -239,10 +261,11 @@ def _bad_id(rank: int, world: int) -> Dict[str, Any]:
     return result
 
 
-def test_out_of_range_id_raises_and_never_corrupts_the_peer() -> None:
-    results = run_distributed(_bad_id, WORLD, backend="nccl")
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_out_of_range_id_raises_and_never_corrupts_the_peer(kind: str) -> None:
+    results = run_distributed(_bad_id, WORLD, kind, backend="nccl")
     r1 = results[1]
-    assert r1["error"] == "PgasInputError: pgas_row_wise: feature 'tf1' (table 't1') has id 10000 outside [0, 37)"
+    assert r1["error"] == f"PgasInputError: {kind}: feature 'tf1' (table 't1') has id 10000 outside [0, 37)"
     assert all(r["error"] is None for i, r in enumerate(results) if i != 1)
     assert all(r["diff"] < 1e-5 for r in results)  # every other feature is right on every rank
     assert all(r["weights_intact"] for r in results)
@@ -297,11 +320,11 @@ def test_ignore_mode_reads_row_zero() -> None:
 # ---- CUDA graph capture ---------------------------------------------------------------------
 
 
-def _graph(rank: int, world: int) -> float:
+def _graph(rank: int, world: int, kind: str) -> float:
     model = default_model()
     dev = _device(rank)
     tables = model.ebc.embedding_bag_configs()
-    types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
+    types = _types(model, kind, world)
     pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=16))
     sebc = pgas.module.ebc
     gen = seeded(rank)
@@ -344,5 +367,64 @@ def _graph(rank: int, world: int) -> float:
     return max(diffs)
 
 
-def test_forward_replays_in_a_cuda_graph() -> None:
-    assert max(run_distributed(_graph, WORLD, backend="nccl")) < 1e-5
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_forward_replays_in_a_cuda_graph(kind: str) -> None:
+    assert max(run_distributed(_graph, WORLD, kind, backend="nccl")) < 1e-5
+
+
+# ---- comm timeline (profiling) ---------------------------------------------------------------
+
+
+def _comm_trace(rank: int, world: int, kind: str) -> Dict[str, Any]:
+    """One traced step: the kernels' remote-store counter must equal the bytes the protocol sends."""
+    from torchrec_pgas.embeddingbag import pgas_lookups
+    from torchrec_pgas.sharding.device_pipeline import TRACE_WORDS
+
+    model = default_model()
+    dev = _device(rank)
+    pgas = shard(model, _types(model, kind, world), dist.group.WORLD, dev, PgasConfig(max_local_batch_size=16))
+    (pipe,) = [lk._pipeline for lk in pgas_lookups(pgas) if "tf0" in lk._pipeline.feature_names]
+    gen = seeded(rank)
+    tables = model.ebc.embedding_bag_configs()
+    kjt = random_kjt(tables, 16, gen, 6).to(dev)
+    wkjt = random_kjt(model.webc.embedding_bag_configs(), 16, gen, 6, weighted=True).to(dev)
+    with torch.no_grad():
+        pgas(kjt, wkjt)  # warm-up: binds the weights
+        trace = pipe.trace_comm(1024, 64)
+        pgas(kjt, wkjt)
+        check_errors(pgas)
+        pipe.stop_trace()
+    counted = int(pipe._state[TRACE_WORDS[3]])
+    # What the protocol stores into other ranks (layout.py): ids and a length + offset per bag to
+    # each remote rank holding rows of the bag's table; pooled rows (fp32) to each remote requester.
+    f_lo, f_hi = pipe._lookup
+    ids = kjt.values()
+    feats = torch.repeat_interleave(torch.arange(len(kjt.keys()), device=dev), kjt.lengths().view(len(kjt.keys()), -1).sum(1))
+    bags = 16
+    if kind == PGAS_TABLE_WISE:
+        owner = [r for r, (lo, hi) in enumerate(_all_gather_range(pipe._lookup, world)) for _ in range(hi - lo)]
+        remote_features = [f for f in range(len(owner)) if owner[f] != rank]
+        id_bytes = sum(int((feats == f).sum()) for f in remote_features) * pipe.layout.id_bytes
+        meta_bytes = 12 * bags * len(remote_features)
+        out_bytes = (world - 1) * bags * 4 * sum(pipe.feature_dims[f_lo:f_hi])
+    else:
+        blocks = torch.tensor(pipe.shard_rows, device=dev)[feats]
+        id_bytes = int((ids // blocks != rank).sum()) * pipe.layout.id_bytes
+        meta_bytes = 12 * bags * len(kjt.keys()) * (world - 1)
+        out_bytes = (world - 1) * bags * 4 * sum(pipe.feature_dims)
+    t = trace.cpu()
+    sent = t[1:, 1][t[1:, 0] > 0]  # record k: the first count at or past k * 64 bytes
+    return {"counted": counted, "expected": id_bytes + meta_bytes + out_bytes,
+            "monotone": bool((sent.diff() > 0).all()) and t[0, 0] > 0, "records": len(sent)}
+
+
+def _all_gather_range(r: Tuple[int, int], world: int) -> List[Tuple[int, int]]:
+    got: List[Any] = [None] * world
+    dist.all_gather_object(got, r)
+    return got
+
+
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_comm_timeline_counts_every_remote_byte(kind: str) -> None:
+    for res in run_distributed(_comm_trace, WORLD, kind, backend="nccl"):
+        assert res["counted"] == res["expected"] and res["monotone"] and res["records"] > 5, res

@@ -43,6 +43,8 @@ def test_make_plots_writes_every_figure(tmp_path: Any) -> None:
     rows = [_row("s004", t, b, p, 2.0 + t / 8, 0.2 + t * b / 4096)  # stock wins at t8-b4096: a crossover
             for t in (2, 8) for b in (128, 4096) for p in (4, 8)]
     rows.append(_row("s000-weak", 26, 4096, 32, 3.0, 1.5))
+    rows[-1]["comm_timeline"] = {"pgas": [[0.0, 0], [0.2, 10**6], [1.4, 9 * 10**6]],
+                                 "stock_model": [[0.0, 0], [1.0, 0], [1.5, 10**6], [2.5, 10**6], [3.0, 9 * 10**6]]}
     single = [{"preset": "s000-weak", "tables": 26, "batch": 4096, "p50_ms": 1.8, "p90_ms": 1.9}]
     _write(str(tmp_path), {"meta": META, "rows": rows, "single_gpu": single})
     with open(tmp_path / "planner_validation.csv", "w") as f:
@@ -50,7 +52,7 @@ def test_make_plots_writes_every_figure(tmp_path: Any) -> None:
                 "t2-b128-p4-uniform,eager,nccl_rw,2.0,2.2,0.1,pgas_rw,0.0\n"
                 "t2-b128-p4-uniform,graph,pgas_rw,0.1,0.09,-0.1,pgas_rw,0.0\n")
     paths = make_plots(str(tmp_path))
-    names = ["speedup_heatmap", "crossover", "stages", "scaling", "roofline", "planner_scatter"]
+    names = ["speedup_heatmap", "crossover", "stages", "scaling", "roofline", "planner_scatter", "comm_timeline"]
     assert paths == [str(tmp_path / f"{n}.png") for n in names]
     for p in paths:
         with open(p, "rb") as f:

@@ -1,6 +1,12 @@
-"""pgas_table_wise through DistributedModelParallel on the shm backend, against stock TorchRec table_wise."""
+"""pgas_table_wise through DistributedModelParallel, against stock TorchRec table_wise.
 
-from typing import Any, Dict, List
+The comparisons run on the shm backend (CPU, gloo) and, marked ``gpu``, on the
+nvshmem backend's fused kernels (one process per GPU, NCCL for the stock twin);
+the GPU's bad-input and graph tests are in test_gpu.py.
+"""
+
+import os
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -9,32 +15,39 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import pgas_lookups
 from torchrec_pgas.testing import (
-    TwoEbcModel,
     all_tables,
+    check_errors,
     compare_with_stock,
     default_model,
     run_distributed,
     sample_batches,
     shard,
     shard_metadata,
+    spread_tables,
 )
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError
 
 CPU = torch.device("cpu")
 SMALL = PgasConfig(max_local_batch_size=16, wait_timeout_s=60)
+GPU_WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
+BACKENDS = [pytest.param("cpu", id="shm"), pytest.param("cuda", id="nvshmem", marks=pytest.mark.gpu)]
 
 
-def _spread(model: TwoEbcModel, world: int, kind: str = PGAS_TABLE_WISE) -> Dict[str, str]:
-    """Tables round-robin over the ranks (with W=3, rank 2 owns fewer)."""
-    return {t: f"{kind}@{i % world}" for i, t in enumerate(all_tables(model, kind))}
+def _device(kind: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if kind == "cuda" else CPU
 
 
-def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
+def _run(fn: Any, world: int, device: str, *args: Any) -> List[Any]:
+    return run_distributed(fn, world, device, *args, backend="nccl" if device == "cuda" else "gloo")
+
+
+def _matches_stock(rank: int, world: int, device: str) -> Dict[str, Any]:
     model = default_model()
-    types = _spread(model, world)
-    cmp = compare_with_stock(model, types, sample_batches(model, rank), dist.group.WORLD, CPU, SMALL, tol=0.0)
-    pgas = shard(model, types, dist.group.WORLD, CPU, SMALL)
-    stock = shard(model, _spread(model, world, "table_wise"), dist.group.WORLD, CPU, stock=True)
+    dev = _device(device, rank)
+    types = spread_tables(model, world)
+    cmp = compare_with_stock(model, types, sample_batches(model, rank), dist.group.WORLD, dev, SMALL, tol=0.0)
+    pgas = shard(model, types, dist.group.WORLD, dev, SMALL)
+    stock = shard(model, spread_tables(model, world, "table_wise"), dist.group.WORLD, dev, stock=True)
     return {
         "diffs": cmp.max_abs_diff,
         "lookups": len(list(pgas_lookups(pgas))),
@@ -44,50 +57,66 @@ def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_matches_stock_table_wise_bit_exact(world: int) -> None:
-    """The owner's TBE sums the same rows in the same order as stock TW's: tol=0 (bit-exact)."""
-    for res in run_distributed(_matches_stock, world):
+@pytest.mark.parametrize("device,world", [("cpu", 2), ("cpu", 3), pytest.param("cuda", GPU_WORLD, marks=pytest.mark.gpu)])
+def test_matches_stock_table_wise_bit_exact(device: str, world: int) -> None:
+    """Stock TW's TBE and ours (the TBE on shm, the fused kernel on GPUs) sum the same rows in the same
+    order, and the GPU kernel means with the TBE's arithmetic: tol=0 (bit-exact)."""
+    for res in _run(_matches_stock, world, device):
         assert len(res["diffs"]) == 10 and max(res["diffs"].values()) == 0.0
         assert res["lookups"] == 2 and res["same_state_dict"]
         assert res["optim_keys"] == res["stock_optim_keys"] and res["optim_keys"]
 
 
-def _mixed(rank: int, world: int) -> Dict[str, float]:
+def _mixed(rank: int, world: int, device: str) -> Dict[str, float]:
     """RW, PGAS-RW, TW and PGAS-TW in one EBC, against the unsharded model (stock 1.6.1 divides a TW MEAN
     feature twice next to a RW MEAN table, see test_rw_sharding)."""
     model = default_model()
+    dev = _device(device, rank)
     types = all_tables(model, PGAS_ROW_WISE)
     types.update({"t0": "row_wise", "t1": "pgas_table_wise@1", "t3": "table_wise@0", "w0": "pgas_table_wise@0",
                   "w2": "pgas_table_wise@1"})
-    sharded = shard(model, types, dist.group.WORLD, CPU, SMALL)
+    sharded = shard(model, types, dist.group.WORLD, dev, SMALL)
+    model.to(dev)
     diffs: Dict[str, float] = {}
-    for kjt, wkjt in sample_batches(model, rank):
+    for kjt, wkjt in _on(sample_batches(model, rank), dev):
         with torch.no_grad():
             out, ref = sharded(kjt, wkjt), model(kjt, wkjt)
+        check_errors(sharded)
         for k in ref:
             diffs[k] = max(diffs.get(k, 0.0), float((out[k] - ref[k]).abs().max()) if ref[k].numel() else 0.0)
     return diffs
 
 
-def test_mixed_plan_of_four_sharding_types() -> None:
-    for diffs in run_distributed(_mixed, 2):
+def _on(batches: List[Tuple[Any, Any]], dev: torch.device) -> List[Tuple[Any, Any]]:
+    return [(kjt.to(dev), wkjt.to(dev)) for kjt, wkjt in batches]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mixed_plan_of_four_sharding_types(device: str) -> None:
+    for diffs in _run(_mixed, 2, device):
         assert len(diffs) == 10 and max(diffs.values()) < 1e-5, diffs
 
 
-def _variable_batch(rank: int, world: int) -> float:
+def _variable_batch(rank: int, world: int, device: str) -> float:
     """Ranks feed different local batch sizes; each gets its own rows back."""
     model = default_model()
-    sharded = shard(model, _spread(model, world), dist.group.WORLD, CPU, SMALL)
-    kjt, wkjt = sample_batches(model, rank, batch=3 + 2 * rank)[0]
-    with torch.no_grad():
-        out, ref = sharded(kjt, wkjt), model(kjt, wkjt)
-    assert out["tf0"].shape[0] == 3 + 2 * rank
-    return max(float((out[k] - ref[k]).abs().max()) for k in ref)
+    dev = _device(device, rank)
+    sharded = shard(model, spread_tables(model, world), dist.group.WORLD, dev, SMALL)
+    model.to(dev)
+    diff = 0.0
+    for batch in (3 + 2 * rank, 16 - 5 * rank):
+        kjt, wkjt = _on(sample_batches(model, rank, batch=batch)[:1], dev)[0]
+        with torch.no_grad():
+            out, ref = sharded(kjt, wkjt), model(kjt, wkjt)
+        check_errors(sharded)
+        assert out["tf0"].shape[0] == batch
+        diff = max(diff, *(float((out[k] - ref[k]).abs().max()) for k in ref))
+    return diff
 
 
-def test_variable_local_batch_size() -> None:
-    assert max(run_distributed(_variable_batch, 2)) < 1e-5
+@pytest.mark.parametrize("device", BACKENDS)
+def test_variable_local_batch_size(device: str) -> None:
+    assert max(_run(_variable_batch, 2, device)) < 1e-5
 
 
 def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
@@ -96,7 +125,7 @@ def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
     good, wgood = sample_batches(model, rank)[0]
 
     def attempt(name: str, kjt: KeyedJaggedTensor, config: PgasConfig = SMALL) -> None:
-        sharded = shard(model, _spread(model, world), dist.group.WORLD, CPU, config)
+        sharded = shard(model, spread_tables(model, world), dist.group.WORLD, CPU, config)
         try:
             with torch.no_grad():
                 sharded(kjt, wgood)
@@ -121,7 +150,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 def _backward(rank: int, world: int) -> List[str]:
     model = default_model()
-    sharded = shard(model, _spread(model, world), dist.group.WORLD, CPU, SMALL)
+    sharded = shard(model, spread_tables(model, world), dist.group.WORLD, CPU, SMALL)
     kjt, wkjt = sample_batches(model, rank)[0]
     out = sharded(kjt, wkjt)
     try:
@@ -140,7 +169,7 @@ def _corrupt_peer(rank: int, world: int, kind: str) -> str:
     """Rank 1's ids put to rank 0 carry a row rank 0 does not hold (a corrupt peer, injected at its runtime
     put); rank 0 must refuse them before its TBE reads them, and abort rank 1 instead of hanging it."""
     model = default_model()
-    types = all_tables(model, PGAS_ROW_WISE) if kind == PGAS_ROW_WISE else _spread(model, world)
+    types = all_tables(model, PGAS_ROW_WISE) if kind == PGAS_ROW_WISE else spread_tables(model, world)
     sharded = shard(model, types, dist.group.WORLD, CPU, SMALL)
     if rank == 1:
         for lookup in pgas_lookups(sharded):

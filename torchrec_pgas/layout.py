@@ -23,13 +23,17 @@ needs no scan across bags.
 lookup). The signal pad holds one index slot and one output slot per peer;
 peers store the epoch there after the block is complete.
 
-``pgas_table_wise`` uses the same layout: an index block holds only the
-features of its owner's tables (whole-table row ids), and an output block is
-the owner's ``[B, D_owner]`` pooled columns (``D`` here is the widest owner's).
+``pgas_table_wise`` uses the same layout with whole-table row ids. On the
+host path an index block holds only the features of its owner's tables, and an
+output block is the owner's ``[B, D_owner]`` pooled columns (``D`` here is the
+widest owner's). The GPU kernels run it as the one-owner case of row-wise: an
+index block is indexed like row-wise (the owner reads its features' bags), and
+an output block is the full ``[B, D]`` row, of which the owner writes its
+tables' columns.
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -112,13 +116,20 @@ class RwLayout:
     def id_dtype(self) -> torch.dtype:
         return torch.int32 if self.id_bytes == 4 else torch.int64
 
-    def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int) -> List[int]:
-        """The int list every pgas_row_wise op takes (RwParams, csrc/rw_lookup.cu: make_rw_params)."""
+    def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int,
+                      lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False) -> List[int]:
+        """The int list every kernel op takes (RwParams, csrc/rw_lookup.cu: make_rw_params).
+
+        ``lookup_features``: the features whose rows this rank holds (all, for row-wise);
+        ``variable_batch``: owners take each source's batch from its header (table-wise).
+        """
+        f_lo, f_hi = lookup_features if lookup_features is not None else (0, self.num_features)
         return [
             self.index_block_bytes, self.output_region_off, self.output_block_bytes,
             self.offsets_off, self.lengths_off, self.ids_off, self.weights_off,
             self.num_slots, self.max_batch, self.ids_capacity, self.dim_sum, self.num_features,
             timeout_ns, rank, self.world_size, int(self.weighted), bounds_mode, self.id_bytes,
+            f_lo, f_hi, int(variable_batch),
         ]
 
     def index_block(self, slot: int, src: int) -> int:

@@ -150,6 +150,11 @@ def all_tables(model: TwoEbcModel, sharding_type: str) -> Dict[str, str]:
     return {c.name: sharding_type for ebc in (model.ebc, model.webc) for c in ebc.embedding_bag_configs()}
 
 
+def spread_tables(model: TwoEbcModel, world: int, kind: str = "pgas_table_wise") -> Dict[str, str]:
+    """A table-wise ``kind`` with the tables round-robin over the ranks (with W=3, rank 2 owns fewer)."""
+    return {t: f"{kind}@{i % world}" for i, t in enumerate(all_tables(model, kind))}
+
+
 def shard_metadata(sd: Dict[str, Any]) -> Dict[str, Any]:
     """Per state_dict key: global size and every shard's offsets, sizes and placement."""
     out = {}

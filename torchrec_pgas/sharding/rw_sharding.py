@@ -21,6 +21,7 @@ lookup module; the output dist has nothing left to move.
 from typing import Dict, List, Optional
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
@@ -58,6 +59,7 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
         if self._device.type == "meta":
             return
         tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]
+        fused = sharding_infos[0].fused_params or {}
         feature_tables = [t.name for t in tables for _ in t.feature_names]
         # Allocation is collective and DMP shards in the same order on every rank.
         PgasRwPooledEmbeddingSharding._instances += 1
@@ -72,5 +74,6 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             feature_is_mean=[t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
             is_weighted=any(t.is_weighted for t in tables),
             config=pgas_config or PgasConfig(),
-            bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
+            bounds_check_mode=bounds_check_mode_from_fused_params(fused),
+            out_dtype=SparseType(fused.get("output_dtype", SparseType.FP32)).as_dtype(),
         )

@@ -1,4 +1,9 @@
-"""The stages of one ``pgas_table_wise`` step (the ``shm`` CPU backend so far).
+"""The stages of one ``pgas_table_wise`` step: ``HostTwPipeline`` on the ``shm`` CPU backend.
+
+On CUDA the fused kernels of ``DevicePipeline`` run it as the one-owner case
+of row-wise (``device_pipeline.py``): the same three stages, the owner's lookup
+writing each pooled vector at its final column of the requester's output.
+
 
 Table t lives whole on its owner. One step, for W ranks with the F features of
 this sharding (TorchRec's TW orders them rank by rank, so the features of owner
@@ -23,11 +28,13 @@ from typing import Any, List, Sequence
 
 import torch
 from torch import nn
+from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.common import PgasPipeline, PoolFn, no_backward
-from torchrec_pgas.types import PGAS_TABLE_WISE, PgasError
+from torchrec_pgas.sharding.device_pipeline import MEAN_NONE, MEAN_OWNER, DevicePipeline, FeatureOwners
+from torchrec_pgas.types import PGAS_TABLE_WISE
 
 
 class HostTwPipeline(PgasPipeline):
@@ -88,14 +95,27 @@ class HostTwPipeline(PgasPipeline):
         return no_backward(out, self.kind)
 
 
-def make_tw_pipeline(device: torch.device, feature_hash_sizes: List[int], dim_sum_per_rank: List[int],
-                     **kwargs: Any) -> PgasPipeline:
-    """The runtime-API path (shm). The fused GPU kernels are not written yet."""
-    if device.type == "cuda":
-        raise PgasError(
-            "pgas_table_wise runs on the shm (CPU) backend only so far; its fused GPU kernels are not "
-            "written yet. Shard these tables with 'table_wise' or 'pgas_row_wise' on GPUs."
-        )
-    return HostTwPipeline(device=device, feature_hash_sizes=feature_hash_sizes, dim_sum_per_rank=dim_sum_per_rank,
-                          kind=PGAS_TABLE_WISE, shard_rows=feature_hash_sizes,
-                          block_dim_sum=max(dim_sum_per_rank, default=0), **kwargs)
+def make_tw_pipeline(device: torch.device, env: ShardingEnv, feature_hash_sizes: List[int],
+                     feature_dims: List[int], feature_is_mean: List[bool], features_per_rank: List[int],
+                     dim_sum_per_rank: List[int], out_dtype: torch.dtype, **kwargs: Any) -> PgasPipeline:
+    """Fused kernels on CUDA (nvshmem backend), the runtime-API path on CPU (shm).
+
+    Both keep whole tables (``shard_rows`` = hash sizes). The host path's output
+    blocks hold the owner's columns only, the kernels' the full ``[B, D]`` row
+    (each owner writes its columns in place, the finalize copies them out).
+    """
+    common = dict(device=device, env=env, feature_hash_sizes=feature_hash_sizes, feature_dims=feature_dims,
+                  feature_is_mean=feature_is_mean, kind=PGAS_TABLE_WISE, shard_rows=feature_hash_sizes,
+                  out_dtype=out_dtype, **kwargs)
+    if device.type != "cuda":
+        return HostTwPipeline(features_per_rank=features_per_rank, dim_sum_per_rank=dim_sum_per_rank,
+                              block_dim_sum=max(dim_sum_per_rank, default=0), **common)
+    first = list(itertools.accumulate([0] + features_per_rank))
+    owners = FeatureOwners(
+        base=[d for d, n in enumerate(features_per_rank) for _ in range(n)],
+        count=1,
+        mean=[MEAN_OWNER if m else MEAN_NONE for m in feature_is_mean],
+        lookup=(first[env.rank], first[env.rank + 1]),
+        variable_batch=True,
+    )
+    return DevicePipeline(owners=owners, block_dim_sum=sum(feature_dims), **common)

@@ -17,6 +17,7 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
+from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin
 from torchrec_pgas.sharding.tw_pipeline import make_tw_pipeline
@@ -58,7 +59,7 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             feature_tables=[t.name for t in tables for _ in t.feature_names],
             feature_hash_sizes=[t.num_embeddings for t in tables for _ in t.feature_names],
             feature_dims=[t.embedding_dim for t in tables for _ in t.feature_names],
-            feature_is_mean=[False for t in tables for _ in t.feature_names],  # the owner's TBE averages
+            feature_is_mean=[t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
             is_weighted=any(t.is_weighted for t in tables),
             config=pgas_config or PgasConfig(),
             bounds_check_mode=bounds_check_mode_from_fused_params(fused),
