@@ -175,7 +175,7 @@ def _differential(rank: int, world: int, seeds: List[int]) -> int:
         try:
             compare_with_stock(
                 model, types, batches, dist.group.WORLD, _device(rank),
-                PgasConfig(max_local_batch_size=64, avg_pooling_capacity=40),
+                PgasConfig(max_local_batch_size=64, avg_pooling_capacity=40, wait_timeout_s=20),
                 fused_params=shape["fused_params"], tol=shape["tol"],
             )
         except Exception as e:
@@ -235,7 +235,7 @@ def _bad_id(rank: int, world: int, kind: str) -> Dict[str, Any]:
     model = default_model()
     dev = _device(rank)
     types = _types(model, kind, world)
-    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8))
+    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8, wait_timeout_s=20))
     stock = shard(model, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, dev, stock=True)
     before = {k: v.local_shards()[0].tensor.clone() for k, v in pgas.state_dict().items()}
     gen = seeded(rank)
@@ -382,7 +382,8 @@ def _comm_trace(rank: int, world: int, kind: str) -> Dict[str, Any]:
 
     model = default_model()
     dev = _device(rank)
-    pgas = shard(model, _types(model, kind, world), dist.group.WORLD, dev, PgasConfig(max_local_batch_size=16))
+    pgas = shard(model, _types(model, kind, world), dist.group.WORLD, dev,
+                 PgasConfig(max_local_batch_size=16, wait_timeout_s=20))
     (pipe,) = [lk._pipeline for lk in pgas_lookups(pgas) if "tf0" in lk._pipeline.feature_names]
     gen = seeded(rank)
     tables = model.ebc.embedding_bag_configs()
