@@ -84,44 +84,44 @@ if has profile; then
     "$OUT/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
 fi
 
-# Scaling first: on the larger (more often reclaimed) machines it is what the call is for.
-if has scaling; then
-  # The 1-GPU TBE reference runs once (in the 1-GPU pass); graphs are timed at every size.
-  for n in $(seq 1 "$PGAS_TEST_WORLD"); do
-    for pair in rw tw; do
-      extra=(--no-single-gpu)
-      [ "$n" = 1 ] && [ "$pair" = rw ] && extra=()
-      bench "$n" "scaling-$pair-$n" --pair "$pair" --preset s000-weak --preset s000-strong \
-        --steps "${SCALING_STEPS:-50}" "${extra[@]}"
-    done
-  done
-  # One results file for the plots: every world size's rows.
-  "$PY" - "$OUT" <<'PYEOF'
-import glob, json, os, sys
-out = sys.argv[1]
-files = sorted(glob.glob(os.path.join(out, "scaling-*", "results.json")))
-runs = [json.load(open(f)) for f in files]
-merged = {"meta": {**runs[0]["meta"], "runs": [r["meta"] for r in runs]},
-          "rows": [row for r in runs for row in r["rows"]],
-          "single_gpu": [s for r in runs for s in r.get("single_gpu", [])]}
-os.makedirs(os.path.join(out, "scaling"), exist_ok=True)
-json.dump(merged, open(os.path.join(out, "scaling", "results.json"), "w"), indent=1)
-for f in files:
-    os.remove(f)
-    os.rmdir(os.path.dirname(f))
-print(f"merged {len(files)} runs, {len(merged['rows'])} rows")
-PYEOF
-fi
-
 if has tests || has quick-tests; then
   TESTS=(tests/test_gpu.py tests/test_tw_sharding.py -m gpu)
   has quick-tests && TESTS+=(-k "out_of_range or mismatch or ignore or graph or bit_exact or comm")
+  [ -n "${TEST_K:-}" ] && TESTS+=(-k "$TEST_K")  # e.g. TEST_K="table_wise or comm"
   log "GPU tests at world size $PGAS_TEST_WORLD"
   # Per-test limits (tests use short PGAS wait timeouts), so a stuck test still leaves its traceback.
   timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning --tb=short \
     --timeout "${PER_TEST_TIMEOUT:-150}" "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30 | tee -a "$OUT/summary.txt"
+fi
+
+if has scaling; then
+  # Largest world first (what the call is for, if time runs short); the 1-GPU TBE reference runs
+  # once, in the 1-GPU pass; graphs are timed at every size. Each run's rows are merged into
+  # $OUT/scaling/results.json as soon as it ends (a call brings back at most 8 files).
+  for n in $(seq "$PGAS_TEST_WORLD" -1 1); do
+    for pair in rw tw; do
+      extra=(--no-single-gpu)
+      [ "$n" = 1 ] && [ "$pair" = rw ] && extra=()
+      bench "$n" "scaling-$pair-$n" --pair "$pair" --preset s000-weak --preset s000-strong \
+        --steps "${SCALING_STEPS:-50}" "${extra[@]}"
+      "$PY" - "$OUT" "scaling-$pair-$n" <<'PYEOF'
+import json, os, shutil, sys
+out, run = sys.argv[1], sys.argv[2]
+src, dst = os.path.join(out, run, "results.json"), os.path.join(out, "scaling", "results.json")
+if os.path.exists(src):
+    new = json.load(open(src))
+    merged = json.load(open(dst)) if os.path.exists(dst) else {"meta": new["meta"], "rows": [], "single_gpu": []}
+    merged["meta"].setdefault("runs", []).append(new["meta"])
+    merged["rows"] += new["rows"]
+    merged["single_gpu"] += new.get("single_gpu", [])
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    json.dump(merged, open(dst, "w"), indent=1)
+shutil.rmtree(os.path.join(out, run), ignore_errors=True)
+PYEOF
+    done
+  done
 fi
 
 [ $# -eq 0 ] && [ "$FULL" = 1 ] && set -- "${FULL_PRESETS[@]}"
