@@ -32,6 +32,9 @@ P50 = {"stock eager": "stock_p50_ms", "pgas eager": "pgas_p50_ms", "pgas graph":
 ROOFLINE = {"stock eager": "roofline_stock", "pgas eager": "roofline_pgas", "pgas graph": "roofline_graph"}
 # PGAS over NCCL on 2 GPUs, as the paper reports it for its weak- and strong-scaling runs.
 PAPER_SPEEDUP = {"s000-weak": 2.10, "s000-strong": 2.95}
+# The same at 2, 3 and 4 GPUs (its 4x V100 runs).
+PAPER_SPEEDUP_BY_WORLD = {"s000-weak": {2: 2.10, 3: 1.95, 4: 1.87}, "s000-strong": {2: 2.95, 3: 2.55, 4: 2.44}}
+PAIR_STYLE = {"rw": "-", "tw": "--"}
 
 
 def _times(x: float) -> str:
@@ -215,6 +218,44 @@ def scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optiona
     return fig
 
 
+def world_scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optional[Figure]:
+    """Weak and strong scaling over world sizes (a merged ``gpu_check.sh scaling`` run): p50 of both
+    sides of each pair against the 1-GPU TBE, and PGAS over its stock twin next to the paper's."""
+    presets = [p for p in PAPER_SPEEDUP_BY_WORLD if len({r["world_size"] for r in rows if r["preset"] == p}) > 1]
+    if not presets:
+        return None
+    fig = _figure(meta, "scaling with the number of GPUs (eager p50)", (6.5 * len(presets), 9))
+    axes = fig.subplots(2, len(presets), squeeze=False)
+    for col, preset in enumerate(presets):
+        top, bottom = axes[0][col], axes[1][col]
+        mine = [r for r in rows if r["preset"] == preset]
+        for pair in sorted({"rw" if r["stock"] == "row_wise" else "tw" for r in mine}):
+            runs = sorted((r for r in mine if (r["stock"] == "row_wise") == (pair == "rw")), key=lambda r: r["world_size"])
+            gpus = [r["world_size"] for r in runs]
+            ls = PAIR_STYLE[pair]
+            top.plot(gpus, [r["stock_p50_ms"] for r in runs], ls, marker="o", color=COLORS["stock eager"],
+                     label=runs[0]["stock"])
+            top.plot(gpus, [r["pgas_p50_ms"] for r in runs], ls, marker="o", color=COLORS["pgas eager"],
+                     label=runs[0]["pgas"])
+            bottom.plot(gpus, [r["stock_p50_ms"] / r["pgas_p50_ms"] for r in runs], ls, marker="o",
+                        color=COLORS["pgas eager"], label=f"{runs[0]['pgas']} / {runs[0]['stock']}")
+        for s in single:
+            if s["preset"] == preset:
+                top.axhline(s["p50_ms"], color=COLORS["1-GPU TBE"], lw=1, label="1-GPU TBE (the whole job)")
+        paper = PAPER_SPEEDUP_BY_WORLD[preset]
+        bottom.plot(list(paper), list(paper.values()), ":", marker="s", color="k", label="paper, 4x V100")
+        bottom.axhline(1.0, color="k", lw=0.5)
+        top.set_title(preset, fontsize=10)
+        top.set_ylabel("p50 (ms)")
+        bottom.set_ylabel("PGAS over NCCL")
+        for ax in (top, bottom):
+            ax.set_xlabel("GPUs")
+            ax.set_xticks(sorted({r["world_size"] for r in mine}))
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    return fig
+
+
 def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     """Achieved fraction of the bandwidth floor, against the floor itself (GPU runs only:
     a CPU run measures no bandwidths, so its rows have no floor)."""
@@ -293,6 +334,8 @@ def make_plots(results_dir: str) -> List[str]:
     with open(os.path.join(results_dir, "results.json")) as f:
         results = json.load(f)
     meta, rows = results["meta"], results["rows"]
+    for r in rows:  # older result files name the world size in their meta only
+        r.setdefault("world_size", meta["world_size"])
     validation: List[Dict[str, str]] = []
     if os.path.exists(os.path.join(results_dir, "planner_validation.csv")):
         with open(os.path.join(results_dir, "planner_validation.csv"), newline="") as f:
@@ -301,7 +344,8 @@ def make_plots(results_dir: str) -> List[str]:
         "speedup_heatmap": speedup_heatmap(meta, rows),
         "crossover": crossover(meta, rows),
         "stages": stages(meta, rows),
-        "scaling": scaling(meta, rows, results.get("single_gpu", [])),
+        "scaling": scaling(meta, rows, results.get("single_gpu", [])) if isinstance(meta["world_size"], int) else None,
+        "world_scaling": world_scaling(meta, rows, results.get("single_gpu", [])),
         "roofline": roofline(meta, rows),
         "planner_scatter": planner_scatter(meta, validation),
         "comm_timeline": comm_timeline(meta, rows),

@@ -411,7 +411,9 @@ def _comm_trace(rank: int, world: int, kind: str) -> Dict[str, Any]:
     # each remote rank holding rows of the bag's table; pooled rows (fp32) to each remote requester.
     f_lo, f_hi = pipe._lookup
     ids = kjt.values()
-    feats = torch.repeat_interleave(torch.arange(len(kjt.keys()), device=dev), kjt.lengths().view(len(kjt.keys()), -1).sum(1))
+    # Each id's feature, as an index into the sharding's feature order (not the KJT's key order).
+    order = torch.tensor([pipe.feature_names.index(k) for k in kjt.keys()], device=dev)
+    feats = torch.repeat_interleave(order, kjt.lengths().view(len(kjt.keys()), -1).sum(1))
     bags = 16
     if kind == PGAS_TABLE_WISE:
         owner = [r for r, (lo, hi) in enumerate(_all_gather_range(pipe._lookup, world)) for _ in range(hi - lo)]

@@ -66,3 +66,17 @@ def test_make_plots_skips_missing_data(tmp_path: Any) -> None:
     meta = {**META, "hbm_gbps": None, "p2p_gbps": None}
     _write(str(tmp_path), {"meta": meta, "rows": [row], "single_gpu": []})
     assert [os.path.basename(p) for p in make_plots(str(tmp_path))] == ["crossover.png", "stages.png"]
+
+
+def test_world_scaling_from_a_merged_scaling_run(tmp_path: Any) -> None:
+    """gpu_check.sh scaling merges runs of several world sizes; the per-world figure replaces `scaling`."""
+    rows = []
+    for world in (1, 2, 4):
+        for stock, pgas in (("row_wise", "pgas_row_wise"), ("table_wise", "pgas_table_wise")):
+            row = _row("s000-weak", 64 * world, 16384 // world, 128, 4.0 + world, 3.0 + world / 2)
+            row.update(world_size=world, stock=stock, pgas=pgas)
+            rows.append(row)
+    single = [{"preset": "s000-weak", "tables": 64, "batch": 16384, "p50_ms": 5.0, "p90_ms": 5.1}]
+    _write(str(tmp_path), {"meta": {**META, "world_size": "1-4"}, "rows": rows, "single_gpu": single})
+    names = [os.path.basename(p) for p in make_plots(str(tmp_path))]
+    assert "world_scaling.png" in names and "scaling.png" not in names
