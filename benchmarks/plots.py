@@ -10,6 +10,7 @@ folder carries its own pictures. A figure whose data the run did not produce
 
 import argparse
 import csv
+import glob
 import itertools
 import json
 import math
@@ -287,12 +288,13 @@ def planner_scatter(meta: Dict[str, Any], validation: List[Dict[str, str]]) -> O
         return None
     fig = _figure(meta, "planner cost model: leave-one-out predicted vs measured step", (7, 6))
     ax = fig.subplots()
-    series = {("nccl_rw", "eager"): "stock eager", ("pgas_rw", "eager"): "pgas eager", ("pgas_rw", "graph"): "pgas graph"}
-    for (backend, mode), name in series.items():
-        pts = [(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation
-               if v["backend"] == backend and v["mode"] == mode]
-        if pts:
-            ax.scatter(*zip(*pts), color=COLORS[name], s=14, label=name)
+    series = {("nccl", "eager"): "stock eager", ("pgas", "eager"): "pgas eager", ("pgas", "graph"): "pgas graph"}
+    for (side, mode), name in series.items():
+        for family, marker in (("rw", "o"), ("tw", "x")):  # row-wise and table-wise backends
+            pts = [(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation
+                   if v["backend"] == f"{side}_{family}" and v["mode"] == mode]
+            if pts:
+                ax.scatter(*zip(*pts), color=COLORS[name], marker=marker, s=14, label=f"{name} ({family})")
     lo = min(min(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation) / 1.5
     hi = max(max(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation) * 1.5
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="exact")
@@ -330,16 +332,28 @@ def comm_timeline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
 
 
 def make_plots(results_dir: str) -> List[str]:
-    """Write every figure the results support into ``results_dir``; returns their paths."""
+    """Write every figure the results support into ``results_dir``; returns their paths. A folder of one
+    run per pair (``rw/``, ``tw/``, each with its results.json) gets each run's figures in its subfolder
+    and the planner's (fitted on both) next to them."""
+    if not os.path.exists(os.path.join(results_dir, "results.json")):
+        subdirs = sorted(d for d in glob.glob(os.path.join(results_dir, "*")) if os.path.exists(
+            os.path.join(d, "results.json")))
+        if not subdirs:
+            raise FileNotFoundError(f"no results.json in {results_dir} or its subfolders")
+        paths = [p for d in subdirs for p in make_plots(d)]
+        with open(os.path.join(subdirs[0], "results.json")) as f:
+            meta = json.load(f)["meta"]
+        fig = planner_scatter(meta, _validation(results_dir))
+        if fig is not None:
+            paths.append(os.path.join(results_dir, "planner_scatter.png"))
+            fig.savefig(paths[-1], dpi=120)
+        return paths
     with open(os.path.join(results_dir, "results.json")) as f:
         results = json.load(f)
     meta, rows = results["meta"], results["rows"]
     for r in rows:  # older result files name the world size in their meta only
         r.setdefault("world_size", meta["world_size"])
-    validation: List[Dict[str, str]] = []
-    if os.path.exists(os.path.join(results_dir, "planner_validation.csv")):
-        with open(os.path.join(results_dir, "planner_validation.csv"), newline="") as f:
-            validation = list(csv.DictReader(f))
+    validation = _validation(results_dir)
     figures = {
         "speedup_heatmap": speedup_heatmap(meta, rows),
         "crossover": crossover(meta, rows),
@@ -357,6 +371,15 @@ def make_plots(results_dir: str) -> List[str]:
             fig.savefig(path, dpi=120)
             paths.append(path)
     return paths
+
+
+def _validation(results_dir: str) -> List[Dict[str, str]]:
+    """``planner_validation.csv`` of ``calibrate --validate``, if the folder has one."""
+    path = os.path.join(results_dir, "planner_validation.csv")
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def main() -> None:

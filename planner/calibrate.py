@@ -1,16 +1,19 @@
-"""Fit a hardware profile from a ``benchmarks.embedding`` run, and show how well it predicts that run.
+"""Fit a hardware profile from ``benchmarks.embedding`` runs, and show how well it predicts them.
 
-    # on the device, one command from a repo checkout: measure (s004 + s000 cover latency- and
-    # bandwidth-bound steps, about 2 minutes on 2 GPUs), fit, check out of sample
+    # on the device, one command from a repo checkout: measure both pairs (row_wise vs pgas_row_wise,
+    # table_wise vs pgas_table_wise; s004 + s000 cover latency- and bandwidth-bound steps, about
+    # 2 minutes each on 2 GPUs), fit the four backends, check out of sample
     python -m torchrec_pgas.planner.calibrate --measure 2 -o profile.json --validate s004
     # or in two steps: the measurements (any presets), then the fit anywhere
-    torchrun --nproc_per_node=2 -m benchmarks.embedding --preset s004 --preset s000-weak --preset s000-strong
-    python -m torchrec_pgas.planner.calibrate benchmarks/results/<folder>/results.json -o profile.json
+    torchrun --nproc_per_node=2 -m benchmarks.embedding --pair rw --preset s004 --preset s000-weak
+    torchrun --nproc_per_node=2 -m benchmarks.embedding --pair tw --preset s004 --preset s000-weak
+    python -m torchrec_pgas.planner.calibrate <rw results.json> <tw results.json> -o profile.json
     # out of sample: each s004 config predicted by a fit on all the others, and the planner's regret
-    python -m torchrec_pgas.planner.calibrate <results.json> -o profile.json --validate s004 --csv planner.csv
+    python -m torchrec_pgas.planner.calibrate <results.json>... -o profile.json --validate s004 --csv planner.csv
 
-Uniform-id rows only (the model has no skew term). NCCL has no graph mode (stock TorchRec cannot be
-captured), so its graph coefficients are its eager ones; so are PGAS's when the run captured no graphs (CPU).
+A results file of one pair fits that pair's two backends. Uniform-id rows only (the model has no skew
+term). NCCL has no graph mode (stock TorchRec cannot be captured), so its graph coefficients are its eager
+ones; so are PGAS's when the run captured no graphs (CPU).
 """
 
 import argparse
@@ -25,7 +28,11 @@ from typing import Any, Dict, List, Tuple
 
 from torchrec_pgas.planner.cost_model import (
     NCCL_RW,
+    NCCL_TW,
     PGAS_RW,
+    PGAS_TW,
+    STOCK,
+    TABLE_WISE,
     CostModel,
     HardwareProfile,
     TableLoad,
@@ -33,9 +40,16 @@ from torchrec_pgas.planner.cost_model import (
     table_bytes,
 )
 
-# (backend, mode) -> the result column it is fitted to
-COLUMNS = {(NCCL_RW, "eager"): "stock_p50_ms", (PGAS_RW, "eager"): "pgas_p50_ms",
-           (PGAS_RW, "graph"): "pgas_graph_p50_ms"}
+# A benchmark pair's (stock, PGAS) backends, by the row's stock sharding type.
+PAIR_BACKENDS = {"row_wise": (NCCL_RW, PGAS_RW), "table_wise": (NCCL_TW, PGAS_TW)}
+# mode -> the result columns of the pair's (stock, PGAS) side
+COLUMNS = {"eager": ("stock_p50_ms", "pgas_p50_ms"), "graph": (None, "pgas_graph_p50_ms")}
+
+
+def row_columns(row: Dict[str, Any]) -> Dict[Tuple[str, str], str]:
+    """(backend, mode) -> the column of ``row`` that measured it."""
+    backends = PAIR_BACKENDS[row.get("stock", "row_wise")]
+    return {(b, mode): col for mode, cols in COLUMNS.items() for b, col in zip(backends, cols) if col}
 
 
 def workload_tables(row: Dict[str, Any]) -> List[TableLoad]:
@@ -44,28 +58,38 @@ def workload_tables(row: Dict[str, Any]) -> List[TableLoad]:
     return [TableLoad(f"t{i}", row["rows"], row["dim"], [mean]) for i in range(row["tables"])]
 
 
-def samples(rows: List[Dict[str, Any]], backend: str, column: str) -> List[Dict[str, float]]:
+def step_tables(row: Dict[str, Any], backend: str) -> List[TableLoad]:
+    """The tables one rank pays for: all of them (RW), or the busiest owner's under the benchmark's
+    round-robin placement (TW, rank 0: tables 0, W, 2W, ...)."""
+    tables = workload_tables(row)
+    return tables[:: row["world_size"]] if backend in TABLE_WISE else tables
+
+
+def samples(rows: List[Dict[str, Any]], backend: str, mode: str) -> List[Dict[str, float]]:
     out = []
     for r in rows:
-        if r["ids"] != "uniform" or r.get(column) is None:
+        column = row_columns(r).get((backend, mode))
+        if r["ids"] != "uniform" or column is None or r.get(column) is None:
             continue
-        byts = [table_bytes(t, r["batch_per_gpu"], r["world_size"], backend) for t in workload_tables(r)]
+        byts = [table_bytes(t, r["batch_per_gpu"], r["world_size"], backend) for t in step_tables(r, backend)]
         out.append({"hbm": sum(b.hbm for b in byts), "wire": sum(b.wire for b in byts),
                     "local": sum(b.local for b in byts), "ms": r[column]})
     return out
 
 
 def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
+    """One coefficient set per (backend, mode) the rows measured; both backends of each pair present."""
     rows, meta = results["rows"], results["meta"]
     coeffs: Dict[str, Dict[str, Any]] = {"eager": {}, "graph": {}}
-    for (backend, mode), column in COLUMNS.items():
-        found = samples(rows, backend, column)
-        if found:
-            coeffs[mode][backend] = fit_coefficients(found)
-        elif mode == "eager":
-            raise ValueError(f"no uniform-id rows with {column} to fit {backend} on")
-    # Stock TorchRec has no graph mode, and a CPU run captures no graphs: eager stands in.
-    for backend in (NCCL_RW, PGAS_RW):
+    pairs = [PAIR_BACKENDS[s] for s in sorted({r.get("stock", "row_wise") for r in rows})]
+    for backend in (b for pair in pairs for b in pair):
+        for mode in COLUMNS:
+            found = samples(rows, backend, mode)
+            if found:
+                coeffs[mode][backend] = fit_coefficients(found)
+            elif mode == "eager":
+                raise ValueError(f"no uniform-id rows to fit {backend} on")
+        # Stock TorchRec has no graph mode, and a CPU run captures no graphs: eager stands in.
         coeffs["graph"].setdefault(backend, coeffs["eager"][backend])
     source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
               f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']})")
@@ -79,7 +103,7 @@ def prediction_table(profile: HardwareProfile, results: Dict[str, Any]) -> Tuple
     for r in results["rows"]:
         if r["ids"] != "uniform":
             continue
-        for (backend, mode), column in COLUMNS.items():
+        for (backend, mode), column in row_columns(r).items():
             if r.get(column) is None:
                 continue
             model = CostModel(profile, r["world_size"], r["batch_per_gpu"], mode)
@@ -92,33 +116,38 @@ def prediction_table(profile: HardwareProfile, results: Dict[str, Any]) -> Tuple
 
 
 def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
-    """Out-of-sample check of the model and of the choice it makes, on every uniform row of ``preset``.
+    """Out-of-sample check of the model and of the choice it makes, on every uniform workload of ``preset``.
 
-    Leave-one-out: each row is predicted by a profile fitted on all the other rows, so no row predicts
-    itself. Per mode, the choice is the backend with the lower predicted step; its regret is how much
-    slower the chosen backend measured than the measured faster one. In graph mode NCCL is priced (and
-    measured) eager: stock TorchRec cannot be captured.
+    Leave-one-out: each workload (its rows of every pair) is predicted by a profile fitted on all the
+    other workloads, so no row predicts itself. Per mode, the choice is the backend (of the two or four
+    measured) with the lowest predicted step; its regret is how much slower the chosen backend measured
+    than the measured fastest one. In graph mode NCCL is priced (and measured) eager: stock TorchRec
+    cannot be captured.
     """
     rows = [r for r in results["rows"] if r["ids"] == "uniform"]
-    if not any(r["preset"] == preset for r in rows):
+    names = list(dict.fromkeys(r["name"] for r in rows if r["preset"] == preset))
+    if not names:
         raise ValueError(f"no uniform-id rows of preset '{preset}' to validate on")
     out: List[Dict[str, Any]] = []
-    for i, r in enumerate(rows):
-        if r["preset"] != preset:
-            continue
-        profile = fit({**results, "rows": rows[:i] + rows[i + 1:]}, f"loo-{i}")
-        for mode in ("eager", "graph"):
-            if r[COLUMNS[(PGAS_RW, mode)]] is None:
+    for name in names:
+        mine = [r for r in rows if r["preset"] == preset and r["name"] == name]
+        profile = fit({**results, "rows": [r for r in rows if r not in mine]}, f"loo-{name}")
+        for mode in COLUMNS:
+            measured: Dict[str, float] = {}
+            for r in mine:
+                for (b, m), column in row_columns(r).items():
+                    if r.get(column) is not None and m in (mode, "eager") and (m == mode or b in STOCK):
+                        measured[b] = r[column]
+            if not any(b not in STOCK for b in measured):
                 continue  # no graph captured (a CPU run, or --no-graph)
-            measured = {NCCL_RW: r["stock_p50_ms"], PGAS_RW: r[COLUMNS[(PGAS_RW, mode)]]}
-            model = CostModel(profile, r["world_size"], r["batch_per_gpu"], mode)
-            predicted = {b: model.step_ms(workload_tables(r), b) for b in measured}
-            chosen = min(predicted, key=lambda b: (predicted[b], b != NCCL_RW))
+            model = CostModel(profile, mine[0]["world_size"], mine[0]["batch_per_gpu"], mode)
+            predicted = {b: model.step_ms(workload_tables(mine[0]), b) for b in measured}
+            chosen = min(predicted, key=lambda b: (predicted[b], b not in STOCK))
             regret = measured[chosen] / min(measured.values()) - 1
             for b in measured:
-                if mode == "graph" and b == NCCL_RW:
+                if mode == "graph" and b in STOCK:
                     continue  # the eager row already has it
-                out.append({"workload": r["name"], "mode": mode, "backend": b, "measured_ms": measured[b],
+                out.append({"workload": name, "mode": mode, "backend": b, "measured_ms": measured[b],
                             "predicted_ms": predicted[b], "error": predicted[b] / measured[b] - 1,
                             "chosen": chosen, "regret": regret})
     choices = {(v["workload"], v["mode"]): v["regret"] for v in out}
@@ -131,8 +160,16 @@ def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]]
 DEFAULT_PRESETS = ["s004", "s000-weak", "s000-strong"]
 
 
-def measure(nproc: int, out_dir: str, bench_args: List[str]) -> str:
-    """Run ``benchmarks.embedding`` on ``nproc`` local processes (one per GPU); returns its results.json."""
+def merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Several results files (e.g. one per pair) as one: their rows, the first's meta, every preset."""
+    meta = dict(runs[0]["meta"])
+    meta["presets"] = list(dict.fromkeys(p for r in runs for p in r["meta"]["presets"]))
+    return {"meta": meta, "rows": [row for r in runs for row in r["rows"]]}
+
+
+def measure(nproc: int, out_dir: str, bench_args: List[str]) -> List[str]:
+    """Run ``benchmarks.embedding`` for both pairs on ``nproc`` local processes (one per GPU); returns
+    the two results.json."""
     try:
         found = importlib.util.find_spec("benchmarks.embedding") is not None
     except ModuleNotFoundError:
@@ -142,14 +179,20 @@ def measure(nproc: int, out_dir: str, bench_args: List[str]) -> str:
     if "--out" in bench_args:
         raise SystemExit("--measure writes the benchmark results next to -o; leave --out out")
     args = bench_args or [a for p in DEFAULT_PRESETS for a in ("--preset", p)]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "-m", "benchmarks.embedding", "--out", out_dir, *args], check=True)
-    return os.path.join(out_dir, "results.json")
+    if "--pair" in args:
+        raise SystemExit("--measure runs both pairs (rw, tw); leave --pair out")
+    paths = []
+    for pair in ("rw", "tw"):
+        out = os.path.join(out_dir, pair)
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                        "-m", "benchmarks.embedding", "--pair", pair, "--out", out, *args], check=True)
+        paths.append(os.path.join(out, "results.json"))
+    return paths
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="?", help="results.json of benchmarks.embedding (not with --measure)")
+    parser.add_argument("results", nargs="*", help="results.json files of benchmarks.embedding (not with --measure)")
     parser.add_argument("--measure", type=int, metavar="NPROC",
                         help="first run the benchmark on NPROC local GPUs; its results go next to -o")
     parser.epilog = ("Arguments after -- go to benchmarks.embedding with --measure (default: the presets "
@@ -161,14 +204,17 @@ def main() -> None:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, bench_args = parser.parse_args(argv[:cut]), argv[cut + 1:]
-    if (args.results is None) == (args.measure is None):
-        parser.error("give a results.json or --measure NPROC")
+    if bool(args.results) == (args.measure is not None):
+        parser.error("give results.json files or --measure NPROC")
     if bench_args and args.measure is None:
         parser.error("benchmark arguments after -- need --measure")
     if args.measure is not None:
         args.results = measure(args.measure, os.path.splitext(args.out)[0] + "_results", bench_args)
-    with open(args.results) as f:
-        results = json.load(f)
+    runs = []
+    for path in args.results:
+        with open(path) as f:
+            runs.append(json.load(f))
+    results = merge(runs)
     profile = fit(results, args.name)
     with open(args.out, "w") as f:
         json.dump(profile.to_json(), f, indent=1)

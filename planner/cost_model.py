@@ -12,6 +12,11 @@ with one coefficient set per backend and timing mode, fitted from ``benchmarks.e
 (``python -m torchrec_pgas.planner.calibrate``). Byte counts come from the table config, the per-rank
 batch, the mean pooling factors and the world size; they are the same formulas the benchmark's roofline
 uses. Intra-node NVLink only (PGAS needs load/store-reachable peers).
+
+Four backends: row-wise (every rank holds a block of each table and pays for it every step) and
+table-wise (one owner gathers every rank's bags of the table), each over NCCL (stock TorchRec) or PGAS.
+A table-wise table's bytes are its owner's; a step of table-wise tables costs its busiest rank, with the
+tables placed largest first on the least-loaded rank (what TorchRec's greedy partitioner does).
 """
 
 import dataclasses
@@ -22,9 +27,13 @@ from typing import Dict, List, Optional, Sequence
 
 NCCL_RW = "nccl_rw"
 PGAS_RW = "pgas_rw"
-BACKENDS = (NCCL_RW, PGAS_RW)
+NCCL_TW = "nccl_tw"
+PGAS_TW = "pgas_tw"
+BACKENDS = (NCCL_RW, PGAS_RW, NCCL_TW, PGAS_TW)
+TABLE_WISE = (NCCL_TW, PGAS_TW)
+STOCK = (NCCL_RW, NCCL_TW)  # ties go to the stock path
 # Bytes of one id on the wire: TorchRec's values all-to-all sends int64; PGAS sends int32 local rows.
-ID_BYTES = {NCCL_RW: 8, PGAS_RW: 4}
+ID_BYTES = {NCCL_RW: 8, PGAS_RW: 4, NCCL_TW: 8, PGAS_TW: 4}
 DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "profiles", "h200x2_nvlink.json")
 
 
@@ -47,6 +56,9 @@ class HardwareProfile:
     world_size: int
     source: str  # the command, commit and date that produced the fit
     coefficients: Dict[str, Dict[str, Coefficients]]  # mode -> backend -> coefficients
+
+    def has(self, backend: str, mode: str = "eager") -> bool:
+        return backend in self.coefficients.get(mode, {})
 
     def get(self, backend: str, mode: str) -> Coefficients:
         if mode not in self.coefficients or backend not in self.coefficients[mode]:
@@ -98,11 +110,19 @@ class StepBytes:
 
 
 def table_bytes(t: TableLoad, batch_per_rank: int, world_size: int, backend: str) -> StepBytes:
-    """Per-rank bytes of one table under RW: every rank gathers its 1/W of all W ranks' ids."""
+    """Per-rank bytes of one table. RW: every rank gathers its 1/W of all W ranks' ids, sends the others'
+    ids and its partial pools. TW: the owner's, which gathers all W ranks' bags, receives the others' ids
+    and sends their pooled rows."""
     ids = batch_per_rank * sum(t.pooling)
     bags = batch_per_rank * len(t.pooling)
     remote = (world_size - 1) / world_size
-    out_row = 4 * t.dim  # partial pools are fp32
+    out_row = 4 * t.dim  # pooled rows are fp32
+    if backend in TABLE_WISE:
+        return StepBytes(
+            hbm=world_size * ids * t.dim * t.weight_bytes,
+            wire=(world_size - 1) * (ids * ID_BYTES[backend] + bags * out_row),
+            local=world_size * bags * out_row,
+        )
     return StepBytes(
         hbm=ids * t.dim * t.weight_bytes,
         wire=ids * ID_BYTES[backend] * remote + bags * out_row * (world_size - 1),
@@ -130,21 +150,41 @@ class CostModel:
         return table_bytes(t, self.batch_per_rank, self.world_size, backend).hbm * self.profile.get(
             backend, self.mode).k_hbm
 
+    @property
+    def backends(self) -> List[str]:
+        """The backends this profile prices (older profiles: row-wise only)."""
+        return [b for b in BACKENDS if self.profile.has(b, self.mode)]
+
     def step_ms(self, tables: Sequence[TableLoad], backend: str) -> float:
-        """A step with all of ``tables`` on one backend (0 if there are none)."""
+        """A step with all of ``tables`` on one backend (0 if there are none); table-wise: its busiest rank."""
         if not tables:
             return 0.0
-        return self.profile.get(backend, self.mode).alpha_ms + sum(self.marginal_ms(t, backend) for t in tables)
+        costs = [self.marginal_ms(t, backend) for t in tables]
+        if backend in TABLE_WISE:
+            load = [0.0] * self.world_size
+            for c in sorted(costs, reverse=True):  # largest first onto the least-loaded rank
+                load[load.index(min(load))] += c
+            costs = [max(load)]
+        return self.profile.get(backend, self.mode).alpha_ms + sum(costs)
 
     def table_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
-        """Per-table price for a planner that sums tables: the marginal cost plus an equal share of the
-        fixed cost among the ``num_tables`` tables being planned (exact when all share one backend)."""
+        """Per-table price for a planner that sums tables per rank: the marginal cost (on every rank for
+        RW, on the owner for TW) plus an equal share of the fixed cost among the ``num_tables`` tables."""
         return self.profile.get(backend, self.mode).alpha_ms / max(1, num_tables) + self.marginal_ms(t, backend)
 
+    def contribution_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
+        """What a table adds to the step when tables balance over the ranks: ``table_ms``, with a
+        table-wise owner's cost spread over the W ranks. The per-table comparison of the four backends."""
+        if backend not in TABLE_WISE:
+            return self.table_ms(t, backend, num_tables)
+        alpha = self.profile.get(backend, self.mode).alpha_ms
+        return alpha / max(1, num_tables) + self.marginal_ms(t, backend) / self.world_size
+
     def choose(self, tables: Sequence[TableLoad]) -> Dict[str, str]:
-        """Per table, the backend with the lower price (ties go to NCCL, the stock path)."""
+        """Per table, the backend with the lowest contribution (ties go to the stock path)."""
         n = len(tables)
-        return {t.name: min(BACKENDS, key=lambda b: (self.table_ms(t, b, n), b != NCCL_RW)) for t in tables}
+        return {t.name: min(self.backends, key=lambda b: (self.contribution_ms(t, b, n), b not in STOCK))
+                for t in tables}
 
 
 def fit_coefficients(samples: List[Dict[str, float]]) -> Coefficients:

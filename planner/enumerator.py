@@ -1,4 +1,5 @@
-"""``PgasEnumerator``: TorchRec's enumerator, with ``pgas_row_wise`` priced next to ``row_wise``.
+"""``PgasEnumerator``: TorchRec's enumerator, with ``pgas_row_wise`` and ``pgas_table_wise`` priced next to
+``row_wise`` and ``table_wise``: four options per table.
 
 Use it in place of ``EmbeddingEnumerator``::
 
@@ -8,11 +9,14 @@ Use it in place of ``EmbeddingEnumerator``::
         constraints=constraints, stats=[PgasDecisionStats()])
     plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], pg)
 
-TorchRec cannot compute shard sizes for a sharding type it does not know, so the PGAS type is enumerated
-as its stock twin (same shards, same storage) and cloned. Both are then priced by the cost model
-(``cost_model.py``); the proposers and partitioner pick per table as usual. Other collective sharding
-types (TW, CW, TWRW) keep TorchRec's bandwidth estimates plus NCCL's fixed-cost share, which those
-estimates leave out; data parallel (no forward communication) is unchanged.
+TorchRec cannot compute shard sizes for a sharding type it does not know, so each PGAS type is enumerated
+as its stock twin (same shards, same storage) and cloned. All four are then priced by the cost model
+(``cost_model.py``): a row-wise shard costs every rank the table's per-rank step time, a table-wise shard
+costs its owner the owner's time; the proposers and partitioner pick per table and place the table-wise
+ones as usual. A profile without table-wise coefficients (older calibrations) leaves table-wise to
+TorchRec's estimate and offers no ``pgas_table_wise``. Other collective sharding types (CW, TWRW) keep
+TorchRec's bandwidth estimates plus NCCL's fixed-cost share, which those estimates leave out; data
+parallel (no forward communication) is unchanged.
 ``ParameterConstraints.sharding_types`` still restricts choices, and
 ``backends="pgas"`` / ``"nccl"`` takes one side for every table whose constraints allow both.
 PGAS has no backward pass yet, so ``training=True`` offers no PGAS option.
@@ -40,21 +44,24 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, HardwareProfile, TableLoad, load_profile
-from torchrec_pgas.planner.report import HEADER, decision_row
-from torchrec_pgas.types import PGAS_ROW_WISE
+from torchrec_pgas.planner.cost_model import NCCL_RW, NCCL_TW, PGAS_TW, CostModel, HardwareProfile, TableLoad, load_profile
+from torchrec_pgas.planner.report import HEADER, SHARDING_TYPE, decision_row
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 
 logger = logging.getLogger(__name__)
 ROW_WISE = ShardingType.ROW_WISE.value
-_BACKEND = {ROW_WISE: NCCL_RW, PGAS_ROW_WISE: PGAS_RW}
+TABLE_WISE = ShardingType.TABLE_WISE.value
+PGAS_TWIN = {ROW_WISE: PGAS_ROW_WISE, TABLE_WISE: PGAS_TABLE_WISE}  # stock type -> its PGAS twin
+BACKEND = {t: b for b, t in SHARDING_TYPE.items()}  # sharding type -> cost-model backend
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One row-wise table as the enumerator saw it: its load, and why it may not get both types."""
+    """One table as the enumerator saw it: its load, the types it priced, and why it may not get them all."""
 
     load: TableLoad
-    reason: Optional[str]  # None: both offered and the cost model decides
+    offered: List[str]  # the sharding types priced by the cost model
+    reason: Optional[str]  # None: every priced type allowed, and the cost model decides
 
 
 class PgasEnumerator(EmbeddingEnumerator):
@@ -76,28 +83,39 @@ class PgasEnumerator(EmbeddingEnumerator):
         self.backends = backends
         self.training = training
         self.decisions: List[Decision] = []
-        self._offer: Dict[str, List[str]] = {}  # table -> the RW-family types it may get
-        self._why: Dict[str, str] = {}  # table -> why it may not get both
+        self._offer: Dict[str, List[str]] = {}  # table -> the RW/TW-family types it may get
+        self._why: Dict[str, str] = {}  # table -> why it may not get them all
         self.num_tables = 0  # tables in the last enumeration (each pays 1/num_tables of a fixed cost)
         self._pgas_modules: Set[str] = set()  # sharder keys of the module types the PGAS sharder shards
 
+    def _families(self) -> List[str]:
+        """The stock types whose PGAS twin this profile can price."""
+        return [ROW_WISE] + ([TABLE_WISE] if self.model.profile.has(NCCL_TW, self.model.mode)
+                             and self.model.profile.has(PGAS_TW, self.model.mode) else [])
+
     def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
         allowed = list(allowed_sharding_types)
-        if sharder_key in self._pgas_modules and ROW_WISE in allowed:  # it lists stock types only (see its doc)
-            allowed.append(PGAS_ROW_WISE)
+        families = self._families()
+        if sharder_key in self._pgas_modules:  # it lists stock types only (see its doc)
+            allowed += [PGAS_TWIN[f] for f in families if f in allowed]
         kept = super()._filter_sharding_types(name, allowed, sharder_key)
         # Constraints win over the backend preference; training has no PGAS backward.
-        pgas = PGAS_ROW_WISE in kept and not self.training and (self.backends != "nccl" or ROW_WISE not in kept)
-        stock = ROW_WISE in kept and (self.backends != "pgas" or not pgas)
-        self._offer[name] = [t for t, ok in ((ROW_WISE, stock), (PGAS_ROW_WISE, pgas)) if ok]
-        if PGAS_ROW_WISE in kept and self.training:
-            self._why[name] = "training (no PGAS bwd)"
-        elif PGAS_ROW_WISE in kept and ROW_WISE in kept and self.backends != "auto":
-            self._why[name] = f"backends={self.backends}"
-        elif len(self._offer[name]) == 1:
+        offer: List[str] = []
+        for family in families:
+            twin = PGAS_TWIN[family]
+            pgas = twin in kept and not self.training and (self.backends != "nccl" or family not in kept)
+            stock = family in kept and (self.backends != "pgas" or not pgas)
+            offer += [t for t, ok in ((family, stock), (twin, pgas)) if ok]
+            if twin in kept and self.training:
+                self._why[name] = "training (no PGAS bwd)"
+            elif twin in kept and family in kept and self.backends != "auto":
+                self._why[name] = f"backends={self.backends}"
+        if name not in self._why and 0 < len(offer) < 2 * len(families):
             self._why[name] = "constraints"
-        out = [t for t in kept if t not in (ROW_WISE, PGAS_ROW_WISE)]
-        return out + [ROW_WISE] if self._offer[name] else out
+        self._offer[name] = offer
+        managed = set(families) | {PGAS_TWIN[f] for f in families}
+        # TorchRec enumerates the stock type of each family still offered; its options are cloned.
+        return [t for t in kept if t not in managed] + [f for f in families if {f, PGAS_TWIN[f]} & set(offer)]
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
         # Only the modules the PGAS sharder shards can get PGAS types; reasons are per enumeration.
@@ -109,20 +127,21 @@ class PgasEnumerator(EmbeddingEnumerator):
         out: List[ShardingOption] = []
         loads: Dict[str, TableLoad] = {}
         nccl_share = self.model.profile.get(NCCL_RW, self.model.mode).alpha_ms / max(1, num_tables)
+        families = self._families()
         for o in options:
             offer = self._offer.get(o.name, [])
-            if o.sharding_type == ROW_WISE and o.compute_kernel == EmbeddingComputeKernel.FUSED.value:
+            if o.sharding_type in families and o.compute_kernel == EmbeddingComputeKernel.FUSED.value:
                 # The model prices the HBM-resident fused TBE, which the PGAS kernels read too.
                 load = loads[o.name] = _load(o)
-                for st in offer:
-                    opt = o if st == ROW_WISE else _clone(o, PGAS_ROW_WISE)
+                for st in (t for t in offer if t in (o.sharding_type, PGAS_TWIN[o.sharding_type])):
+                    opt = o if st == o.sharding_type else _clone(o, st)
                     if not self.training:  # training keeps TorchRec's forward + backward estimates
-                        ms = self.model.table_ms(load, _BACKEND[st], num_tables)
-                        _price(opt, compute_ms=self.model.lookup_ms(load, _BACKEND[st]), total_ms=ms)
+                        ms = self.model.table_ms(load, BACKEND[st], num_tables)
+                        _price(opt, compute_ms=self.model.lookup_ms(load, BACKEND[st]), total_ms=ms)
                     out.append(opt)
                 continue
-            if o.sharding_type == ROW_WISE and ROW_WISE not in offer:
-                continue  # a non-fused RW option of a table that may only go PGAS
+            if o.sharding_type in families and o.sharding_type not in offer:
+                continue  # a non-fused option of a family the table may only get as PGAS
             if not self.training and o.sharding_type != ShardingType.DATA_PARALLEL.value:
                 # TW/CW/TWRW and non-fused RW run TorchRec's input and output dists: the same
                 # fixed cost (host syncs, collective latency) its bandwidth-only estimate leaves out.
@@ -130,7 +149,7 @@ class PgasEnumerator(EmbeddingEnumerator):
                     if shard.perf is not None:
                         shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
             out.append(o)
-        self.decisions = [Decision(load, self._why.get(name)) for name, load in loads.items()]
+        self.decisions = [Decision(load, self._offer[name], self._why.get(name)) for name, load in loads.items()]
         return out
 
 
@@ -148,7 +167,8 @@ def _clone(o: ShardingOption, sharding_type: str) -> ShardingOption:
 
 
 def _price(o: ShardingOption, compute_ms: float, total_ms: float) -> None:
-    """Every RW shard costs its rank the table's per-rank step time (inference: no backward)."""
+    """Every shard costs its rank the table's time on that rank (RW: each rank; TW: the owner's;
+    inference: no backward)."""
     for s in o.shards:
         s.perf = Perf(fwd_compute=compute_ms, fwd_comms=total_ms - compute_ms, bwd_compute=0.0, bwd_comms=0.0)
 
@@ -169,5 +189,6 @@ class PgasDecisionStats(Stats):
         if not isinstance(enumerator, PgasEnumerator):
             return
         self.lines = [HEADER] + [decision_row(enumerator.model, d.load, enumerator.num_tables,
-                                              chosen.get(d.load.name, "?"), d.reason) for d in enumerator.decisions]
+                                              chosen.get(d.load.name, "?"), d.reason,
+                                              [BACKEND[t] for t in d.offered]) for d in enumerator.decisions]
         logger.info("torchrec_pgas planner (%d plans, %.2fs):\n%s", num_plans, run_time, "\n".join(self.lines))

@@ -1,4 +1,4 @@
-"""Print the per-table NCCL-vs-PGAS decision for a model config, without GPUs.
+"""Print the per-table choice among row-wise and table-wise, NCCL and PGAS, for a model config, without GPUs.
 
     python -m torchrec_pgas.planner.explain model.yaml
 
@@ -17,8 +17,8 @@ import argparse
 import json
 from typing import Any, Dict, List
 
-from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, TableLoad, load_profile
-from torchrec_pgas.planner.report import HEADER, decision_row
+from torchrec_pgas.planner.cost_model import CostModel, TableLoad, load_profile
+from torchrec_pgas.planner.report import HEADER, SHARDING_TYPE, decision_row
 
 
 def tables_from_config(cfg: Dict[str, Any]) -> List[TableLoad]:
@@ -38,13 +38,11 @@ def explain(cfg: Dict[str, Any]) -> str:
     choice = model.choose(tables)
     lines = [f"profile {model.profile.name} ({model.profile.device}), world {model.world_size}, "
              f"batch/rank {model.batch_per_rank}, mode {model.mode}", HEADER]
-    lines += [decision_row(model, t, len(tables), "pgas_row_wise" if choice[t.name] == PGAS_RW else "row_wise")
-              for t in tables]
-    chosen = [t for t in tables if choice[t.name] == PGAS_RW]
-    others = [t for t in tables if choice[t.name] == NCCL_RW]
-    mixed = model.step_ms(chosen, PGAS_RW) + model.step_ms(others, NCCL_RW)
-    lines.append(f"step: all NCCL {model.step_ms(tables, NCCL_RW):.3f} ms, "
-                 f"all PGAS {model.step_ms(tables, PGAS_RW):.3f} ms, chosen {mixed:.3f} ms")
+    lines += [decision_row(model, t, len(tables), SHARDING_TYPE[choice[t.name]]) for t in tables]
+    # Each backend's tables run as their own sharding: their steps add up.
+    mixed = sum(model.step_ms([t for t in tables if choice[t.name] == b], b) for b in model.backends)
+    lines.append("step: " + ", ".join(f"all {SHARDING_TYPE[b]} {model.step_ms(tables, b):.3f} ms"
+                                      for b in model.backends) + f", chosen {mixed:.3f} ms")
     return "\n".join(lines)
 
 

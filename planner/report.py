@@ -1,22 +1,43 @@
 """The per-table decision table, one format for the ``explain`` CLI and the planner's stats."""
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from torchrec_pgas.planner.cost_model import NCCL_RW, PGAS_RW, CostModel, TableLoad, table_bytes
+from torchrec_pgas.planner.cost_model import (
+    BACKENDS,
+    NCCL_RW,
+    NCCL_TW,
+    PGAS_RW,
+    PGAS_TW,
+    STOCK,
+    CostModel,
+    TableLoad,
+    table_bytes,
+)
+
+# The sharding type each backend is (the PGAS names are torchrec_pgas.types').
+SHARDING_TYPE = {NCCL_RW: "row_wise", PGAS_RW: "pgas_row_wise", NCCL_TW: "table_wise", PGAS_TW: "pgas_table_wise"}
 
 HEADER = (f"{'table':<16} {'rows':>10} {'dim':>4} {'pool':>6} {'HBM MB':>8} {'wire MB nccl/pgas':>18} "
-          f"{'nccl ms':>8} {'pgas ms':>8}  {'reason':<22} choice")
+          + " ".join(f"{b + ' ms':>10}" for b in BACKENDS) + f"  {'reason':<22} choice")
 
 
-def decision_row(model: CostModel, t: TableLoad, num_tables: int, pick: str, reason: Optional[str] = None) -> str:
-    """One line of the decision table: the table, its bytes per stage (HBM: the lookup's gather; wire: the
-    ids and partial pools crossing to other ranks), both prices, why, and the choice (``pick``, last).
-    ``reason`` overrides the cost-model reason when the choice was not the model's (constraints, backends)."""
+def decision_row(model: CostModel, t: TableLoad, num_tables: int, pick: str, reason: Optional[str] = None,
+                 offered: Optional[Sequence[str]] = None) -> str:
+    """One line of the decision table: the table, its row-wise bytes per stage (HBM: the lookup's gather;
+    wire: the ids and partial pools crossing to other ranks), its contribution to the step under each
+    backend ``offered`` (default: every backend the profile prices; "-" for the others), why, and the
+    choice (``pick``, last). ``reason`` overrides the cost-model reason when the choice was not the
+    model's alone (constraints, backends)."""
+    offered = [b for b in (offered if offered is not None else model.backends) if model.profile.has(b, model.mode)]
     nb, pb = (table_bytes(t, model.batch_per_rank, model.world_size, b) for b in (NCCL_RW, PGAS_RW))
-    nccl, pgas = model.table_ms(t, NCCL_RW, num_tables), model.table_ms(t, PGAS_RW, num_tables)
+    price = {b: model.contribution_ms(t, b, num_tables) for b in offered}
     if reason is None:
-        fixed = (model.profile.get(NCCL_RW, model.mode).alpha_ms
-                 - model.profile.get(PGAS_RW, model.mode).alpha_ms) / num_tables
-        reason = "fixed cost (latency)" if abs(fixed) >= abs(nccl - pgas) / 2 else "bytes (bandwidth)"
+        stock = [b for b in offered if b in STOCK]
+        pgas = [b for b in offered if b not in STOCK]
+        fixed = (min(model.profile.get(b, model.mode).alpha_ms for b in stock)
+                 - min(model.profile.get(b, model.mode).alpha_ms for b in pgas)) / num_tables if stock and pgas else 0.0
+        gap = min(price[b] for b in stock) - min(price[b] for b in pgas) if stock and pgas else 0.0
+        reason = "fixed cost (latency)" if abs(fixed) >= abs(gap) / 2 else "bytes (bandwidth)"
+    cells = " ".join(f"{price[b]:>10.3f}" if b in price else f"{'-':>10}" for b in BACKENDS)
     return (f"{t.name:<16} {t.rows:>10} {t.dim:>4} {sum(t.pooling):>6.1f} {nb.hbm / 1e6:>8.2f} "
-            f"{nb.wire / 1e6:>8.2f}/{pb.wire / 1e6:<9.2f} {nccl:>8.3f} {pgas:>8.3f}  {reason:<22} {pick}")
+            f"{nb.wire / 1e6:>8.2f}/{pb.wire / 1e6:<9.2f} {cells}  {reason:<22} {pick}")

@@ -16,7 +16,9 @@ from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.planner.calibrate import fit, prediction_table, validate
 from torchrec_pgas.planner.cost_model import (
     NCCL_RW,
+    NCCL_TW,
     PGAS_RW,
+    PGAS_TW,
     Coefficients,
     CostModel,
     HardwareProfile,
@@ -117,7 +119,8 @@ def test_shipped_profile_loads_and_unknown_hardware_warns() -> None:
     assert prof.world_size == 2 and commit is not None
     # the run it was fitted on is committed, so the fit can be redone and checked
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}", "results.json"))
+    assert glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}", "**", "results.json"),
+                     recursive=True)
     with pytest.warns(UserWarning, match="no hardware profile"):
         load_profile(device_name="NVIDIA A100")
 
@@ -139,14 +142,15 @@ def _plan_reasons(backends: str) -> Dict[str, str]:
                              enumerator=PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends),
                              ).plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
     assert stats.lines[0].split()[:6] == ["table", "rows", "dim", "pool", "HBM", "MB"]
-    return {line.split()[0]: " ".join(line.split()[8:-1]) for line in stats.lines[1:]}
+    # name, rows, dim, pool, HBM, wire, four prices, reason..., choice
+    return {line.split()[0]: " ".join(line.split()[10:-1]) for line in stats.lines[1:]}
 
 
 def test_decision_table_says_why() -> None:
     auto, nccl = _plan_reasons("auto"), _plan_reasons("nccl")
-    assert auto["t0"] == "fixed cost (latency)" and auto["t1"] == auto["t3"] == "constraints"
+    # every table here is constrained to fewer than the four options (t0, w*: the row-wise pair)
+    assert auto["t0"] == auto["t1"] == auto["t2"] == auto["t3"] == auto["w0"] == "constraints"
     assert nccl["t0"] == "backends=nccl" and nccl["t3"] == "constraints"
-    assert "t2" not in auto  # table_wise only: not a row-wise decision
 
 
 def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str]:
@@ -158,9 +162,9 @@ def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str
                                        stats=[stats])
     plan = planner.plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
     types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
-    if not training:  # the stats table names every RW-family table with its choice
+    if not training:  # the stats table names every RW- and TW-family table with its choice
         rows = {line.split()[0]: line.split()[-1] for line in stats.lines[1:]}
-        assert rows == {t: st for t, st in types.items() if st in ("row_wise", "pgas_row_wise")}
+        assert rows == types
     return types
 
 
@@ -203,7 +207,7 @@ def test_explain_cli(tmp_path: Any) -> None:
                    "  - {name: a, rows: 1000, dim: 16, pooling: 4}\n  - {name: b, rows: 50, dim: 8, pooling: [1, 2]}\n")
     out = subprocess.run([sys.executable, "-m", "torchrec_pgas.planner.explain", str(cfg)],
                          capture_output=True, text=True, check=True).stdout
-    assert "pgas_row_wise" in out and out.count("\n") >= 4 and "all NCCL" in out
+    assert "pgas_row_wise" in out and out.count("\n") >= 4 and "all table_wise" in out
 
 
 def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
@@ -218,7 +222,8 @@ def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
     prof = load_profile(str(out))
     assert "presets smoke; commit testsha" in prof.source
     assert prof.get(PGAS_RW, "graph") == prof.get(PGAS_RW, "eager")  # a CPU run captures no graphs
-    assert (tmp_path / "profile_results" / "results.json").exists()
+    assert all((tmp_path / "profile_results" / pair / "results.json").exists() for pair in ("rw", "tw"))
+    assert prof.has(PGAS_TW) and prof.has(NCCL_TW)  # both pairs measured: four backends
 
 
 def test_stock_planner_accepts_the_pgas_sharder() -> None:
@@ -251,3 +256,34 @@ def test_pgas_offered_only_to_the_modules_of_the_pgas_sharder() -> None:
         Both(), [PgasEmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
     assert plan.plan["ec"]["e0"].sharding_type == "row_wise"
     assert plan.plan["ebc"]["t0"].sharding_type == "pgas_row_wise"
+
+
+def test_four_options_per_table() -> None:
+    """No constraints: each table may get any of the four types, and the plan follows the prices. A made-up
+    machine where PGAS has the low fixed cost but a slow gather, and every wire byte is dear: a tiny table
+    goes PGAS (fixed cost), a wide single-id table pgas_table_wise (RW would send W partial pools of each
+    bag), a gather-heavy table NCCL table-wise (fast gather, fewer wire bytes than RW)."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    coeffs = {NCCL_RW: Coefficients(1.0, 1e-11, 1e-8, 0.0), PGAS_RW: Coefficients(0.1, 1e-8, 1e-8, 0.0),
+              NCCL_TW: Coefficients(1.2, 1e-11, 1e-8, 0.0), PGAS_TW: Coefficients(0.3, 1e-8, 1e-8, 0.0)}
+    prof = HardwareProfile("four", "test", 2, "hand-made", {"eager": coeffs})
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="tiny", num_embeddings=100, embedding_dim=8, feature_names=["f_tiny"]),
+        EmbeddingBagConfig(name="wide", num_embeddings=100_000, embedding_dim=512, feature_names=["f_wide"]),
+        EmbeddingBagConfig(name="heavy", num_embeddings=100_000, embedding_dim=128, feature_names=["f_heavy"]),
+    ], device=torch.device("meta"))
+    pooling = {"tiny": 1.0, "wide": 1.0, "heavy": 200.0}
+    constraints = {t: ParameterConstraints(pooling_factors=[p]) for t, p in pooling.items()}
+    topo = Topology(world_size=2, compute_device="cuda")
+    enumerator = PgasEnumerator(topo, 4096, constraints=constraints, profile=prof)
+    stats = PgasDecisionStats()
+    plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
+                                    stats=[stats]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
+    types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
+    # The partitioner may put the tiny table table-wise on the idle rank: it costs the busiest rank nothing.
+    assert types["wide"] == "pgas_table_wise" and types["heavy"] == "table_wise", types
+    assert types["tiny"] in ("pgas_row_wise", "pgas_table_wise"), types
+    for line in stats.lines[1:]:  # four prices per table, none missing: nothing constrains the choice
+        assert "-" not in line.split()[6:10] and line.split()[10:12] != ["constraints"], line
