@@ -61,9 +61,9 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   m.def("put(Tensor(a!) dst, Tensor src, int peer) -> ()");
   m.def("signal(Tensor(a!) word, int value, int peer) -> ()");
   m.def("wait(Tensor pad, Tensor slots, int epoch, int timeout_ns, Tensor(a!) status) -> ()");
-  // pgas_row_wise, one op per stage (see rw_pipeline.cuh for the protocol).
+  // pgas_row_wise and pgas_table_wise, one op per stage (see rw_pipeline.cuh for the protocol).
   // buf/pad: this rank's symmetric buffer and signal pad; peers: int64[2, W]
-  // peer addresses; features: int64[F, 8] RwFeature rows; state: device
+  // peer addresses; features: int64[F, kFeatureWords] RwFeature rows; state: device
   // scratch; bag_div: MEAN divisors; status: pinned error record; cfg: layout.
   m.def(
       "rw_index_dist(Tensor values, Tensor offsets, Tensor? weights, Tensor(a!) buf, Tensor(b!) pad, "

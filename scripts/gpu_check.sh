@@ -112,8 +112,9 @@ out, run = sys.argv[1], sys.argv[2]
 src, dst = os.path.join(out, run, "results.json"), os.path.join(out, "scaling", "results.json")
 if os.path.exists(src):
     new = json.load(open(src))
-    merged = json.load(open(dst)) if os.path.exists(dst) else {"meta": new["meta"], "rows": [], "single_gpu": []}
-    merged["meta"].setdefault("runs", []).append(new["meta"])
+    merged = json.load(open(dst)) if os.path.exists(dst) else {"meta": dict(new["meta"], world_size="1-N"),
+                                                                "rows": [], "single_gpu": []}
+    merged["meta"].setdefault("runs", []).append(new["meta"])  # a copy: the merged meta is its own dict
     merged["rows"] += new["rows"]
     merged["single_gpu"] += new.get("single_gpu", [])
     os.makedirs(os.path.dirname(dst), exist_ok=True)
