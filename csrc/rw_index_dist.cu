@@ -82,14 +82,14 @@ __device__ __forceinline__ unsigned same_owner_lanes(int owner, unsigned gmask) 
 
 // Comm timeline: the bytes of one chunk's ids bound for other ranks, counted by
 // the warp's first live lane (out of line, like trace_remote_bytes).
-__device__ __noinline__ void trace_ids(const RwParams& p, int owner, bool weighted) {
-  const unsigned remote = __ballot_sync(0xffffffffu, owner >= 0 && owner != p.rank);
-  if (remote != 0 && threadIdx.x % 32 == __ffs(remote) - 1) {
-    trace_remote_bytes(p.state, __popc(remote) * (p.id_bytes + (weighted ? 4 : 0)));
-  }
+// Scalars only: a reference to the kernel's RwParams would put a copy of it on the stack.
+__device__ __noinline__ void trace_ids(int64_t* state, int rank, int bytes_per_id, int owner) {
+  const unsigned remote = __ballot_sync(0xffffffffu, owner >= 0 && owner != rank);
+  if (remote != 0 && threadIdx.x % 32 == __ffs(remote) - 1) trace_remote_bytes(state, __popc(remote) * bytes_per_id);
 }
 
-template <typename index_t, typename row_t>
+// kTrace: the comm-timeline build (profiling); the default build has none of its code.
+template <typename index_t, typename row_t, bool kTrace>
 __global__ void __launch_bounds__(kWarps * 32, 4)
     rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values,
                          const int64_t* __restrict__ offsets, const float* __restrict__ weights,
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
   if (threadIdx.x == 0) s_epoch = p.state[kCtrIndex] + 1;
-  if (threadIdx.x == 0 && blockIdx.x == 0 && p.state[kTraceBuf] != 0) {
+  if (kTrace && threadIdx.x == 0 && blockIdx.x == 0) {
     // Record 0: the step's start (profiling.comm_timeline zeroes the counter first).
     reinterpret_cast<int64_t*>(p.state[kTraceBuf])[0] = static_cast<int64_t>(global_timer_ns());
   }
@@ -127,7 +127,6 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   const int num_bags = static_cast<int>(p.num_features * p.batch);
   const int batch = static_cast<int>(p.batch);
   const int nnz = static_cast<int>(p.nnz);
-  const bool trace = p.state[kTraceBuf] != 0;
   float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
   // Warp iteration `it` takes bag (sub * groups_per_warp + group) of tile
   // it / per_tile, sub = it % per_tile; warp gw owns tiles gw, gw + total_warps, ...
@@ -199,7 +198,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
           owner += owner_base;
         }
       }
-      if (trace) trace_ids(p, owner, weights != nullptr);
+      if constexpr (kTrace) trace_ids(p.state, p.rank, p.id_bytes + (weights != nullptr ? 4 : 0), owner);
       const unsigned same = same_owner_lanes(owner, gmask);
       const int base = owner >= 0 ? count[owner * 32] : 0;
       __syncwarp();
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         for (int d = static_cast<int>(fb.owner_base); d < d_end; ++d) {
           reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[b] = tile_len[d * 32 + lane];
           reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[b] = s_begin[warp][lane];
-          if (trace && d != p.rank) trace_remote_bytes(p.state, 12);
+          if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
         }
       }
       __syncwarp();
@@ -260,7 +259,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   }
 }
 
-template <typename index_t, typename row_t>
+template <typename index_t, typename row_t, bool kTrace>
 void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
                        const float* weights, cudaStream_t stream) {
   const int64_t num_bags = p.num_features * p.batch;
@@ -268,7 +267,7 @@ void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* 
   // rarely idles half its lanes, and short bags share a warp (more loads in flight).
   int group_lanes = 4;
   while (group_lanes < 32 && 2 * group_lanes * num_bags <= p.nnz) group_lanes *= 2;
-  const auto kernel = rw_index_dist_kernel<index_t, row_t>;
+  const auto kernel = rw_index_dist_kernel<index_t, row_t, kTrace>;
   const int smem = kWarps * p.world * 32 * static_cast<int>(sizeof(int32_t));  // W KiB
   // One device per process; the occupancy depends on W (shared memory), so it is
   // recomputed when a sharding of another world size launches.
@@ -294,10 +293,12 @@ void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* 
 template <typename index_t>
 void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
                        const float* weights, cudaStream_t stream) {
-  if (p.id_bytes == 4) {
-    launch_index_dist<index_t, int32_t>(p, values, offsets, weights, stream);
+  if (p.trace) {
+    p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, true>(p, values, offsets, weights, stream)
+                    : launch_index_dist<index_t, int64_t, true>(p, values, offsets, weights, stream);
   } else {
-    launch_index_dist<index_t, int64_t>(p, values, offsets, weights, stream);
+    p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, false>(p, values, offsets, weights, stream)
+                    : launch_index_dist<index_t, int64_t, false>(p, values, offsets, weights, stream);
   }
 }
 

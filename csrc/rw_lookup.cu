@@ -69,6 +69,7 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   p.lookup_f_lo = static_cast<int32_t>(cfg[18]);
   p.lookup_f_hi = static_cast<int32_t>(cfg[19]);
   p.variable_batch = static_cast<int32_t>(cfg[20]);
+  p.trace = static_cast<int32_t>(cfg[21]);
   TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
@@ -76,10 +77,11 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
                   state.numel() >= kStateWords &&
                   bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
               "pgas_row_wise: state tensors do not match the layout");
-  // 32-bit bag numbers, including a tile of 32 past the last bag (rw_index_dist.cu).
-  TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch < INT32_MAX - 64,
-              "pgas_row_wise: ", p.capacity, " ids and ", p.num_features * p.max_batch,
-              " bags per step must stay below 2^31 - 64 (PgasConfig)");
+  // 32-bit bag numbers, including a tile past the last bag (rw_index_dist.cu) and a
+  // grid stride past it (rw_lookup_kernel): bags stay at or below 2^30.
+  TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch <= (int64_t{1} << 30),
+              "pgas: ", p.capacity, " ids and ", p.num_features * p.max_batch,
+              " bags per step must stay below 2^31 and at most 2^30 (PgasConfig)");
   TORCH_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
               "pgas: lookup feature range [", p.lookup_f_lo, ", ", p.lookup_f_hi, ") outside [0, ",
               p.num_features, ")");
@@ -201,7 +203,8 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
 
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
-template <typename row_t, bool kWeighted>
+// kTrace: the comm-timeline build (profiling); the default build has none of its code.
+template <typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
                                                                          int out_kind) {
   __shared__ int64_t s_epoch, s_nnz, s_batch;
@@ -254,7 +257,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
     const int bag_end = p.lookup_f_hi * batch;
     const bool remote = src != p.rank;
-    const bool trace = p.state[kTraceBuf] != 0 && remote;
     bool bad = false, bad_span = false;
     for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
          bag += gridDim.x * groups_per_cta) {
@@ -290,7 +292,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
         const int b = bag - f * batch;
         if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
       }
-      if (trace && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
+      if constexpr (kTrace) {
+        if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
+      }
     }
     // Reported once per lane, before this CTA counts as done (so before the signal).
     if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
@@ -308,17 +312,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
   }
 }
 
-template <typename row_t, bool kWeighted>
+template <typename row_t, bool kWeighted, bool kTrace>
 void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
   // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
-  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted>, kThreads);
+  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
       1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<row_t, kWeighted><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
+  rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
+}
+
+template <typename row_t, bool kWeighted>
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
+  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, stream)
+          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, stream);
 }
 
 }  // namespace

@@ -59,7 +59,7 @@
 namespace torchrec_pgas {
 
 constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
-constexpr int kCfgEntries = 21;  // the layout config list (layout.py: RwLayout.kernel_config)
+constexpr int kCfgEntries = 22;  // the layout config list (layout.py: RwLayout.kernel_config)
 constexpr int kMaxWorld = 64;
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
@@ -89,9 +89,9 @@ enum StateWord : int {
   kDoneLookup = 4,
   kDoneFinal = 5,
   kErrCode = 8,  // kErrCode..kErrCode+3: code, a, b, c
-  // Opt-in comm timeline (profiling.comm_timeline): int64 [cap][2] records of
-  // (globaltimer ns, cumulative bytes this rank stored into peers' memory),
-  // one per `step` bytes; 0 in kTraceBuf turns it off.
+  // Opt-in comm timeline (DevicePipeline.trace_comm, cfg `trace` selects the
+  // kernels' kTrace builds): int64 [cap][2] records of (globaltimer ns,
+  // cumulative bytes this rank stored into peers' memory), one per `step` bytes.
   kTraceBuf = 12,
   kTraceStep = 13,
   kTraceCap = 14,
@@ -134,6 +134,7 @@ struct RwParams {
   int32_t rank, world, weighted, bounds_mode, id_bytes;
   int32_t lookup_f_lo, lookup_f_hi;  // the features whose rows this rank holds
   int32_t variable_batch;  // 1: each source's batch comes from its header (TW)
+  int32_t trace;  // 1: launch the comm-timeline builds of the kernels
   int64_t batch, nnz;  // this step, this rank
 };
 

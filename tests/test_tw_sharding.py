@@ -198,3 +198,29 @@ def test_owner_refuses_rows_it_does_not_hold(kind: str) -> None:
     r0, r1 = run_distributed(_corrupt_peer, 2, kind)
     assert r0 == "PgasError: corrupt index data from rank 1: a row outside this rank's shard", r0
     assert r1.startswith("PgasPeerAbortError: rank 0 aborted"), r1
+
+
+def test_feature_owners_must_match_the_ranks_and_the_lookup_range() -> None:
+    """The kernels index peer buffers by owner: inconsistent owners are refused before any launch."""
+    from types import SimpleNamespace
+
+    from torchrec_pgas.sharding.common import pooled_output_dtype
+    from torchrec_pgas.sharding.device_pipeline import FeatureOwners
+
+    FeatureOwners([0, 0, 0], 3, [0, 1, 0], (0, 3), False).check(world=3, rank=2)  # row-wise
+    FeatureOwners([0, 1, 1, 2], 1, [0] * 4, (1, 3), True).check(world=3, rank=1)  # table-wise
+    for bad in (FeatureOwners([0, 3], 1, [0, 0], (0, 1), True),  # owner 3 of 3 ranks
+                FeatureOwners([0, 1], 1, [0, 0], (0, 2), True),  # serves feature 1 it does not hold
+                FeatureOwners([0, 0], 3, [0, 0], (0, 2), False)):  # 3 row blocks on 2 ranks
+        with pytest.raises(PgasError, match="inconsistent feature owners"):
+            bad.check(world=2, rank=0)
+
+    def info(name: str, fused: Any) -> Any:
+        return SimpleNamespace(embedding_config=SimpleNamespace(name=name), fused_params=fused)
+
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    assert pooled_output_dtype([info("a", None), info("b", {})], "k") == torch.float32
+    assert pooled_output_dtype([info("a", {"output_dtype": SparseType.FP16})], "k") == torch.float16
+    with pytest.raises(PgasError, match="one output dtype.*'b': 'fp16'"):
+        pooled_output_dtype([info("a", None), info("b", {"output_dtype": SparseType.FP16})], "pgas_table_wise")

@@ -117,11 +117,13 @@ class RwLayout:
         return torch.int32 if self.id_bytes == 4 else torch.int64
 
     def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int,
-                      lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False) -> List[int]:
+                      lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False,
+                      trace: bool = False) -> List[int]:
         """The int list every kernel op takes (RwParams, csrc/rw_lookup.cu: make_rw_params).
 
         ``lookup_features``: the features whose rows this rank holds (all, for row-wise);
-        ``variable_batch``: owners take each source's batch from its header (table-wise).
+        ``variable_batch``: owners take each source's batch from its header (table-wise);
+        ``trace``: launch the kernels' comm-timeline builds.
         """
         f_lo, f_hi = lookup_features if lookup_features is not None else (0, self.num_features)
         return [
@@ -129,7 +131,7 @@ class RwLayout:
             self.offsets_off, self.lengths_off, self.ids_off, self.weights_off,
             self.num_slots, self.max_batch, self.ids_capacity, self.dim_sum, self.num_features,
             timeout_ns, rank, self.world_size, int(self.weighted), bounds_mode, self.id_bytes,
-            f_lo, f_hi, int(variable_batch),
+            f_lo, f_hi, int(variable_batch), int(trace),
         ]
 
     def index_block(self, slot: int, src: int) -> int:

@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
@@ -336,6 +337,17 @@ class PgasPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         sharding_ctx: Optional[EmbeddingShardingContext] = None,
     ) -> Awaitable[torch.Tensor]:
         return NoWait(local_embs)
+
+
+def pooled_output_dtype(infos: Sequence[EmbeddingShardingInfo], kind: str) -> torch.dtype:
+    """The one output dtype of a PGAS sharding's tables (``fused_params["output_dtype"]``, FP32 by default):
+    the kernels pool every table into one ``[B, D]`` block, and every rank must agree without asking."""
+    per_table = {info.embedding_config.name: SparseType((info.fused_params or {}).get("output_dtype", SparseType.FP32))
+                 for info in infos}
+    if len(set(per_table.values())) > 1:
+        raise PgasError(f"{kind}: tables of one sharding need one output dtype, got "
+                        f"{ {t: d.value for t, d in per_table.items()} }")
+    return next(iter(per_table.values()), SparseType.FP32).as_dtype()
 
 
 def strip_pgas_fused_params(info: EmbeddingShardingInfo, key: str) -> EmbeddingShardingInfo:

@@ -54,6 +54,18 @@ class FeatureOwners:
     lookup: Tuple[int, int]
     variable_batch: bool
 
+    def check(self, world: int, rank: int) -> None:
+        """The kernels index peer buffers by owner: every block must land on a rank, and this rank's
+        lookup must serve exactly the features whose rows it holds."""
+        num = len(self.base)
+        bad = [f for f, b in enumerate(self.base) if not (0 <= b and b + self.count <= world)]
+        held = [f for f, b in enumerate(self.base) if b <= rank < b + self.count]
+        if bad or len(self.mean) != num or held != list(range(*self.lookup)):
+            raise PgasError(
+                f"inconsistent feature owners for rank {rank} of {world}: blocks of features {bad} outside "
+                f"the ranks, rows of features {held} held here, lookup range {self.lookup}"
+            )
+
 
 class DevicePipeline(PgasPipeline):
     """Three fused kernel launches per step on the current stream; no host sync.
@@ -66,6 +78,7 @@ class DevicePipeline(PgasPipeline):
     def __init__(self, *args: Any, owners: FeatureOwners, out_dtype: torch.dtype, **kwargs: Any) -> None:
         """``out_dtype``: the pooled output's, which the TBEs confirm (a table-wise rank may have none)."""
         super().__init__(*args, **kwargs)
+        owners.check(self.world_size, self.rank)
         lay, dev = self.layout, self.device
         ops = torch.ops.torchrec_pgas
         peers = [
@@ -180,16 +193,22 @@ class DevicePipeline(PgasPipeline):
         """Start the comm timeline: an int64 ``[records, 2]`` buffer of (ns, cumulative remote bytes)
         that the next steps fill, one record per ``step_bytes`` (record 0: the step's start)."""
         trace = torch.zeros(records, 2, dtype=torch.int64, device=self.device)
+        if records < 1 or step_bytes < 1:
+            raise ValueError(f"trace_comm: records {records} and step_bytes {step_bytes} must be >= 1")
+        # No step in flight (on any stream) while the trace words and the buffer change.
+        torch.cuda.synchronize(self.device)
         self._trace = trace  # kept alive while the kernels hold its address
         buf, step, cap, count = TRACE_WORDS
         self._state[buf] = trace.data_ptr()
         self._state[step] = step_bytes
         self._state[cap] = records
         self._state[count] = 0
+        self._cfg[-1] = 1  # the kernels' kTrace builds (layout.kernel_config: trace)
         return trace
 
     def stop_trace(self) -> None:
-        self._state[TRACE_WORDS[0]] = 0
+        torch.cuda.synchronize(self.device)
+        self._cfg[-1] = 0
 
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()

@@ -21,7 +21,6 @@ lookup module; the output dist has nothing left to move.
 from typing import Dict, List, Optional
 
 import torch
-from fbgemm_gpu.split_embedding_configs import SparseType
 from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
@@ -29,7 +28,7 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin
+from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin, pooled_output_dtype
 from torchrec_pgas.sharding.rw_pipeline import make_rw_pipeline
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig, bounds_check_mode_from_fused_params
 
@@ -75,5 +74,5 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             is_weighted=any(t.is_weighted for t in tables),
             config=pgas_config or PgasConfig(),
             bounds_check_mode=bounds_check_mode_from_fused_params(fused),
-            out_dtype=SparseType(fused.get("output_dtype", SparseType.FP32)).as_dtype(),
+            out_dtype=pooled_output_dtype(sharding_infos, self._kind),
         )

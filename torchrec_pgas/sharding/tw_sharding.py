@@ -11,7 +11,6 @@ output all-to-all.
 from typing import Dict, List, Optional
 
 import torch
-from fbgemm_gpu.split_embedding_configs import SparseType
 from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
@@ -19,7 +18,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin
+from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin, pooled_output_dtype
 from torchrec_pgas.sharding.tw_pipeline import make_tw_pipeline
 from torchrec_pgas.types import PGAS_TABLE_WISE, PgasConfig, bounds_check_mode_from_fused_params
 
@@ -65,5 +64,5 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             bounds_check_mode=bounds_check_mode_from_fused_params(fused),
             features_per_rank=self.features_per_rank(),
             dim_sum_per_rank=self._dim_sum_per_rank(),
-            out_dtype=SparseType(fused.get("output_dtype", SparseType.FP32)).as_dtype(),
+            out_dtype=pooled_output_dtype(sharding_infos, self._kind),
         )
