@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   // once per tile, as 32-lane stores (per bag, they were single-lane NVLink writes).
   extern __shared__ int32_t s_tile[];  // [kWarps][W][32]
   __shared__ int32_t s_begin[kWarps][32];
+  __shared__ int32_t s_owners[kWarps][32];  // the bag's first owner | owner count << 16
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
   if (threadIdx.x == 0) s_epoch = p.state[kCtrIndex] + 1;
@@ -221,15 +222,16 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
     if (valid && g_lane == 0) {
       bag_div[bag] = divisor;
       s_begin[warp][in_tile] = begin;
+      s_owners[warp][in_tile] = owner_base | static_cast<int32_t>(feat.owner_count) << 16;
     }
     if (sub == per_tile - 1) {  // the tile's lengths and starts, one coalesced store per owner
       __syncwarp();
       const int b = static_cast<int>(tile * T) + lane;
       if (lane < T && b < num_bags) {
         // Only the ranks holding rows of the bag's table read it (all for RW, the owner for TW).
-        const RwFeature& fb = p.features[b / batch];
-        const int d_end = static_cast<int>(fb.owner_base + fb.owner_count);
-        for (int d = static_cast<int>(fb.owner_base); d < d_end; ++d) {
+        const int owners = s_owners[warp][lane];
+        const int d_end = (owners & 0xffff) + (owners >> 16);
+        for (int d = owners & 0xffff; d < d_end; ++d) {
           reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[b] = tile_len[d * 32 + lane];
           reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[b] = s_begin[warp][lane];
           if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
