@@ -161,9 +161,14 @@ DEFAULT_PRESETS = ["s004", "s000-weak", "s000-strong"]
 
 
 def merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Several results files (e.g. one per pair) as one: their rows, the first's meta, every preset."""
+    """Several results files (e.g. one per pair) of one machine as one: their rows, every preset and
+    commit. Runs of different world sizes or devices cannot share a profile."""
+    machines = {(r["meta"]["world_size"], r["meta"]["device"]) for r in runs}
+    if len(machines) > 1:
+        raise ValueError(f"results of different machines (world size, device): {sorted(machines)}")
     meta = dict(runs[0]["meta"])
     meta["presets"] = list(dict.fromkeys(p for r in runs for p in r["meta"]["presets"]))
+    meta["commit"] = "+".join(dict.fromkeys(r["meta"]["commit"] for r in runs))
     return {"meta": meta, "rows": [row for r in runs for row in r["rows"]]}
 
 

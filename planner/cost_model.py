@@ -169,8 +169,12 @@ class CostModel:
 
     def table_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
         """Per-table price for a planner that sums tables per rank: the marginal cost (on every rank for
-        RW, on the owner for TW) plus an equal share of the fixed cost among the ``num_tables`` tables."""
-        return self.profile.get(backend, self.mode).alpha_ms / max(1, num_tables) + self.marginal_ms(t, backend)
+        RW, on the owner for TW) plus a share of the fixed cost, which every rank pays once per step: 1 /
+        ``num_tables`` of it on each rank for RW, W / ``num_tables`` on the owner for TW (so that W
+        balanced owners again carry all of it)."""
+        alpha = self.profile.get(backend, self.mode).alpha_ms
+        share = self.world_size if backend in TABLE_WISE else 1
+        return alpha * share / max(1, num_tables) + self.marginal_ms(t, backend)
 
     def contribution_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
         """What a table adds to the step when tables balance over the ranks: ``table_ms``, with a
@@ -181,10 +185,19 @@ class CostModel:
         return alpha / max(1, num_tables) + self.marginal_ms(t, backend) / self.world_size
 
     def choose(self, tables: Sequence[TableLoad]) -> Dict[str, str]:
-        """Per table, the backend with the lowest contribution (ties go to the stock path)."""
+        """Per table, the backend with the lowest contribution (ties go to the stock path), unless putting
+        every table on one backend makes a faster step: contributions assume table-wise tables balance over
+        the ranks, which few or uneven tables do not."""
         n = len(tables)
-        return {t.name: min(self.backends, key=lambda b: (self.contribution_ms(t, b, n), b not in STOCK))
-                for t in tables}
+        per_table = {t.name: min(self.backends, key=lambda b: (self.contribution_ms(t, b, n), b not in STOCK))
+                     for t in tables}
+        uniform = [{t.name: b for t in tables} for b in self.backends]
+        return min([per_table] + uniform, key=lambda choice: self.plan_ms(tables, choice))
+
+    def plan_ms(self, tables: Sequence[TableLoad], choice: Dict[str, str]) -> float:
+        """The step of an assignment ``choice`` (table name -> backend): each backend's tables run as their
+        own sharding, so their steps add up."""
+        return sum(self.step_ms([t for t in tables if choice[t.name] == b], b) for b in self.backends)
 
 
 def fit_coefficients(samples: List[Dict[str, float]]) -> Coefficients:

@@ -18,7 +18,8 @@ TorchRec's estimate and offers no ``pgas_table_wise``. Other collective sharding
 TorchRec's bandwidth estimates plus NCCL's fixed-cost share, which those estimates leave out; data
 parallel (no forward communication) is unchanged.
 ``ParameterConstraints.sharding_types`` still restricts choices, and
-``backends="pgas"`` / ``"nccl"`` takes one side for every table whose constraints allow both.
+``backends="pgas"`` / ``"nccl"`` takes one side within each family (row-wise, table-wise) whose two types
+a table's constraints allow; a family the constraints allow only one type of keeps it.
 PGAS has no backward pass yet, so ``training=True`` offers no PGAS option.
 """
 

@@ -39,8 +39,7 @@ def explain(cfg: Dict[str, Any]) -> str:
     lines = [f"profile {model.profile.name} ({model.profile.device}), world {model.world_size}, "
              f"batch/rank {model.batch_per_rank}, mode {model.mode}", HEADER]
     lines += [decision_row(model, t, len(tables), SHARDING_TYPE[choice[t.name]]) for t in tables]
-    # Each backend's tables run as their own sharding: their steps add up.
-    mixed = sum(model.step_ms([t for t in tables if choice[t.name] == b], b) for b in model.backends)
+    mixed = model.plan_ms(tables, choice)
     lines.append("step: " + ", ".join(f"all {SHARDING_TYPE[b]} {model.step_ms(tables, b):.3f} ms"
                                       for b in model.backends) + f", chosen {mixed:.3f} ms")
     return "\n".join(lines)

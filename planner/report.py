@@ -32,12 +32,15 @@ def decision_row(model: CostModel, t: TableLoad, num_tables: int, pick: str, rea
     nb, pb = (table_bytes(t, model.batch_per_rank, model.world_size, b) for b in (NCCL_RW, PGAS_RW))
     price = {b: model.contribution_ms(t, b, num_tables) for b in offered}
     if reason is None:
-        stock = [b for b in offered if b in STOCK]
-        pgas = [b for b in offered if b not in STOCK]
-        fixed = (min(model.profile.get(b, model.mode).alpha_ms for b in stock)
-                 - min(model.profile.get(b, model.mode).alpha_ms for b in pgas)) / num_tables if stock and pgas else 0.0
-        gap = min(price[b] for b in stock) - min(price[b] for b in pgas) if stock and pgas else 0.0
-        reason = "fixed cost (latency)" if abs(fixed) >= abs(gap) / 2 else "bytes (bandwidth)"
+        # What wins the cheapest backend its place: its lower fixed-cost share against the runner-up's
+        # (at least half the gap), or its bytes.
+        best, second = (sorted(offered, key=lambda b: (price[b], b not in STOCK)) + [None])[:2]
+        if second is None:
+            reason = "only option"
+        else:
+            alpha = {b: model.profile.get(b, model.mode).alpha_ms / num_tables for b in (best, second)}
+            fixed = alpha[second] - alpha[best]
+            reason = "fixed cost (latency)" if fixed >= (price[second] - price[best]) / 2 else "bytes (bandwidth)"
     cells = " ".join(f"{price[b]:>10.3f}" if b in price else f"{'-':>10}" for b in BACKENDS)
     return (f"{t.name:<16} {t.rows:>10} {t.dim:>4} {sum(t.pooling):>6.1f} {nb.hbm / 1e6:>8.2f} "
             f"{nb.wire / 1e6:>8.2f}/{pb.wire / 1e6:<9.2f} {cells}  {reason:<22} {pick}")

@@ -52,7 +52,10 @@ def test_step_and_table_prices_and_the_choice() -> None:
     assert model.marginal_ms(big, NCCL_RW) == pytest.approx(0.1024)
     assert model.step_ms([small, big], PGAS_RW) == pytest.approx(0.1 + 1.024 + 1.6e-4)
     assert model.table_ms(big, NCCL_RW, num_tables=2) == pytest.approx(0.5 + 0.1024)
-    assert model.choose([small, big]) == {"small": PGAS_RW, "big": NCCL_RW}
+    # per table, small goes PGAS and big NCCL; but that step pays both fixed costs, and all-NCCL is faster
+    mixed = {"small": PGAS_RW, "big": NCCL_RW}
+    assert model.plan_ms([small, big], mixed) > model.step_ms([small, big], NCCL_RW)
+    assert model.choose([small, big]) == {"small": NCCL_RW, "big": NCCL_RW}
     assert model.step_ms([], PGAS_RW) == 0.0
 
 
@@ -259,31 +262,75 @@ def test_pgas_offered_only_to_the_modules_of_the_pgas_sharder() -> None:
 
 
 def test_four_options_per_table() -> None:
-    """No constraints: each table may get any of the four types, and the plan follows the prices. A made-up
-    machine where PGAS has the low fixed cost but a slow gather, and every wire byte is dear: a tiny table
-    goes PGAS (fixed cost), a wide single-id table pgas_table_wise (RW would send W partial pools of each
-    bag), a gather-heavy table NCCL table-wise (fast gather, fewer wire bytes than RW)."""
+    """Each table may get any of the four types, and the plan follows the prices. A made-up machine: NCCL
+    has a large fixed cost, row-wise gathers are slow, table-wise bytes nearly free. A tiny table goes PGAS
+    (the smallest fixed costs), a gather-heavy table pgas_table_wise, and one constrained to the stock types
+    table_wise."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    coeffs = {NCCL_RW: Coefficients(1.0, 1e-11, 1e-8, 0.0), PGAS_RW: Coefficients(0.1, 1e-8, 1e-8, 0.0),
-              NCCL_TW: Coefficients(1.2, 1e-11, 1e-8, 0.0), PGAS_TW: Coefficients(0.3, 1e-8, 1e-8, 0.0)}
+    coeffs = {NCCL_RW: Coefficients(5.0, 1e-8, 1e-9, 0.0), PGAS_RW: Coefficients(0.1, 1e-8, 1e-8, 0.0),
+              NCCL_TW: Coefficients(5.0, 1e-12, 1e-9, 0.0), PGAS_TW: Coefficients(0.3, 1e-12, 1e-12, 0.0)}
     prof = HardwareProfile("four", "test", 2, "hand-made", {"eager": coeffs})
     ebc = EmbeddingBagCollection(tables=[
         EmbeddingBagConfig(name="tiny", num_embeddings=100, embedding_dim=8, feature_names=["f_tiny"]),
         EmbeddingBagConfig(name="wide", num_embeddings=100_000, embedding_dim=512, feature_names=["f_wide"]),
         EmbeddingBagConfig(name="heavy", num_embeddings=100_000, embedding_dim=128, feature_names=["f_heavy"]),
     ], device=torch.device("meta"))
-    pooling = {"tiny": 1.0, "wide": 1.0, "heavy": 200.0}
-    constraints = {t: ParameterConstraints(pooling_factors=[p]) for t, p in pooling.items()}
+    four = ["row_wise", "pgas_row_wise", "table_wise", "pgas_table_wise"]
+    constraints = {"tiny": ParameterConstraints(sharding_types=four, pooling_factors=[1.0]),
+                   "wide": ParameterConstraints(sharding_types=four, pooling_factors=[8.0]),
+                   "heavy": ParameterConstraints(sharding_types=["row_wise", "table_wise"], pooling_factors=[200.0])}
     topo = Topology(world_size=2, compute_device="cuda")
     enumerator = PgasEnumerator(topo, 4096, constraints=constraints, profile=prof)
     stats = PgasDecisionStats()
     plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
                                     stats=[stats]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
     types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
-    # The partitioner may put the tiny table table-wise on the idle rank: it costs the busiest rank nothing.
+    # The partitioner minimizes the busiest rank: the tiny table may ride table-wise on the idle owner.
     assert types["wide"] == "pgas_table_wise" and types["heavy"] == "table_wise", types
     assert types["tiny"] in ("pgas_row_wise", "pgas_table_wise"), types
-    for line in stats.lines[1:]:  # four prices per table, none missing: nothing constrains the choice
-        assert "-" not in line.split()[6:10] and line.split()[10:12] != ["constraints"], line
+    rows = {line.split()[0]: line.split() for line in stats.lines[1:]}
+    for t in ("tiny", "wide"):  # four prices, nothing constrains the choice
+        assert "-" not in rows[t][6:10] and rows[t][10:12] != ["constraints"], rows[t]
+    assert rows["heavy"][7] == rows["heavy"][9] == "-" and rows["heavy"][10] == "constraints"
+
+
+def test_table_wise_fixed_cost_is_paid_by_every_rank() -> None:
+    """A table-wise shard carries W/num_tables of its backend's fixed cost on its owner, so balanced owners
+    carry all of it, as every rank pays it. Eight equal tables on the shipped profile: the model's steps
+    say row-wise PGAS (one alpha on every rank) beats table-wise PGAS, and the planner must agree."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=1_000_000, embedding_dim=32, feature_names=[f"f{i}"])
+              for i in range(8)]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    constraints = {t.name: ParameterConstraints(pooling_factors=[4.0]) for t in tables}
+    topo = Topology(world_size=2, compute_device="cuda")
+    enumerator = PgasEnumerator(topo, 4096, constraints=constraints)
+    plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
+                                    stats=[PgasDecisionStats()]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
+    model = enumerator.model
+    loads = [TableLoad(t.name, 1_000_000, 32, [4.0]) for t in tables]
+    assert model.step_ms(loads, PGAS_RW) < model.step_ms(loads, PGAS_TW)
+    assert {ps.sharding_type for m in plan.plan.values() for ps in m.values()} == {"pgas_row_wise"}
+
+
+def test_choice_is_never_worse_than_one_backend_for_all() -> None:
+    """Per-table contributions assume table-wise tables balance; one big table does not, so the choice
+    falls back to the best single backend when that step is faster."""
+    model = CostModel(load_profile(), world_size=2, batch_per_rank=8192, mode="graph")
+    tables = [TableLoad("big", 10_000_000, 256, [1.0])]
+    choice = model.choose(tables)
+    assert model.plan_ms(tables, choice) <= min(model.step_ms(tables, b) for b in model.backends) + 1e-12
+
+
+def test_merge_refuses_results_of_different_machines() -> None:
+    from torchrec_pgas.planner.calibrate import merge
+
+    meta = {"presets": ["s004"], "commit": "a", "date": "d", "world_size": 2, "device": "GPU"}
+    merged = merge([{"meta": meta, "rows": [1]}, {"meta": {**meta, "commit": "b", "presets": ["x"]}, "rows": [2]}])
+    assert merged["meta"]["commit"] == "a+b" and merged["meta"]["presets"] == ["s004", "x"] and merged["rows"] == [1, 2]
+    with pytest.raises(ValueError, match="different machines"):
+        merge([{"meta": meta, "rows": []}, {"meta": {**meta, "world_size": 4}, "rows": []}])
