@@ -56,6 +56,16 @@ def _pooling_label(row: Row) -> str:
     return f"L={row['pooling']}" if row["pooling_dist"] == "fixed" else f"L~U[1,{row['pooling']}]"
 
 
+def _log_log(ax: Any, xlabel: str, ylabel: str) -> None:
+    """Log-log axes with labels, a grid and the legend (set formatters after: the scale resets them)."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
 def _figure(meta: Dict[str, Any], what: str, size: Tuple[float, float]) -> Figure:
     """A constrained-layout figure whose title says which machine and commit produced the numbers."""
     fig = Figure(figsize=size, layout="constrained")
@@ -143,13 +153,8 @@ def crossover(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     if cross:
         ax.annotate(f"stock catches up\nat ~{EngFormatter(unit='B', places=1)(cross[0])}", cross, xytext=(-90, 40),
                     textcoords="offset points", arrowprops={"arrowstyle": "->"})
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    _log_log(ax, "bytes over NVLink per GPU per step", "p50 (ms)")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
-    ax.set_xlabel("bytes over NVLink per GPU per step")
-    ax.set_ylabel("p50 (ms)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
     return fig
 
 
@@ -271,13 +276,8 @@ def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
         if pts:
             ax.scatter(*zip(*pts), color=COLORS[series], s=14, label=series)
     ax.axhline(1.0, color="k", ls="--", lw=1, label="floor")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    _log_log(ax, "floor (ms)", "achieved fraction of the floor")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%"))
-    ax.set_xlabel("floor (ms)")
-    ax.set_ylabel("achieved fraction of the floor")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
     return fig
 
 
@@ -299,12 +299,7 @@ def planner_scatter(meta: Dict[str, Any], validation: List[Dict[str, str]]) -> O
     hi = max(max(float(v["measured_ms"]), float(v["predicted_ms"])) for v in validation) * 1.5
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="exact")
     ax.fill_between([lo, hi], [lo / 1.2, hi / 1.2], [lo * 1.2, hi * 1.2], color="k", alpha=0.08, label="±20%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured P50 (ms)")
-    ax.set_ylabel("predicted (ms)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    _log_log(ax, "measured P50 (ms)", "predicted (ms)")
     return fig
 
 
