@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import datetime
 import os
-import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -294,12 +293,6 @@ def compare_with_stock(
 # ---- multi-process launcher ------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(
     rank: int, fn: Callable[..., Any], world_size: int, port: int, queue: Any, backend: str, args: Tuple
 ) -> None:
@@ -307,13 +300,9 @@ def _worker(
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         queue.put((rank, fn(rank, world_size, *args)))
     finally:
@@ -328,9 +317,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
+    # The parent serves the rendezvous store on a port the OS picks and holds it until the ranks
+    # end: no window in which another process can take the port (a free-port probe has one).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp.start_processes(
         _worker,
-        args=(fn, world_size, _free_port(), queue, backend, args),
+        args=(fn, world_size, store.port, queue, backend, args),
         nprocs=world_size,
         start_method="spawn",
     )
