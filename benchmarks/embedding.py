@@ -68,7 +68,6 @@ from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_e
 from torchrec_pgas.embeddingbag import pgas_lookups
 from torchrec_pgas.layout import RwLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
-from torchrec_pgas.sharding.device_pipeline import DevicePipeline
 from torchrec_pgas.testing import fill_embeddings_
 
 @dataclasses.dataclass(frozen=True)
@@ -428,16 +427,6 @@ def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
 # ---- one workload -------------------------------------------------------------------
 
 
-def set_dist_warps(dmp: DistributedModelParallel, dist_warps: int) -> bool:
-    """Run the GPU pipelines overlapped with ``dist_warps`` distributor warps per CTA, or staged (0).
-    Every rank calls it with the same value. False where there is no GPU pipeline (host path)."""
-    pipes = [lk._pipeline for lk in pgas_lookups(dmp) if isinstance(lk._pipeline, DevicePipeline)]
-    for pipe in pipes:
-        pipe.set_dist_warps(dist_warps)
-    return bool(pipes)
-
-
-
 def run_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
                  inputs: List[KeyedJaggedTensor], args: argparse.Namespace, device: torch.device,
                  bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
@@ -462,17 +451,6 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
         "max_abs_err": err,
     }
     row["speedup_eager"] = row["stock_p50_ms"] / row["pgas_p50_ms"]
-    # The same PGAS model with the staged kernels (0) and other distributor-warp counts, eager.
-    sweep: Dict[int, float] = {}
-    for dist_warps in [0] + [d for d in args.dist_warps_sweep if d != args.dist_warps]:
-        if not set_dist_warps(pgas, dist_warps):
-            break
-        sweep[dist_warps] = p50(time_steps(lambda i: pgas(inputs[i % n]).values(), args.steps, args.warmup, device))
-        check_errors(pgas)
-    set_dist_warps(pgas, args.dist_warps)
-    row["pgas_dist_warps"] = args.dist_warps
-    row["pgas_staged_p50_ms"] = sweep.pop(0, None)
-    row["pgas_p50_ms_by_dist_warps"] = sweep
     if device.type == "cuda" and not args.no_graph:
         run = graphed(pgas, inputs)
         for i in range(n):
@@ -482,10 +460,7 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
         row.update(pgas_graph_p50_ms=p50(t_graph), pgas_graph_p90_ms=p90(t_graph))
         row["speedup_graph"] = row["stock_p50_ms"] / row["pgas_graph_p50_ms"]
     row["stock_stages_ms"] = stage_breakdown(stock, inputs, pair.stock_stages, args.stage_steps, device)
-    # Stages of the staged kernels (the overlapped step has no boundary between index dist and lookup).
-    set_dist_warps(pgas, 0)
     row["pgas_stages_ms"] = stage_breakdown(pgas, inputs, pair.pgas_stages, args.stage_steps, device)
-    set_dist_warps(pgas, args.dist_warps)
     check_errors(pgas)
     hbm, nvlink, nvlink_out = traffic(w, inputs, dist.get_world_size(), args.pair)
     if args.comm_timeline and device.type == "cuda":
@@ -526,8 +501,6 @@ def _flat(row: Dict[str, Any]) -> Dict[str, Any]:
     for side in ("stock", "pgas"):
         for k, v in row.get(f"{side}_stages_ms", {}).items():
             out[f"{side}_stage_{k}_ms"] = v
-    for k, v in row.get("pgas_p50_ms_by_dist_warps", {}).items():
-        out[f"pgas_dist_warps_{k}_p50_ms"] = v
     return out
 
 
@@ -551,12 +524,11 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
     def frac(v: Optional[float]) -> str:
         return "-" if v is None else f"{100 * v:.0f}%"
 
-    lines = [f"{'workload':<42} {'stock p50':>9} {'pgas p50':>9} {'staged':>7} {'graph p50':>9} {'x eager':>7} "
+    lines = [f"{'workload':<42} {'stock p50':>9} {'pgas p50':>9} {'graph p50':>9} {'x eager':>7} "
              f"{'x graph':>7} {'floor':>7} {'roof':>5}"]
     for r in rows:
         lines.append(
             f"{r['preset'] + '/' + r['name']:<42} {ms(r['stock_p50_ms']):>9} {ms(r['pgas_p50_ms']):>9} "
-            f"{ms(r.get('pgas_staged_p50_ms')):>7} "
             f"{ms(r['pgas_graph_p50_ms']):>9} {r['speedup_eager']:>6.2f}x "
             f"{'-' if r['speedup_graph'] is None else format(r['speedup_graph'], '.2f') + 'x':>7} "
             f"{ms(r['floor_ms']):>7} {frac(r['roofline_pgas']):>5}")
@@ -590,11 +562,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
-    parser.add_argument("--chunks", type=int, default=PgasConfig.overlap_chunks, help="PgasConfig.overlap_chunks")
-    parser.add_argument("--dist-warps", type=int, default=PgasConfig.overlap_dist_warps,
-                        help="PgasConfig.overlap_dist_warps (0: staged kernels)")
-    parser.add_argument("--dist-warps-sweep", type=lambda v: [int(x) for x in v.split(",")], default=[],
-                        help="also time the PGAS side with these distributor warps, e.g. 2,3,6 (GPU)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     presets = args.preset or ["quick"]
@@ -625,8 +592,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     with torch.no_grad():
         for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
             ws = list(group)
-            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
-                                overlap_chunks=args.chunks, overlap_dist_warps=args.dist_warps)
+            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key])
             stock = shard_ebc(ws[0], False, args.pair, config, device)
             pgas = shard_ebc(ws[0], True, args.pair, config, device)
             for w in ws:

@@ -29,10 +29,6 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
                const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                const at::Tensor& status, at::IntArrayRef cfg, int64_t batch, int64_t max_dim,
                at::ScalarType out_dtype);
-void rw_step(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
-             const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
-             const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status, at::IntArrayRef cfg,
-             int64_t batch, int64_t max_dim, at::ScalarType out_dtype);
 at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                        const at::Tensor& features, const at::Tensor& col_feature,
                        const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
@@ -65,7 +61,7 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   m.def("put(Tensor(a!) dst, Tensor src, int peer) -> ()");
   m.def("signal(Tensor(a!) word, int value, int peer) -> ()");
   m.def("wait(Tensor pad, Tensor slots, int epoch, int timeout_ns, Tensor(a!) status) -> ()");
-  // pgas_row_wise and pgas_table_wise, staged: one op per stage (see rw_pipeline.cuh for the protocol).
+  // pgas_row_wise and pgas_table_wise, one op per stage (see rw_pipeline.cuh for the protocol).
   // buf/pad: this rank's symmetric buffer and signal pad; peers: int64[2, W]
   // peer addresses; features: int64[F, kFeatureWords] RwFeature rows; state: device
   // scratch; bag_div: MEAN divisors; status: pinned error record; cfg: layout.
@@ -76,11 +72,6 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   m.def(
       "rw_lookup(Tensor(a!) buf, Tensor(b!) pad, Tensor peers, Tensor features, Tensor(c!) state, "
       "Tensor bag_div, Tensor(d!) status, int[] cfg, int batch, int max_dim, ScalarType out_dtype) -> ()");
-  // The overlapped path: index dist and lookup in one kernel (rw_step.cu), then rw_finalize.
-  m.def(
-      "rw_step(Tensor values, Tensor offsets, Tensor? weights, Tensor(a!) buf, Tensor(b!) pad, Tensor peers, "
-      "Tensor features, Tensor(c!) state, Tensor(d!) bag_div, Tensor(e!) status, int[] cfg, int batch, "
-      "int max_dim, ScalarType out_dtype) -> ()");
   m.def(
       "rw_finalize(Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor col_feature, "
       "Tensor(b!) state, Tensor bag_div, Tensor(c!) status, int[] cfg, int batch, ScalarType out_dtype) "
@@ -104,7 +95,6 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
   m.impl("wait", &torchrec_pgas::pgas_wait);
   m.impl("rw_index_dist", &torchrec_pgas::rw_index_dist);
   m.impl("rw_lookup", &torchrec_pgas::rw_lookup);
-  m.impl("rw_step", &torchrec_pgas::rw_step);
   m.impl("rw_finalize", &torchrec_pgas::rw_finalize);
 }
 

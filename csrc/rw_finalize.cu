@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int64_t slot = epoch % p.num_slots;
   if (threadIdx.x < p.world) {
     const int owner = threadIdx.x;
-    if (!wait_epoch(p, p.pad + output_signal(p, owner), epoch, 2, owner)) s_ok = 0;
+    if (!wait_epoch(p, p.pad + kPadHeaderWords + p.world + owner, epoch, 2, owner)) s_ok = 0;
   }
   __syncthreads();
 

@@ -1,6 +1,4 @@
-// Stage 2 (owner), staged path: fused gather + pool + one-sided output write
-// (rw_pool.cuh: the pooling and the checks of everything a peer wrote).
-// Also make_rw_params, the parameter block of every kernel op.
+// Stage 2 (owner): fused gather + pool + one-sided output write.
 //
 // Serves the bags of features [lookup_f_lo, lookup_f_hi): all of them for
 // pgas_row_wise, this owner's tables for pgas_table_wise, whose sources may
@@ -10,15 +8,32 @@
 // Grid (ctas_per_source, W): CTA (x, k) serves source src = (rank + 1 + k) % W,
 // so the remote sources' CTAs are scheduled first and the local source pads
 // the tail (communication-aware ordering: the bytes that must cross NVLink
-// leave first). Thread 0 waits for the source's index slot (acquire) and checks
-// its header; the CTA then pools its share of the source's bags.
+// leave first). Thread 0 waits for the source's index slot (acquire), checks
+// its header, then groups of G lanes pool one bag each: G = dim_max / 4 rounded
+// up to a power of two (16 for dim 64), every lane owns 4 columns of the row
+// (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
+// (coalesced, bounds-checked once), the next chunk prefetched while this one
+// is pooled; each row index is then broadcast with a shuffle and kRowsInFlight
+// row loads are issued before their sums, so a group keeps 8 rows (2 KiB at
+// dim 64) in flight without a dependent load between them. The pooled vector
+// is stored straight into the requester's output block [slot][owner = rank],
+// at row b and the feature's column: its final layout, no unpack.
+//
+// A source whose signal arrived is checked for a batch mismatch even when a
+// peer has aborted the step: both ranks of a mismatch abort each other, and
+// each must report the mismatch (record_error ranks it above the abort).
+//
+// Everything read from the index block came from a peer and decides an
+// address: spans are checked against nnz <= C and rows against the shard's
+// local rows before any load. On a bad header or a batch mismatch the source
+// is skipped but still signalled (and aborted), so no rank ever hangs.
 //
 // Completion per source: fence + done counter; the last CTA of the source
 // stores the epoch into the requester's output slot (st.release.sys).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
-#include "rw_pool.cuh"
+#include "rw_pipeline.cuh"
 
 namespace torchrec_pgas {
 
@@ -54,17 +69,10 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   p.lookup_f_lo = static_cast<int32_t>(cfg[18]);
   p.lookup_f_hi = static_cast<int32_t>(cfg[19]);
   p.variable_batch = static_cast<int32_t>(cfg[20]);
-  p.chunks = static_cast<int32_t>(cfg[21]);
-  p.dist_warps = static_cast<int32_t>(cfg[22]);
-  p.trace = static_cast<int32_t>(cfg[23]);
+  p.trace = static_cast<int32_t>(cfg[21]);
   TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
-  TORCH_CHECK(p.chunks >= 1 && p.chunks <= kMaxChunks && p.dist_warps >= 0 && p.dist_warps <= 8,
-              "pgas: ", p.chunks, " chunks (1..", kMaxChunks, ") and ", p.dist_warps,
-              " distributor warps per CTA (0..8) (PgasConfig)");
-  TORCH_CHECK(pad.numel() >= kPadHeaderWords + (p.chunks + 1) * p.world, "pgas: signal pad of ", pad.numel(),
-              " words is too small for ", p.chunks, " chunks");
   TORCH_CHECK(peers.numel() == 2 * p.world && features.numel() == kFeatureWords * p.num_features &&
                   state.numel() >= kStateWords &&
                   bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
@@ -94,6 +102,105 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
 
 namespace {
 
+constexpr int kThreads = 256;
+
+// 4 consecutive elements of a row of this rank's shard, widened to fp32
+// (read-only for the whole kernel: the non-coherent path is fine). fp16 is the
+// other weight dtype (FBGEMM 1.6's training TBE rejects bf16 weights).
+template <typename w_t>
+__device__ __forceinline__ float4 load4_nc(const uint8_t* p);
+template <>
+__device__ __forceinline__ float4 load4_nc<float>(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const float4*>(p));
+}
+template <>
+__device__ __forceinline__ float4 load4_nc<__half>(const uint8_t* p) {
+  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(p)));
+}
+
+constexpr int kRowsInFlight = 8;
+// 16 warps per SM with 8 rows in flight each and no spills (3 blocks spilled and
+// measured no faster on s000, benchmarks/NOTES.md).
+constexpr int kMinBlocks = 2;
+
+// Out of line: the error path must not cost the hot loop registers.
+__device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_pads, int rank, int src,
+                                            int what) {
+  RwParams q;
+  q.state = state;
+  q.peer_pads = peer_pads;
+  q.rank = rank;
+  record_error(q, kErrCorrupt, src, what);
+  abort_peer(q, src);
+}
+
+// One chunk of a bag's ids: lane g holds id g of the chunk (or -1 past the end
+// or when out of the shard's rows) and, if weighted, its per-sample weight.
+// A row outside the shard (it came from a peer and decides a load address)
+// sets `bad`; the CTA reports it once, after its bags.
+template <typename row_t, bool kWeighted>
+__device__ __forceinline__ void load_ids(const row_t* ids, const float* weights, int left, int g_lane,
+                                         row_t local_rows, row_t& row, float& w, bool& bad) {
+  row = -1;
+  w = 0.f;
+  if (g_lane < left) {
+    row = __ldcg(ids + g_lane);
+    if (kWeighted) w = __ldcg(weights + g_lane);
+    if (row < 0 || row >= local_rows) {
+      bad = true;
+      row = -1;
+    }
+  }
+}
+
+// The partial pool in the TBE's output dtype (a uniform branch, once per bag).
+__device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind, float4 v) {
+  if (out_kind == 0) {
+    store4(reinterpret_cast<float*>(out) + i, v);
+  } else if (out_kind == 1) {
+    store4(reinterpret_cast<c10::Half*>(out) + i, v);
+  } else {
+    store4(reinterpret_cast<c10::BFloat16*>(out) + i, v);
+  }
+}
+
+// Pools one bag (this lane's 4 columns at byte offset `col_off`), whose first
+// chunk of ids (`first_row`, `first_w`: load_ids of the bag's start) the caller
+// loaded ahead. Straight-line inner loop: an id past the bag's end or out of the
+// shard's rows becomes row 0 with weight 0, so every row load issues
+// unconditionally, kRowsInFlight of them before their sums.
+template <typename w_t, typename row_t, bool kWeighted>
+__device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
+                                           const float* bag_w, int n, int G, int g_lane, unsigned gmask,
+                                           row_t local_rows, row_t first_row, float first_w, bool& bad) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  row_t next_row = first_row;
+  float next_w = first_w;
+  for (int j0 = 0; j0 < n; j0 += G) {
+    const row_t my_row = next_row < 0 ? 0 : next_row;
+    const float my_w = next_row < 0 ? 0.f : (kWeighted ? next_w : 1.f);
+    if (j0 + G < n) {
+      load_ids<row_t, kWeighted>(bag_ids + j0 + G, kWeighted ? bag_w + j0 + G : nullptr, n - j0 - G, g_lane,
+                                 local_rows, next_row, next_w, bad);
+    }
+    const int cnt = min(G, n - j0);
+    for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
+      float4 v[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const row_t r = __shfl_sync(gmask, my_row, (u0 + u) & (G - 1), G);
+        v[u] = load4_nc<w_t>(table + static_cast<int64_t>(r) * row_bytes + col_off);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const float w = __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G);
+        fma4(acc, u0 + u < cnt ? w : 0.f, v[u]);
+      }
+    }
+  }
+  return acc;
+}
+
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
@@ -106,9 +213,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
   const int src = (p.rank + 1 + k) % p.world;
   if (threadIdx.x == 0) {
     const int64_t epoch = p.state[kCtrLookup] + 1;
-    int64_t chunk_bags;
-    s_ok = check_source(p, src, epoch, p.pad + index_signal(p, 0, src), s_nnz, s_batch, chunk_bags);
+    const int64_t slot = epoch % p.num_slots;
+    const int64_t* header = reinterpret_cast<const int64_t*>(p.buf + index_block(p, slot, src));
+    const int64_t* signal = p.pad + kPadHeaderWords + src;
+    int ok = wait_epoch(p, signal, epoch, 1, src);
+    if (ld_acquire_sys(signal) >= epoch) {
+      const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
+      if (!p.variable_batch && h_batch != p.batch) {
+        record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
+        ok = 0;
+      } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
+        record_error(p, kErrCorrupt, src, 0);
+        ok = 0;
+      }
+    }
+    if (!ok) abort_peer(p, src);
     s_epoch = epoch;
+    s_nnz = ok ? __ldcg(header + 2) : 0;  // the values checked above
+    s_batch = ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
+    s_ok = ok;
   }
   __syncthreads();
   const int64_t epoch = s_epoch;
@@ -116,26 +239,94 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
 
   if (s_ok) {
     const uint8_t* block = p.buf + index_block(p, slot, src);
-    // 32-bit bag and id positions (make_rw_params checks F * Bmax and C < 2^31).
-    const SourceBlock<row_t> s{
-        reinterpret_cast<const int64_t*>(block + p.offsets_off),
-        reinterpret_cast<const int32_t*>(block + p.lengths_off),
-        reinterpret_cast<const row_t*>(block + p.ids_off),
-        kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr,
-        reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank),
-        static_cast<int>(s_nnz), static_cast<int>(s_batch)};
+    const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
+    const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
+    const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
+    const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
+    uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
+
     const int G = group_lanes;
     const int groups_per_cta = kThreads / G;
     const int group = threadIdx.x / G;
     const int g_lane = threadIdx.x % G;
     // The group's lanes within the warp (shuffles stay inside the group).
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
+    // 32-bit bag and id positions (make_rw_params checks F * Bmax and C < 2^31).
+    const int nnz = static_cast<int>(s_nnz);
+    const int batch = static_cast<int>(s_batch);
     // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
-    const int bag_end = p.lookup_f_hi * s.batch;
+    const int bag_end = p.lookup_f_hi * batch;
+    const bool remote = src != p.rank;
     bool bad = false, bad_span = false;
-    for (int bag = p.lookup_f_lo * s.batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
-         bag += gridDim.x * groups_per_cta) {
-      pool_one_bag<row_t, kWeighted, kTrace>(p, s, bag, G, g_lane, gmask, out_kind, src != p.rank, bad, bad_span);
+    // Software pipeline, one bag ahead: the next bag's span loads while this bag is
+    // pooled, and its first chunk of ids once this bag's rows are summed, so a bag
+    // waits for its rows only (short bags were bound by the span -> ids -> rows chain).
+    const int stride = gridDim.x * groups_per_cta;
+    int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group;
+    int64_t next_begin = 0;
+    int next_n = 0;
+    if (bag < bag_end) {
+      next_begin = __ldcg(offsets + bag);
+      next_n = __ldcg(lengths + bag);
+    }
+    // A span decides addresses: inside [0, nnz] before any id of it is read.
+    const auto span_ok = [nnz](int64_t begin, int n) {
+      return begin >= 0 && begin <= nnz && n >= 0 && n <= nnz - begin;
+    };
+    row_t next_row = -1;
+    float next_w = 0.f;
+    bool next_loaded = false;
+    for (; bag < bag_end; bag += stride) {
+      const int64_t begin = next_begin;
+      const int n = next_n;
+      row_t first_row = next_row;
+      float first_w = next_w;
+      const bool loaded = next_loaded;
+      const int after = bag + stride;
+      if (after < bag_end) {
+        next_begin = __ldcg(offsets + after);
+        next_n = __ldcg(lengths + after);
+      }
+      next_loaded = false;
+      const int f = bag / batch;
+      const RwFeature& feat = p.features[f];
+      if (!span_ok(begin, n)) {
+        bad_span = true;  // this bag's output is not written
+        continue;
+      }
+      const row_t* bag_ids = ids + begin;
+      const float* bag_w = kWeighted ? weights + begin : nullptr;
+      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
+      const bool f32 = feat.dtype == kF32;
+      const row_t local_rows = static_cast<row_t>(feat.local_rows);
+      if (!loaded) load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, local_rows, first_row, first_w, bad);
+      const int dim = static_cast<int>(feat.dim);
+      const int row_bytes = dim * (f32 ? 4 : 2);
+      for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
+        const int col = col0 + 4 * g_lane;
+        const bool col_ok = col < dim;
+        const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
+        const float4 acc =
+            f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                    gmask, local_rows, first_row, first_w, bad)
+                : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                     gmask, local_rows, first_row, first_w, bad);
+        float4 v = acc;
+        if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
+          const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
+          v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+        }
+        const int b = bag - f * batch;
+        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
+      }
+      if (after < bag_end && span_ok(next_begin, next_n)) {
+        load_ids<row_t, kWeighted>(ids + next_begin, kWeighted ? weights + next_begin : nullptr, next_n, g_lane,
+                                   static_cast<row_t>(p.features[after / batch].local_rows), next_row, next_w, bad);
+        next_loaded = true;
+      }
+      if constexpr (kTrace) {
+        if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
+      }
     }
     // Reported once per lane, before this CTA counts as done (so before the signal).
     if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
@@ -145,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
   if (threadIdx.x == 0) {
     if (last_to_arrive(p.state + kDoneSrc + k, gridDim.x)) {
       int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[src]);
-      st_release_sys(peer_pad + output_signal(p, p.rank), epoch);
+      st_release_sys(peer_pad + kPadHeaderWords + p.world + p.rank, epoch);
     }
     if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
       p.state[kCtrLookup] = epoch;
@@ -180,8 +371,11 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
                at::ScalarType out_dtype) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
   TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "rw_lookup: dims must be multiples of 4, got ", max_dim);
-  const int group_lanes = pool_group_lanes(max_dim);
-  const int out_kind = out_kind_of(out_dtype);
+  int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
+  while (group_lanes < 32 && group_lanes * 4 < max_dim) group_lanes *= 2;
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
+              "rw_lookup: output dtype must be float32, float16 or bfloat16");
+  const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (p.id_bytes == 4) {
     p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)

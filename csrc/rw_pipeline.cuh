@@ -12,7 +12,7 @@
 // of truth for the offsets, passed in as RwParams):
 //
 //   index region   [slot][src] blocks, written by requester `src`
-//     header   int64[4]         epoch, local batch B, nnz, bags per chunk (0: staged)
+//     header   int64[4]         epoch, local batch B, nnz, reserved
 //     offsets  int64[F*Bmax+1]  the requester's own CSR offsets of its bags
 //     lengths  int32[F*Bmax]    ids of bag fb that this owner holds
 //     ids      row_t[C]         local rows, packed at the start of each bag's span;
@@ -22,34 +22,14 @@
 //     partial  out_t[Bmax][D]   the owner's partial pool of every bag, final layout
 //
 // slot = epoch % num_slots. Signal pad (int64): [0] abort word, [1..31] abort
-// reason, then (C + 1) * W epoch slots: index slot [chunk][src] (requester ->
-// owner, C = cfg chunks) and output slot C * W + owner (owner -> requester).
+// reason, then 2W epoch slots: index slot `src` (requester -> owner) and
+// output slot `W + owner` (owner -> requester).
 //
-// Synchronization protocol. Two paths run the same layout:
-//
-// Overlapped (cfg dist_warps > 0; rw_step.cu), one step = two
-// kernels on the current stream:
-//   step (both roles in one persistent kernel): the requester's bags are cut
-//     into C chunks of whole tiles. The first dist_warps warps of every CTA
-//     claim tiles in order from a counter and distribute them (rw_dist.cuh);
-//     per chunk, the warp that finishes its last tile fences, writes the header
-//     (with the chunk size in bags) and stores the epoch into index slot
-//     [chunk][rank] of every owner (st.release.sys). Every warp (distributors
-//     once the tiles run out) then sweeps the stripes (chunk, source) in chunk
-//     order, remote sources first: waits (ld.acquire.sys) for the stripe's
-//     signal, claims bags of it from a per-stripe counter and pools them into
-//     the requester's output block. Leaving a stripe counts on a per-source
-//     counter (after a fence if the warp wrote); the last of all warps' C
-//     visits stores the epoch into the requester's output slot. Pooling of
-//     chunk c runs while chunk c + 1 is distributed. Distribution never waits,
-//     and every CTA has distributor warps, so the kernel finishes even when only
-//     part of its grid is resident.
-//   finalize: as below.
-// Staged (cfg dist_warps == 0, and the comm-timeline builds), three kernels:
+// Synchronization protocol, one step = three kernels on the current stream:
 //   index_dist (requester): every CTA stores ids/lengths/offsets straight into
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
-//     the epoch into every owner's index slot [0][rank] (st.release.sys).
+//     the epoch into every owner's index slot (st.release.sys).
 //   lookup (owner): CTA (x, k) serves source (rank + 1 + k) % W, so remote
 //     sources are scheduled first and the local one last; thread 0 spins
 //     (ld.acquire.sys) on that source's index slot, the CTA pools its share of
@@ -58,13 +38,13 @@
 //     requester's output slot.
 //   finalize (requester): W threads spin on the W output slots, then the CTA
 //     sums the partials in rank order (and divides MEAN bags) into the output.
-// The kernels keep device-side epoch counters (state[kCtr*]), read by every CTA
-// at entry and advanced by the stage's last CTA; finalize reads the lookup's. No
-// host value changes between steps, so the launches can be captured in a CUDA
-// graph. Waits give up after `timeout_ns` or when the pad's abort word is set
-// (checked again once the signal has arrived); errors go to a device record
-// that finalize copies to pinned host memory. A rank that skips a source's data
-// aborts that source before signalling it.
+// index_dist and lookup keep device-side epoch counters (state[kCtr*]), read
+// by every CTA at entry and advanced by the stage's last CTA; finalize reads
+// the lookup's. No host value changes between steps, so the three launches can
+// be captured in a CUDA graph. Waits give up after `timeout_ns` or when the
+// pad's abort word is set (checked again once the signal has arrived); errors
+// go to a device record that finalize copies to pinned host memory. A rank
+// that skips a source's data aborts that source before signalling it.
 #pragma once
 
 #include <cstdint>
@@ -79,9 +59,8 @@
 namespace torchrec_pgas {
 
 constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
-constexpr int kCfgEntries = 24;  // the layout config list (layout.py: RwLayout.kernel_config)
+constexpr int kCfgEntries = 22;  // the layout config list (layout.py: RwLayout.kernel_config)
 constexpr int kMaxWorld = 64;
-constexpr int kMaxChunks = 16;  // layout.MAX_CHUNKS
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
 enum WeightDtype : int32_t { kF32 = 0, kF16 = 1 };
@@ -118,13 +97,7 @@ enum StateWord : int {
   kTraceCap = 14,
   kTraceBytes = 15,
   kDoneSrc = 16,  // + k for the k-th source of the lookup grid
-  // The overlapped step kernel's counters (reset by the warp or CTA that finishes with them).
-  kTileNext = kDoneSrc + kMaxWorld,  // next tile to distribute
-  kChunkDone = kTileNext + 1,  // + c: tiles of chunk c distributed
-  kSrcExit = kChunkDone + kMaxChunks,  // + k: warps' stripe visits of the k-th source done
-  kSrcDead = kSrcExit + kMaxWorld,  // + k: the k-th source failed its wait or header check
-  kStripeNext = kSrcDead + kMaxWorld,  // + c * W + k: next bag of stripe (chunk c, source k)
-  kStateWords = kStripeNext + kMaxChunks * kMaxWorld,
+  kStateWords = 16 + kMaxWorld,
 };
 
 // One row per feature of the sharding, in sharding feature order (int64[kFeatureWords]).
@@ -161,8 +134,6 @@ struct RwParams {
   int32_t rank, world, weighted, bounds_mode, id_bytes;
   int32_t lookup_f_lo, lookup_f_hi;  // the features whose rows this rank holds
   int32_t variable_batch;  // 1: each source's batch comes from its header (TW)
-  int32_t chunks;  // C: index slots per source in the pad; chunks of the overlapped step
-  int32_t dist_warps;  // distributor warps per CTA of the overlapped step (0: staged path)
   int32_t trace;  // 1: launch the comm-timeline builds of the kernels
   int64_t batch, nnz;  // this step, this rank
 };
@@ -175,26 +146,8 @@ __device__ __forceinline__ int64_t output_block(const RwParams& p, int64_t slot,
   return p.output_region_off + (slot * p.world + owner) * p.output_block_bytes;
 }
 
-__device__ __forceinline__ int64_t index_signal(const RwParams& p, int chunk, int src) {
-  return kPadHeaderWords + chunk * p.world + src;
-}
-
-__device__ __forceinline__ int64_t output_signal(const RwParams& p, int owner) {
-  return kPadHeaderWords + static_cast<int64_t>(p.chunks) * p.world + owner;
-}
-
 __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// This rank's index block header in one owner's copy (`dst`), and the final CSR offset.
-__device__ __forceinline__ void write_header(const RwParams& p, uint8_t* dst, int64_t epoch, int64_t chunk_bags) {
-  int64_t* header = reinterpret_cast<int64_t*>(dst);
-  header[0] = epoch;
-  header[1] = p.batch;
-  header[2] = p.nnz;
-  header[3] = chunk_bags;
-  reinterpret_cast<int64_t*>(dst + p.offsets_off)[p.num_features * p.batch] = p.nnz;
 }
 
 // Which record a step keeps: a cause beats a consequence. A WARNING-mode bad id
@@ -232,7 +185,6 @@ __device__ __forceinline__ bool wait_epoch(const RwParams& p, const int64_t* slo
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(slot) < epoch) {
     if (ld_volatile(p.pad) != 0) break;
-    __nanosleep(64);  // leave the issue slots to the warps with work (overlapped step)
     if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
       record_error(p, kErrTimeout, stage, peer);
       return false;

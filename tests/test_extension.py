@@ -25,7 +25,7 @@ def test_built_for_hopper_with_device_link() -> None:
     assert b"-arch sm_90a" in blob  # TORCH_CUDA_ARCH_LIST=9.0a, device-linked
     assert b"nvshmem_device" in blob  # NVSHMEM device library linked in (-rdc + dlink)
     for kernel in (b"put_kernel", b"signal_kernel", b"wait_kernel", b"rw_index_dist_kernel", b"rw_lookup_kernel",
-                   b"rw_step_kernel", b"rw_finalize_kernel"):
+                   b"rw_finalize_kernel"):
         assert kernel in blob
 
 
@@ -46,7 +46,7 @@ def test_ops_registered() -> None:
 @needs_ext
 def test_dispatch_keys_and_meta_impl() -> None:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    for op in ("put", "signal", "wait", "free", "rw_index_dist", "rw_lookup", "rw_step", "rw_finalize"):
+    for op in ("put", "signal", "wait", "free"):
         assert has(f"torchrec_pgas::{op}", "CUDA"), op
     assert has("torchrec_pgas::alloc", "Meta")
     meta = torch.ops.torchrec_pgas.alloc.default.redispatch(

@@ -231,56 +231,6 @@ def test_1000_back_to_back_steps() -> None:
     assert run_distributed(_back_to_back, WORLD, 1000, backend="nccl") == [20] * WORLD
 
 
-# ---- the overlapped step against the staged kernels ----------------------------------------
-
-
-def _overlap_vs_staged(rank: int, world: int, kind: str) -> int:
-    """Steps big enough for several chunks (up to 16) and concurrent distribution and pooling: the
-    overlapped step with 1, 4 and 8 distributor warps must equal the staged kernels bit for bit
-    (same per-bag pooling order), SUM and MEAN, weighted and not."""
-    from torchrec_pgas.embeddingbag import pgas_lookups
-
-    dev = _device(rank)
-    rnd = random.Random(5)
-
-    def tables(prefix: str, n: int, weighted: bool) -> List[EmbeddingBagConfig]:
-        return [EmbeddingBagConfig(
-            name=f"{prefix}{i}", num_embeddings=rnd.randint(world, 3000), embedding_dim=rnd.choice([8, 16, 64]),
-            feature_names=[f"{prefix}{i}f"],
-            pooling=PoolingType.SUM if weighted else rnd.choice([PoolingType.SUM, PoolingType.MEAN]),
-        ) for i in range(n)]
-
-    model = TwoEbcModel(tables("t", 16, False), tables("w", 4, True), seed=3)
-    batch = 8192
-    pgas = shard(model, _types(model, kind, world), dist.group.WORLD, dev,
-                 PgasConfig(max_local_batch_size=batch, avg_pooling_capacity=10, overlap_chunks=16, wait_timeout_s=20))
-    pipes = [lk._pipeline for lk in pgas_lookups(pgas)]
-    gen = seeded(7 + rank)
-    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
-    inputs = [(random_kjt(t, batch, gen, 16).to(dev), random_kjt(w, batch, gen, 16, weighted=True).to(dev))
-              for _ in range(2)]
-    checked = 0
-    with torch.no_grad():
-        for x in inputs:
-            for pipe in pipes:
-                pipe.set_dist_warps(0)
-            ref = {k: v.clone() for k, v in pgas(*x).items()}
-            for dist_warps in (1, 4, 8):
-                for pipe in pipes:
-                    pipe.set_dist_warps(dist_warps)
-                got = pgas(*x)
-                for k in ref:
-                    assert torch.equal(got[k], ref[k]), f"{kind} dist_warps {dist_warps} {k}"
-                checked += 1
-        check_errors(pgas)
-    return checked
-
-
-@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
-def test_overlapped_step_matches_staged_kernels(kind: str) -> None:
-    assert run_distributed(_overlap_vs_staged, WORLD, kind, backend="nccl") == [6] * WORLD
-
-
 # ---- bad input ---------------------------------------------------------------------------
 
 

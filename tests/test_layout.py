@@ -8,15 +8,15 @@ import torch
 from torchrec_pgas.layout import RwLayout, divisor_magic, id_bytes_for
 
 
-@pytest.mark.parametrize("world,features,batch,cap,dim,weighted,id_bytes,chunks", [
-    (2, 1, 1, 1, 4, False, 8, 1),
-    (3, 5, 7, 33, 36, True, 4, 8),
-    (8, 26, 4096, 1 << 20, 26 * 64, True, 4, 16),
+@pytest.mark.parametrize("world,features,batch,cap,dim,weighted,id_bytes", [
+    (2, 1, 1, 1, 4, False, 8),
+    (3, 5, 7, 33, 36, True, 4),
+    (8, 26, 4096, 1 << 20, 26 * 64, True, 4),
 ])
 def test_blocks_are_disjoint_aligned_and_in_bounds(
-    world: int, features: int, batch: int, cap: int, dim: int, weighted: bool, id_bytes: int, chunks: int
+    world: int, features: int, batch: int, cap: int, dim: int, weighted: bool, id_bytes: int
 ) -> None:
-    lay = RwLayout(world, features, batch, cap, dim, weighted, id_bytes=id_bytes, chunks=chunks)
+    lay = RwLayout(world, features, batch, cap, dim, weighted, id_bytes=id_bytes)
     spans = []
     for slot, peer in itertools.product(range(lay.num_slots), range(world)):
         i = lay.index_block(slot, peer)
@@ -33,12 +33,8 @@ def test_blocks_are_disjoint_aligned_and_in_bounds(
     assert spans[0][0] == 0 and spans[-1][1] == lay.nbytes
     for start, _ in spans:
         assert start % 16 == 0
-    # Every (chunk, source) index slot and every output slot is its own pad word.
-    signals = [lay.index_signal(p, c) for p in range(world) for c in range(chunks)]
-    signals += [lay.output_signal(p) for p in range(world)]
-    assert sorted(signals) == list(range(lay.num_signal_slots))
-    cfg = lay.kernel_config(timeout_ns=1, rank=0, bounds_mode=0, dist_warps=3)
-    assert (cfg[21], cfg[22], cfg[-1]) == (chunks, 3, 0)  # make_rw_params: chunks, dist_warps, trace
+    assert len({lay.index_signal(p) for p in range(world)} | {lay.output_signal(p) for p in range(world)}) == 2 * world
+    assert max(lay.output_signal(p) for p in range(world)) < lay.num_signal_slots
 
 
 def test_ids_are_int32_unless_a_shard_needs_64_bits() -> None:

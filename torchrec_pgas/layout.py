@@ -20,9 +20,8 @@ own offsets and packs this owner's ids at the start of the bag's span, which
 needs no scan across bags.
 
 ``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
-lookup). The signal pad holds ``chunks`` index slots and one output slot per
-peer; peers store the epoch there after the block (or, on the GPU's overlapped
-step, chunk ``c`` of its bags) is complete. The host backends use chunk 0.
+lookup). The signal pad holds one index slot and one output slot per peer;
+peers store the epoch there after the block is complete.
 
 ``pgas_table_wise`` uses the same layout with whole-table row ids. On the
 host path an index block holds only the features of its owner's tables, and an
@@ -39,7 +38,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 _ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
-MAX_CHUNKS = 16  # csrc/rw_pipeline.cuh: kMaxChunks
 
 
 def _align(n: int) -> int:
@@ -78,7 +76,6 @@ class RwLayout:
     id_bytes: int = 8  # 4: local rows as int32 (half the index bytes on NVLink)
     num_slots: int = 2
     max_output_bytes: int = 4  # partials are stored in the TBE output dtype
-    chunks: int = 1  # index signal slots per peer (PgasConfig.overlap_chunks)
 
     header_off: int = 0
     offsets_off: int = 32
@@ -113,7 +110,7 @@ class RwLayout:
 
     @property
     def num_signal_slots(self) -> int:
-        return (self.chunks + 1) * self.world_size
+        return 2 * self.world_size
 
     @property
     def id_dtype(self) -> torch.dtype:
@@ -121,13 +118,12 @@ class RwLayout:
 
     def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int,
                       lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False,
-                      dist_warps: int = 0, trace: bool = False) -> List[int]:
+                      trace: bool = False) -> List[int]:
         """The int list every kernel op takes (RwParams, csrc/rw_lookup.cu: make_rw_params).
 
         ``lookup_features``: the features whose rows this rank holds (all, for row-wise);
         ``variable_batch``: owners take each source's batch from its header (table-wise);
-        ``dist_warps``: distributor warps per CTA of the overlapped step (0: staged kernels);
-        ``trace``: launch the kernels' comm-timeline builds (the last entry).
+        ``trace``: launch the kernels' comm-timeline builds.
         """
         f_lo, f_hi = lookup_features if lookup_features is not None else (0, self.num_features)
         return [
@@ -135,7 +131,7 @@ class RwLayout:
             self.offsets_off, self.lengths_off, self.ids_off, self.weights_off,
             self.num_slots, self.max_batch, self.ids_capacity, self.dim_sum, self.num_features,
             timeout_ns, rank, self.world_size, int(self.weighted), bounds_mode, self.id_bytes,
-            f_lo, f_hi, int(variable_batch), self.chunks, dist_warps, int(trace),
+            f_lo, f_hi, int(variable_batch), int(trace),
         ]
 
     def index_block(self, slot: int, src: int) -> int:
@@ -144,8 +140,8 @@ class RwLayout:
     def output_block(self, slot: int, owner: int) -> int:
         return self.output_region_off + (slot * self.world_size + owner) * self.output_block_bytes
 
-    def index_signal(self, src: int, chunk: int = 0) -> int:
-        return chunk * self.world_size + src
+    def index_signal(self, src: int) -> int:
+        return src
 
     def output_signal(self, owner: int) -> int:
-        return self.chunks * self.world_size + owner
+        return self.world_size + owner

@@ -6,8 +6,6 @@ from typing import Any, Dict, Optional
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
-from torchrec_pgas.layout import MAX_CHUNKS
-
 PGAS_ROW_WISE: str = "pgas_row_wise"
 """Row-wise sharding whose index dist and output dist are one-sided PGAS puts."""
 
@@ -46,20 +44,12 @@ class PgasConfig:
             covers.
         wait_timeout_s: how long a rank waits for a peer's signal before it
             raises (a peer that crashed or diverged must not hang the job).
-        overlap_chunks: on GPUs, each rank's bags are distributed in up to this
-            many chunks, and owners pool chunk c while chunk c + 1 is still being
-            distributed (1..16).
-        overlap_dist_warps: of each CTA's 8 warps, how many distribute indices
-            before they pool (1..8); 0 runs the staged kernels instead (index
-            dist, lookup, finalize; no overlap). Results are bit-identical.
     """
 
     max_local_batch_size: int = 4096
     max_ids_per_rank: Optional[int] = None
     avg_pooling_capacity: int = 32
     wait_timeout_s: float = 120.0
-    overlap_chunks: int = 8
-    overlap_dist_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.max_local_batch_size <= 0:
@@ -76,10 +66,6 @@ class PgasConfig:
             )
         if self.wait_timeout_s <= 0:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
-        if not 1 <= self.overlap_chunks <= MAX_CHUNKS:
-            raise ValueError(f"PgasConfig.overlap_chunks must be in [1, {MAX_CHUNKS}], got {self.overlap_chunks}")
-        if not 0 <= self.overlap_dist_warps <= 8:
-            raise ValueError(f"PgasConfig.overlap_dist_warps must be in [0, 8], got {self.overlap_dist_warps}")
 
     def ids_capacity(self, num_features: int) -> int:
         if self.max_ids_per_rank is not None:

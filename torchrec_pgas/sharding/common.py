@@ -98,7 +98,6 @@ class PgasPipeline:
             dim_sum=block_dim_sum,
             weighted=is_weighted,
             id_bytes=id_bytes_for(shard_rows),
-            chunks=config.overlap_chunks,
         )
         self.rt = pgas_runtime.init(env.process_group, device=device, heap_hint=self.layout.nbytes)
         self.rank = self.rt.rank

@@ -3,18 +3,15 @@
 Table-wise is the one-owner case of row-wise (``csrc/rw_pipeline.cuh``): a
 row-wise table is W row blocks of ``ceil(N/W)`` rows on ranks ``0..W-1``, a
 table-wise table one block of N rows on its owner. ``DevicePipeline`` describes
-each feature that way (``FeatureOwners``) and launches the same kernels per
-step on the current stream, whatever the number of tables: no host sync, graph
-capturable. By default that is two kernels, the overlapped step (index dist and
-lookup in one kernel, the distribution of chunk c + 1 under the gather of chunk
-c) and the finalize; ``PgasConfig(overlap_dist_warps=0)`` runs the three staged
-kernels (index dist, lookup, finalize), whose results are bit-identical.
+each feature that way (``FeatureOwners``) and launches the same three kernels
+per step (index dist, fused lookup, finalize) on the current stream, whatever
+the number of tables: no host sync, graph capturable.
 """
 
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -34,7 +31,7 @@ from torchrec_pgas.types import (
 
 # Error codes of the device record (csrc/rw_pipeline.cuh, ErrorCode).
 _ERR_BAD_ID, _ERR_BATCH, _ERR_TIMEOUT, _ERR_ABORT, _ERR_CORRUPT, _ERR_BAD_ID_WARN = 1, 2, 3, 4, 5, 6
-_STATE_WORDS = 16 + 64 + 1 + 16 + 64 + 64 + 16 * 64  # kStateWords
+_STATE_WORDS = 16 + 64  # kStateWords
 TRACE_WORDS = (12, 13, 14, 15)  # kTraceBuf, kTraceStep, kTraceCap, kTraceBytes
 # FBGEMM 1.6's training TBE cannot hold bf16 weights (its cache_precision check).
 _WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1}
@@ -71,7 +68,7 @@ class FeatureOwners:
 
 
 class DevicePipeline(PgasPipeline):
-    """Two (overlapped) or three (staged) kernel launches per step on the current stream; no host sync.
+    """Three fused kernel launches per step on the current stream; no host sync.
 
     Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
     in a pinned record that the next step reads without syncing; ``check()``
@@ -114,7 +111,6 @@ class DevicePipeline(PgasPipeline):
         self._cfg = lay.kernel_config(
             int(self.config.wait_timeout_s * 1e9), self.rank, _BOUNDS_MODES[self.bounds_check_mode],
             lookup_features=owners.lookup, variable_batch=owners.variable_batch,
-            dist_warps=self.config.overlap_dist_warps,
         )
         self._max_dim = max(self.feature_dims[owners.lookup[0]:owners.lookup[1]], default=4)
         self._out_dtype = out_dtype
@@ -122,32 +118,13 @@ class DevicePipeline(PgasPipeline):
         # Recorded after each finalize, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
 
-    @property
-    def overlapped(self) -> bool:
-        """The step kernel runs the index dist under the lookup (not while tracing: staged builds only)."""
-        return self._cfg[-2] > 0 and self._cfg[-1] == 0
-
-    def set_dist_warps(self, dist_warps: int) -> None:
-        """Distributor warps per CTA of the overlapped step; 0 switches to the staged kernels (stage
-        timing, tuning). Collective: every rank of the sharding must switch before its next step."""
-        if not 0 <= dist_warps <= 8:
-            raise ValueError(f"dist_warps must be in [0, 8], got {dist_warps}")
-        self._cfg[-2] = dist_warps
-
-    def _dist_inputs(self, kjt: KeyedJaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        weights = kjt.weights_or_none()
-        return kjt.values(), kjt.offsets().to(torch.int64), weights.float() if weights is not None else None
-
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        """Checks the step; the staged path also launches the index dist (the overlapped one in lookup)."""
         try:
             self._raise_recorded()
         except PgasError as e:  # peers wait for this step's data: tell them why it will not come
             raise self._fail(e)
         self._check_step(kjt)
-        if self.overlapped:
-            self.issued += 1
-            return
+        weights = kjt.weights_or_none()
         stream = torch.cuda.current_stream(self.device)
         if not torch.cuda.is_current_stream_capturing():
             # TorchRec's train pipelines run the input dist on their own stream:
@@ -155,7 +132,9 @@ class DevicePipeline(PgasPipeline):
             stream.wait_event(self._slot_free[(self.issued + 1) % self.layout.num_slots])
         try:
             torch.ops.torchrec_pgas.rw_index_dist(
-                *self._dist_inputs(kjt),
+                kjt.values(),
+                kjt.offsets().to(torch.int64),
+                weights.float() if weights is not None else None,
                 self.buf.local, self.pad.words, self._peers, self._features, self._state,
                 self._bag_div, self._status, self._cfg, kjt.stride(),
             )
@@ -197,12 +176,8 @@ class DevicePipeline(PgasPipeline):
         args = (self.buf.local, self.pad.words, self._peers, self._features)
         try:
             self._bind_weights(tbes)
-            if self.overlapped:
-                ops.rw_step(*self._dist_inputs(kjt), *args, self._state, self._bag_div, self._status,
-                            self._cfg, kjt.stride(), self._max_dim, self._out_dtype)
-            else:
-                ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
-                              kjt.stride(), self._max_dim, self._out_dtype)
+            ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
+                          kjt.stride(), self._max_dim, self._out_dtype)
             profiling.mark("lookup")
             out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
                                   self._cfg, kjt.stride(), self._out_dtype)
