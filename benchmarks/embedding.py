@@ -588,6 +588,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
 
     rows: List[Dict[str, Any]] = []
+
+    def save(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> str:
+        """Write results.json/csv (rank 0); after every workload, so a run cut short keeps its rows."""
+        meta = {
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
+            "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
+            "input_sets": args.sets, "stage_steps": args.stage_steps,
+            "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
+            "argv": sys.argv,
+        }
+        out_dir = args.out or os.path.join(
+            "benchmarks", "results", f"{meta['date']}-{_device_tag(device, world)}-{meta['commit']}")
+        write_results(out_dir, meta, rows, single)
+        return out_dir
+
     progress = tqdm(total=len(workloads), disable=rank != 0, file=sys.stderr, desc="workloads")
     with torch.no_grad():
         for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
@@ -599,6 +615,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 progress.set_postfix_str(f"{w.preset}/{w.name}")
                 rows.append(run_workload(w, stock, pgas, inputs.pop(w), args, device, bandwidths))
                 progress.update()
+                if rank == 0:
+                    save(rows, [])
             del stock, pgas
             gc.collect()
             if cuda:
@@ -616,17 +634,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             dist.barrier()
 
     if rank == 0:
-        meta = {
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
-            "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
-            "input_sets": args.sets, "stage_steps": args.stage_steps,
-            "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
-            "argv": sys.argv,
-        }
-        out_dir = args.out or os.path.join(
-            "benchmarks", "results", f"{meta['date']}-{_device_tag(device, world)}-{meta['commit']}")
-        write_results(out_dir, meta, rows, single)
+        out_dir = save(rows, single)
         if bandwidths:
             print(f"measured: HBM {bandwidths[0]:.0f} GB/s (copy), P2P {bandwidths[1]:.0f} GB/s per direction")
         print(summary_table(rows, single))

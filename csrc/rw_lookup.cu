@@ -164,18 +164,18 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
   }
 }
 
-// Pools one bag (this lane's 4 columns at byte offset `col_off`), whose first
-// chunk of ids (`first_row`, `first_w`: load_ids of the bag's start) the caller
-// loaded ahead. Straight-line inner loop: an id past the bag's end or out of the
-// shard's rows becomes row 0 with weight 0, so every row load issues
-// unconditionally, kRowsInFlight of them before their sums.
+// Pools one bag (this lane's 4 columns at byte offset `col_off`). Straight-line
+// inner loop: an id past the bag's end or out of the shard's rows becomes row 0
+// with weight 0, so every row load issues unconditionally, kRowsInFlight of
+// them before their sums.
 template <typename w_t, typename row_t, bool kWeighted>
 __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
                                            const float* bag_w, int n, int G, int g_lane, unsigned gmask,
-                                           row_t local_rows, row_t first_row, float first_w, bool& bad) {
+                                           row_t local_rows, bool& bad) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  row_t next_row = first_row;
-  float next_w = first_w;
+  row_t next_row;
+  float next_w;
+  load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, local_rows, next_row, next_w, bad);
   for (int j0 = 0; j0 < n; j0 += G) {
     const row_t my_row = next_row < 0 ? 0 : next_row;
     const float my_w = next_row < 0 ? 0.f : (kWeighted ? next_w : 1.f);
@@ -258,39 +258,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const int bag_end = p.lookup_f_hi * batch;
     const bool remote = src != p.rank;
     bool bad = false, bad_span = false;
-    // Software pipeline, one bag ahead: the next bag's span loads while this bag is
-    // pooled, and its first chunk of ids once this bag's rows are summed, so a bag
-    // waits for its rows only (short bags were bound by the span -> ids -> rows chain).
-    const int stride = gridDim.x * groups_per_cta;
-    int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group;
-    int64_t next_begin = 0;
-    int next_n = 0;
-    if (bag < bag_end) {
-      next_begin = __ldcg(offsets + bag);
-      next_n = __ldcg(lengths + bag);
-    }
-    // A span decides addresses: inside [0, nnz] before any id of it is read.
-    const auto span_ok = [nnz](int64_t begin, int n) {
-      return begin >= 0 && begin <= nnz && n >= 0 && n <= nnz - begin;
-    };
-    row_t next_row = -1;
-    float next_w = 0.f;
-    bool next_loaded = false;
-    for (; bag < bag_end; bag += stride) {
-      const int64_t begin = next_begin;
-      const int n = next_n;
-      row_t first_row = next_row;
-      float first_w = next_w;
-      const bool loaded = next_loaded;
-      const int after = bag + stride;
-      if (after < bag_end) {
-        next_begin = __ldcg(offsets + after);
-        next_n = __ldcg(lengths + after);
-      }
-      next_loaded = false;
+    for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
+         bag += gridDim.x * groups_per_cta) {
       const int f = bag / batch;
       const RwFeature& feat = p.features[f];
-      if (!span_ok(begin, n)) {
+      const int64_t begin = __ldcg(offsets + bag);
+      const int n = __ldcg(lengths + bag);
+      if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
         bad_span = true;  // this bag's output is not written
         continue;
       }
@@ -299,7 +273,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
       const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
       const bool f32 = feat.dtype == kF32;
       const row_t local_rows = static_cast<row_t>(feat.local_rows);
-      if (!loaded) load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, local_rows, first_row, first_w, bad);
       const int dim = static_cast<int>(feat.dim);
       const int row_bytes = dim * (f32 ? 4 : 2);
       for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
@@ -308,9 +281,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
         const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
         const float4 acc =
             f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                    gmask, local_rows, first_row, first_w, bad)
+                                                    gmask, local_rows, bad)
                 : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                     gmask, local_rows, first_row, first_w, bad);
+                                                     gmask, local_rows, bad);
         float4 v = acc;
         if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
           const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
@@ -318,11 +291,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
         }
         const int b = bag - f * batch;
         if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
-      }
-      if (after < bag_end && span_ok(next_begin, next_n)) {
-        load_ids<row_t, kWeighted>(ids + next_begin, kWeighted ? weights + next_begin : nullptr, next_n, g_lane,
-                                   static_cast<row_t>(p.features[after / batch].local_rows), next_row, next_w, bad);
-        next_loaded = true;
       }
       if constexpr (kTrace) {
         if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
