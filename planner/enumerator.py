@@ -80,7 +80,7 @@ class PgasEnumerator(EmbeddingEnumerator):
         if backends not in ("auto", "pgas", "nccl"):
             raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)
-        self.model = CostModel(profile or load_profile(), topology.world_size, batch_size, mode)
+        self.model = CostModel(profile or load_profile(world_size=topology.world_size), topology.world_size, batch_size, mode)
         self.backends = backends
         self.training = training
         self.decisions: List[Decision] = []

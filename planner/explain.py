@@ -32,7 +32,7 @@ def tables_from_config(cfg: Dict[str, Any]) -> List[TableLoad]:
 
 
 def explain(cfg: Dict[str, Any]) -> str:
-    model = CostModel(load_profile(cfg.get("profile")), int(cfg["world_size"]), int(cfg["batch_per_rank"]),
+    model = CostModel(load_profile(cfg.get("profile"), world_size=int(cfg["world_size"])), int(cfg["world_size"]), int(cfg["batch_per_rank"]),
                       cfg.get("mode", "eager"))
     tables = tables_from_config(cfg)
     choice = model.choose(tables)

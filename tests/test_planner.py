@@ -5,7 +5,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import pytest
 import torch
@@ -116,13 +116,15 @@ def test_leave_one_out_validation_and_regret() -> None:
         validate({"meta": meta, "rows": rows}, "s000-weak")
 
 
-def test_shipped_profile_loads_and_unknown_hardware_warns() -> None:
-    prof = load_profile()
+@pytest.mark.parametrize("world,fitted_at", [(2, 2), (8, 8), (4, 2), (None, 2)])
+def test_shipped_profile_loads_and_unknown_hardware_warns(world: Optional[int], fitted_at: int) -> None:
+    """The profile fitted at the planner's world size when one is shipped, else the 2-GPU one."""
+    prof = load_profile(world_size=world)
     commit = re.search(r"commit (\w+)", prof.source)
-    assert prof.world_size == 2 and commit is not None
+    assert prof.world_size == fitted_at and commit is not None
     # the run it was fitted on is committed, so the fit can be redone and checked
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}", "**", "results.json"),
+    assert glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}*", "**", "results.json"),
                      recursive=True)
     with pytest.warns(UserWarning, match="no hardware profile"):
         load_profile(device_name="NVIDIA A100")
