@@ -37,7 +37,7 @@ ID_BYTES = {NCCL_RW: 8, PGAS_RW: 4, NCCL_TW: 8, PGAS_TW: 4}
 PROFILES = os.path.join(os.path.dirname(__file__), "profiles")
 DEFAULT_PROFILE = os.path.join(PROFILES, "h200x2_nvlink.json")
 # Shipped profiles by world size (the fixed costs grow with it); others fall back to DEFAULT_PROFILE.
-SHIPPED_PROFILES = {2: DEFAULT_PROFILE, 8: os.path.join(PROFILES, "h200x8_nvlink.json")}
+SHIPPED_PROFILES = {8: os.path.join(PROFILES, "h200x8_nvlink.json")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def load_profile(path: Optional[str] = None, device_name: Optional[str] = None,
     """The profile at ``path``, else the shipped H200 NVLink profile fitted at ``world_size`` GPUs (the
     2-GPU one for other sizes), warning if ``device_name`` says the hardware is something else: the
     numbers then only rank the options roughly."""
-    with open(path or SHIPPED_PROFILES.get(world_size or 2, DEFAULT_PROFILE)) as f:
+    with open(path or SHIPPED_PROFILES.get(world_size, DEFAULT_PROFILE)) as f:
         profile = HardwareProfile.from_json(json.load(f))
     if path is None and device_name is not None and "H200" not in device_name:
         warnings.warn(f"torchrec_pgas.planner: no hardware profile for '{device_name}'; using "

@@ -192,9 +192,9 @@ class DevicePipeline(PgasPipeline):
     def trace_comm(self, records: int, step_bytes: int) -> torch.Tensor:
         """Start the comm timeline: an int64 ``[records, 2]`` buffer of (ns, cumulative remote bytes)
         that the next steps fill, one record per ``step_bytes`` (record 0: the step's start)."""
-        trace = torch.zeros(records, 2, dtype=torch.int64, device=self.device)
         if records < 1 or step_bytes < 1:
             raise ValueError(f"trace_comm: records {records} and step_bytes {step_bytes} must be >= 1")
+        trace = torch.zeros(records, 2, dtype=torch.int64, device=self.device)
         # No step in flight (on any stream) while the trace words and the buffer change.
         torch.cuda.synchronize(self.device)
         self._trace = trace  # kept alive while the kernels hold its address
