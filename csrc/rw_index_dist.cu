@@ -4,23 +4,29 @@
 // owner for pgas_table_wise (block = N, one block), see rw_pipeline.cuh.
 //
 // Layout written: this rank's index block [slot][src = rank] in every owner's
-// buffer (see rw_pipeline.cuh). Bag fb keeps the requester's CSR span
-// [offsets[fb], offsets[fb+1]); the ids that owner d holds are packed at the
-// start of that span in d's copy, as row_t local rows, and lengths[fb] says how
-// many. So no scan across bags is needed: a group of G lanes (G = the mean bag
-// length rounded down to a power of two in [4, 32], chosen on the host) takes one
-// bag, G ids at a time. Loads run one step ahead: the next chunk of this bag,
-// and the next bag's span and first chunk while this bag is stored. One ballot
-// per distinct owner in the warp ranks each id among its group's ids of the
-// same owner, a per-(bag, owner) count in shared memory carries the rank
-// across chunks, and each id is stored straight into its owner's buffer
-// through the NVLink peer pointer (lanes of one owner store consecutive slots).
-// A warp takes a tile of T consecutive bags (T = 32 unless the step is small)
-// and sends the tile's lengths and offsets to each owner as one T-lane store.
+// buffer (see rw_pipeline.cuh). A warp takes a tile of T <= 32 consecutive
+// bags (lane i holds bag i's CSR span and feature fields), whose ids are one
+// contiguous range [begin, end) of the local KJT's values. It streams that
+// range 32 ids at a time, one id per lane (coalesced, no lane idles on short
+// bags, two chunks of loads in flight). A lane finds its id's bag by a binary
+// search over the tile's starts (shuffles), then its owner and local row. In
+// owner d's copy the tile's ids of owner d are packed in stream order (so bag
+// order) at the start of the tile's range: position begin + (owner-d ids of
+// the tile before this one), one ballot per distinct owner in the chunk. Bag
+// fb's entries there are offsets[fb] (where its ids start in d's copy) and
+// lengths[fb] (how many), one T-lane store per owner per tile.
+//
+// NVLink writes are whole 128-byte lines: each owner's ids gather in a 32-slot
+// ring in shared memory, indexed by position mod 32, and a line goes out with
+// one 32-lane store once its last slot is filled (the first and the last line
+// of a tile's run go out partial). Direct per-chunk stores were runs of ~32/W
+// ids (16-64 bytes) at any alignment, the transaction count bounding the stage.
 //
 // Bounds: an id outside [0, N) never produces a remote write. FATAL drops it and
 // records kErrBadId (raised on the host); WARNING/IGNORE read row 0 instead
-// (id := 0, as FBGEMM does), WARNING also records kErrBadIdWarn.
+// (id := 0, as FBGEMM does), WARNING also records kErrBadIdWarn. Every write
+// position lies in [begin, end) of a tile whose spans were checked to be a CSR
+// inside [0, nnz], nnz <= C.
 //
 // Completion: fence + done counter; the last CTA writes the header, the final
 // offset and the epoch into every owner's index slot, then advances the stage
@@ -33,56 +39,47 @@
 namespace torchrec_pgas {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kMaxWarps = 8;
 
-// One chunk of a bag: lane g's id (position at + g) and weight, if g < left.
-template <typename index_t>
-__device__ __forceinline__ void load_chunk(const index_t* values, const float* weights, int at, int left,
-                                           int g_lane, int64_t& id, float& w) {
-  id = 0;
-  w = 1.f;
-  if (g_lane < left) {
-    id = static_cast<int64_t>(values[at + g_lane]);
-    if (weights != nullptr) w = weights[at + g_lane];
-  }
-}
+// What the ids of one bag of a tile need (shared memory, written by the bag's lane).
+struct TileBag {
+  int64_t hash_size;
+  int64_t block;
+  int64_t magic;  // RwFeature::block_magic
+  int32_t shift;
+  int32_t feature;
+  int32_t owners;  // owner_base | owner_count << 16
+};
 
-// The bag's CSR span, [0, 0) past the last bag.
-__device__ __forceinline__ void load_span(const int64_t* offsets, int64_t bag, int64_t num_bags, int64_t& begin,
-                                          int64_t& end) {
-  begin = end = 0;
-  if (bag < num_bags) {
-    begin = offsets[bag];
-    end = offsets[bag + 1];
-  }
+// Dynamic shared memory of one warp, for W owners: ids per (owner, bag) of the
+// tile int32[W][32], the owners' cursors int32[W] (even count: 8-byte alignment
+// of the rings), the write-combining rings row_t[W][32] and float[W][32] (weighted).
+__host__ __device__ constexpr int warp_smem_bytes(int world, int id_bytes, bool weighted) {
+  return world * 32 * 4 + (world + 1) / 2 * 2 * 4 + world * 32 * (id_bytes + (weighted ? 4 : 0));
 }
 
 // Owner and local row of a checked id in [0, N): a multiply-shift when N < 2^31
 // (a division is ~20 instructions on the integer and XU pipes, per id).
-__device__ __forceinline__ void locate(int64_t id, int64_t block, uint64_t magic, int shift, int& owner,
-                                       int64_t& row) {
-  owner = magic != 0 ? static_cast<int>((static_cast<uint64_t>(id) * magic) >> shift)
-                     : static_cast<int>(id / block);
-  row = id - owner * block;
+__device__ __forceinline__ void locate(int64_t id, const TileBag& tb, int& owner, int64_t& row) {
+  owner = tb.magic != 0 ? static_cast<int>((static_cast<uint64_t>(id) * static_cast<uint64_t>(tb.magic)) >> tb.shift)
+                        : static_cast<int>(id / tb.block);
+  row = id - owner * tb.block;
 }
 
-// Lanes of this lane's group with the same owner (0 for owner < 0). One ballot
-// per distinct owner in the warp (match.any is far slower, and W is small).
-__device__ __forceinline__ unsigned same_owner_lanes(int owner, unsigned gmask) {
-  unsigned pending = __ballot_sync(0xffffffffu, owner >= 0);
-  unsigned same = 0;
-  while (pending != 0) {
-    const int d = __shfl_sync(0xffffffffu, owner, __ffs(pending) - 1);
-    const unsigned m = __ballot_sync(0xffffffffu, owner == d);
-    if (owner == d) same = m & gmask;
-    pending &= ~m;
-  }
-  return same;
+// Lanes [h, next head) of this lane's run of equal bags (j is non-decreasing
+// across the lanes of a chunk).
+__device__ __forceinline__ unsigned bag_segment(int j, int lane) {
+  const int j_up = __shfl_up_sync(0xffffffffu, j, 1);
+  const unsigned heads = __ballot_sync(0xffffffffu, lane == 0 || j != j_up);
+  const unsigned upto = 0xffffffffu >> (31 - lane);  // lanes <= lane
+  const int h = 31 - __clz(heads & upto);
+  const unsigned after = heads & ~upto;
+  const unsigned end_mask = after != 0 ? (1u << (__ffs(after) - 1)) - 1 : 0xffffffffu;
+  return end_mask & ~((1u << h) - 1);
 }
 
 // Comm timeline: the bytes of one chunk's ids bound for other ranks, counted by
 // the warp's first live lane (out of line, like trace_remote_bytes).
-// Scalars only: a reference to the kernel's RwParams would put a copy of it on the stack.
 __device__ __noinline__ void trace_ids(int64_t* state, int rank, int bytes_per_id, int owner) {
   const unsigned remote = __ballot_sync(0xffffffffu, owner >= 0 && owner != rank);
   if (remote != 0 && threadIdx.x % 32 == __ffs(remote) - 1) trace_remote_bytes(state, __popc(remote) * bytes_per_id);
@@ -90,17 +87,12 @@ __device__ __noinline__ void trace_ids(int64_t* state, int rank, int bytes_per_i
 
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
 template <typename index_t, typename row_t, bool kTrace>
-__global__ void __launch_bounds__(kWarps * 32, 4)
-    rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values,
-                         const int64_t* __restrict__ offsets, const float* __restrict__ weights,
-                         int group_lanes, int tile_bags) {
-  // Per warp, a tile of T <= 32 consecutive bags: tile_len[d * 32 + i] counts the ids
-  // of the tile's bag i that owner d holds (it is also the rank carried across
-  // chunks), s_begin[warp][i] the bag's checked start. Both go to the owners
-  // once per tile, as 32-lane stores (per bag, they were single-lane NVLink writes).
-  extern __shared__ int32_t s_tile[];  // [kWarps][W][32]
-  __shared__ int32_t s_begin[kWarps][32];
-  __shared__ int32_t s_owners[kWarps][32];  // the bag's first owner | owner count << 16
+__global__ void __launch_bounds__(kMaxWarps * 32, 4)
+    rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values, const int64_t* __restrict__ offsets,
+                         const float* __restrict__ weights, int tile_bags) {
+  extern __shared__ __align__(16) uint8_t s_warps[];  // [warps][warp_smem_bytes]
+  __shared__ TileBag s_bag[kMaxWarps][32];
+  __shared__ float s_div[kMaxWarps][32];  // weighted: the bag's weight sum
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
   if (threadIdx.x == 0) s_epoch = p.state[kCtrIndex] + 1;
@@ -115,130 +107,186 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   if (threadIdx.x < p.world) s_dst[threadIdx.x] = reinterpret_cast<uint8_t*>(p.peer_bufs[threadIdx.x]) + my_block;
   __syncthreads();
   const int W = p.world;
-  const int G = group_lanes;
-  const int groups_per_warp = 32 / G;
+  const bool weighted = weights != nullptr;
+  const int warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int group = lane / G;
-  const int g_lane = lane % G;
-  const unsigned lanes_below = (1u << lane) - 1;
-  const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (group * G);
-  int32_t* tile_len = s_tile + warp * W * 32;
-  // 32-bit bag numbers and id positions: make_rw_params checks F * Bmax and C < 2^31.
+  const unsigned below = (1u << lane) - 1;
+  uint8_t* my_smem = s_warps + warp * warp_smem_bytes(W, sizeof(row_t), weighted);
+  int32_t* count = reinterpret_cast<int32_t*>(my_smem);  // [d * 32 + i]: ids of bag i owner d holds
+  int32_t* cursor = count + W * 32;  // [d]: ids of the tile so far that owner d holds
+  row_t* ring = reinterpret_cast<row_t*>(cursor + (W + 1) / 2 * 2);  // [d * 32 + position % 32]
+  float* wring = reinterpret_cast<float*>(ring + W * 32);
+  TileBag* bags = s_bag[warp];
+  // 32-bit bag numbers and id positions: make_rw_params checks F * Bmax, C <= 2^30.
   const int num_bags = static_cast<int>(p.num_features * p.batch);
   const int batch = static_cast<int>(p.batch);
   const int nnz = static_cast<int>(p.nnz);
   float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
-  // Warp iteration `it` takes bag (sub * groups_per_warp + group) of tile
-  // it / per_tile, sub = it % per_tile; warp gw owns tiles gw, gw + total_warps, ...
   const int T = tile_bags;
-  const int per_tile = T / groups_per_warp;
-  const int64_t total_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t gw = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const auto bag_of = [&](int64_t it) {
-    return ((it / per_tile) * total_warps + gw) * T + (it % per_tile) * groups_per_warp + group;
-  };
+  const int64_t total_warps = static_cast<int64_t>(gridDim.x) * warps;
 
-  // Software pipeline, one bag ahead: the next bag's span and first chunk are
-  // loaded while this bag is distributed, so a bag costs no exposed load latency.
-  int64_t next_begin, next_end, next_id;
-  float next_w;
-  load_span(offsets, bag_of(0), num_bags, next_begin, next_end);
-  bool chunk_loaded = false;  // next_id / next_w hold the first chunk of this bag
-  for (int64_t it = 0;; ++it) {
-    const int64_t tile = (it / per_tile) * total_warps + gw;
-    if (tile * T >= num_bags) break;  // warp-uniform
-    const int sub = static_cast<int>(it % per_tile);
-    const int in_tile = sub * groups_per_warp + group;
-    const int bag = static_cast<int>(tile * T) + in_tile;
-    const bool valid = bag < num_bags;
-    if (sub == 0) {
-      for (int d = 0; d < W; ++d) tile_len[d * 32 + lane] = 0;
-      __syncwarp();
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * warps + warp; tile * T < num_bags; tile += total_warps) {
+    const int t0 = static_cast<int>(tile * T);
+    const int n_bags = min(T, num_bags - t0);
+    const int bag = t0 + lane;
+    const bool valid = lane < n_bags;
+    // The tile's spans. The local KJT's offsets decide addresses in the owners'
+    // buffers: they must be a CSR inside [0, nnz], or the tile sends nothing.
+    int64_t b64 = 0, e64 = 0;
+    if (valid) {
+      b64 = offsets[bag];
+      e64 = offsets[bag + 1];
     }
-    int begin = 0, n = 0;
-    // The local KJT's offsets decide addresses in the owners' buffers.
-    if (next_begin >= 0 && next_end >= next_begin && next_end <= nnz) {
-      begin = static_cast<int>(next_begin);
-      n = static_cast<int>(next_end - next_begin);
-    } else {
-      if (g_lane == 0) record_error(p, kErrCorrupt, p.rank, 1);
-      chunk_loaded = false;
+    const int64_t e_up = __shfl_up_sync(0xffffffffu, e64, 1);
+    const bool span_ok = !valid || (b64 >= 0 && b64 <= e64 && e64 <= nnz && (lane == 0 || b64 == e_up));
+    int b = static_cast<int>(b64), e = static_cast<int>(e64);
+    if (!__all_sync(0xffffffffu, span_ok)) {
+      if (lane == 0) record_error(p, kErrCorrupt, p.rank, 1);
+      b = e = 0;
     }
-    load_span(offsets, bag_of(it + 1), num_bags, next_begin, next_end);
-    const int f = valid ? bag / batch : 0;
-    const RwFeature& feat = p.features[f];
-    const int64_t hash_size = feat.hash_size, block = feat.block;
-    const int owner_base = static_cast<int>(feat.owner_base);
-    const uint64_t magic = static_cast<uint64_t>(feat.block_magic);
-    const int shift = static_cast<int>(feat.block_shift);
-    if (!chunk_loaded) load_chunk(values, weights, begin, n, g_lane, next_id, next_w);
-    int32_t* count = tile_len + in_tile;  // owner d: count[d * 32]
-    float divisor = 0.f;  // bag length, or the sum of its weights
-    const int longest = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(n));
-    for (int j0 = 0; j0 < longest; j0 += G) {
-      int64_t id = next_id;
-      const float w = next_w;
-      const bool live = j0 + g_lane < n;
-      if (j0 + G < n) load_chunk(values, weights, begin + j0 + G, n - j0 - G, g_lane, next_id, next_w);
+    const int begin = __shfl_sync(0xffffffffu, b, 0);
+    const int end = __shfl_sync(0xffffffffu, e, n_bags - 1);
+    if (valid) {
+      const int f = bag / batch;
+      const RwFeature& feat = p.features[f];
+      bags[lane] = TileBag{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
+                           static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
+    }
+    for (int d = 0; d < W; ++d) count[d * 32 + lane] = 0;
+    for (int d = lane; d < W; d += 32) cursor[d] = 0;
+    s_div[warp][lane] = 0.f;
+    __syncwarp();
+
+    // Two chunks of loads in flight: chunk c's ids are pooled while c + 32 and c + 64 load.
+    int64_t id_next = 0, id_later = 0;
+    float w_next = 1.f, w_later = 1.f;
+    if (begin + lane < end) {
+      id_next = static_cast<int64_t>(values[begin + lane]);
+      if (weighted) w_next = weights[begin + lane];
+    }
+    if (begin + 32 + lane < end) {
+      id_later = static_cast<int64_t>(values[begin + 32 + lane]);
+      if (weighted) w_later = weights[begin + 32 + lane];
+    }
+    for (int c = begin; c < end; c += 32) {
+      const int q = c + lane;
+      const bool live = q < end;
+      int64_t id = id_next;
+      const float w = w_next;
+      id_next = id_later;
+      w_next = w_later;
+      if (q + 64 < end) {
+        id_later = static_cast<int64_t>(values[q + 64]);
+        if (weighted) w_later = weights[q + 64];
+      }
+      // The id's bag: the last bag of the tile that starts at or before q.
+      int j = 0;
+#pragma unroll
+      for (int s = 16; s > 0; s /= 2) {
+        const int start = __shfl_sync(0xffffffffu, b, (j + s) & 31);
+        if (j + s < n_bags && start <= q) j += s;
+      }
+      const TileBag& tb = bags[j];
       int owner = -1;
       int64_t row = 0;
       if (live) {
-        divisor += w;
-        if (id < 0 || id >= hash_size) {
+        if (id < 0 || id >= tb.hash_size) {
           if (p.bounds_mode == kBoundsFatal) {
-            record_error(p, kErrBadId, f, id);
+            record_error(p, kErrBadId, tb.feature, id);
             id = -1;
           } else {
-            if (p.bounds_mode == kBoundsWarning) record_error(p, kErrBadIdWarn, f, id);
+            if (p.bounds_mode == kBoundsWarning) record_error(p, kErrBadIdWarn, tb.feature, id);
             id = 0;
           }
         }
         if (id >= 0) {
-          locate(id, block, magic, shift, owner, row);
-          owner += owner_base;
+          locate(id, tb, owner, row);
+          owner += tb.owners & 0xffff;
         }
       }
-      if constexpr (kTrace) trace_ids(p.state, p.rank, p.id_bytes + (weights != nullptr ? 4 : 0), owner);
-      const unsigned same = same_owner_lanes(owner, gmask);
-      const int base = owner >= 0 ? count[owner * 32] : 0;
-      __syncwarp();
-      if (owner >= 0) {
-        const int pos = begin + base + __popc(same & lanes_below);
-        uint8_t* dst = s_dst[owner];
-        reinterpret_cast<row_t*>(dst + p.ids_off)[pos] = static_cast<row_t>(row);
-        if (weights != nullptr) reinterpret_cast<float*>(dst + p.weights_off)[pos] = w;
-        if ((same & lanes_below) == 0) count[owner * 32] = base + __popc(same);
-      }
-      __syncwarp();
-    }
-    // The next bag's first chunk, when its span is sane (checked again above).
-    chunk_loaded = next_begin >= 0 && next_end >= next_begin && next_end <= nnz;
-    if (chunk_loaded) {
-      load_chunk(values, weights, static_cast<int>(next_begin), static_cast<int>(next_end - next_begin), g_lane,
-                 next_id, next_w);
-    }
-    for (int o = G / 2; o > 0; o /= 2) divisor += __shfl_xor_sync(0xffffffffu, divisor, o);
-    if (valid && g_lane == 0) {
-      bag_div[bag] = divisor;
-      s_begin[warp][in_tile] = begin;
-      s_owners[warp][in_tile] = owner_base | static_cast<int32_t>(feat.owner_count) << 16;
-    }
-    if (sub == per_tile - 1) {  // the tile's lengths and starts, one coalesced store per owner
-      __syncwarp();
-      const int b = static_cast<int>(tile * T) + lane;
-      if (lane < T && b < num_bags) {
-        // Only the ranks holding rows of the bag's table read it (all for RW, the owner for TW).
-        const int owners = s_owners[warp][lane];
-        const int d_end = (owners & 0xffff) + (owners >> 16);
-        for (int d = owners & 0xffff; d < d_end; ++d) {
-          reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[b] = tile_len[d * 32 + lane];
-          reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[b] = s_begin[warp][lane];
-          if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
+      if constexpr (kTrace) trace_ids(p.state, p.rank, p.id_bytes + (weighted ? 4 : 0), owner);
+      // Lanes past the end form their own run (bag 32), apart from the last bag's.
+      const unsigned seg = bag_segment(live ? j : 32, lane);
+      if (weighted) {
+        // The bag's weight sum, in position order: a segmented scan per chunk,
+        // added by the segment's last lane (chunks run in order: deterministic).
+        float v = live ? w : 0.f;
+        const int h = __ffs(seg) - 1;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+          const float t = __shfl_up_sync(0xffffffffu, v, o);
+          if (lane - o >= h) v += t;
         }
+        if (live && (seg >> lane) == 1u) s_div[warp][j] += v;
       }
-      __syncwarp();
+      // One pass per distinct owner in the chunk.
+      unsigned pending = __ballot_sync(0xffffffffu, owner >= 0);
+      while (pending != 0) {
+        const int d = __shfl_sync(0xffffffffu, owner, __ffs(pending) - 1);
+        const unsigned m = __ballot_sync(0xffffffffu, owner == d);
+        pending &= ~m;
+        const int first = begin + cursor[d];  // this run is [first, first + popc(m)) in d's copy
+        const int last = first + __popc(m);
+        const int boundary = (first | 31) + 1;  // the next line starts here
+        const int pos = first + __popc(m & below);
+        row_t* d_ring = ring + d * 32;
+        float* d_wring = wring + d * 32;
+        if (owner == d) {
+          if (pos < boundary) {
+            d_ring[pos & 31] = static_cast<row_t>(row);
+            if (weighted) d_wring[pos & 31] = w;
+          }
+          const unsigned same = m & seg;
+          if ((same & below) == 0) count[d * 32 + j] += __popc(same);
+        }
+        if (last >= boundary) {  // the line [boundary - 32, boundary) is complete
+          __syncwarp();
+          const int at = boundary - 32 + lane;
+          if (at >= begin) {  // below begin: the previous tile's ids
+            reinterpret_cast<row_t*>(s_dst[d] + p.ids_off)[at] = d_ring[lane];
+            if (weighted) reinterpret_cast<float*>(s_dst[d] + p.weights_off)[at] = d_wring[lane];
+          }
+          __syncwarp();
+          if (owner == d && pos >= boundary) {
+            d_ring[pos & 31] = static_cast<row_t>(row);
+            if (weighted) d_wring[pos & 31] = w;
+          }
+        }
+        __syncwarp();
+        if (lane == 0) cursor[d] = last - begin;
+        __syncwarp();
+      }
     }
+
+    // Per owner: the partial last line of the tile's run, then the bags'
+    // lengths and starts (an exclusive scan of the counts), one T-lane store each.
+    if (valid) bag_div[bag] = weighted ? s_div[warp][lane] : static_cast<float>(e - b);
+    const int owners = valid ? bags[lane].owners : 0;
+    const int d_lo = owners & 0xffff, d_hi = d_lo + (owners >> 16);
+    for (int d = 0; d < W; ++d) {
+      const bool mine = valid && d >= d_lo && d < d_hi;
+      if (!__any_sync(0xffffffffu, mine)) continue;  // table-wise: only the tile's owners
+      const int run_end = begin + cursor[d];
+      const int at = (run_end & ~31) + lane;
+      if (at >= begin && at < run_end) {
+        reinterpret_cast<row_t*>(s_dst[d] + p.ids_off)[at] = ring[d * 32 + lane];
+        if (weighted) reinterpret_cast<float*>(s_dst[d] + p.weights_off)[at] = wring[d * 32 + lane];
+      }
+      const int n = count[d * 32 + lane];
+      int incl = n;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const int t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+      }
+      if (mine) {
+        reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[bag] = n;
+        reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[bag] = begin + incl - n;
+        if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
+      }
+    }
+    __syncwarp();
   }
 
   __syncthreads();
@@ -265,31 +313,29 @@ template <typename index_t, typename row_t, bool kTrace>
 void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
                        const float* weights, cudaStream_t stream) {
   const int64_t num_bags = p.num_features * p.batch;
-  // G = the mean bag length rounded down to a power of two in [4, 32]: a group
-  // rarely idles half its lanes, and short bags share a warp (more loads in flight).
-  int group_lanes = 4;
-  while (group_lanes < 32 && 2 * group_lanes * num_bags <= p.nnz) group_lanes *= 2;
   const auto kernel = rw_index_dist_kernel<index_t, row_t, kTrace>;
-  const int smem = kWarps * p.world * 32 * static_cast<int>(sizeof(int32_t));  // W KiB
-  // One device per process; the occupancy depends on W (shared memory), so it is
-  // recomputed when a sharding of another world size launches.
-  static int resident_for_world = -1, resident = 0;
-  if (resident_for_world != p.world) {
-    if (smem > 48 * 1024) {
-      PGAS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
-    resident = resident_ctas(kernel, kWarps * 32, smem);
-    resident_for_world = p.world;
+  // Warps per CTA: 8, fewer when the owners' rings would not fit (large W).
+  const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), weights != nullptr);
+  constexpr int kDynamicLimit = 160 * 1024;
+  int warps = kMaxWarps;
+  while (warps > 1 && warps * per_warp > kDynamicLimit) warps /= 2;
+  const int smem = warps * per_warp;
+  // One device per process; the occupancy depends on W and the weights (shared
+  // memory), so it is recomputed when either changes.
+  static int resident_for = -1, resident = 0;
+  const int key = p.world * 2 + (weights != nullptr ? 1 : 0);
+  if (resident_for != key) {
+    PGAS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    resident = resident_ctas(kernel, warps * 32, smem);
+    resident_for = key;
   }
   // Tiles of 32 bags, or fewer when the step is too small to fill the GPU with them.
   int tile_bags = 32;
-  while (tile_bags > 32 / group_lanes && (num_bags + kWarps * tile_bags - 1) / (kWarps * tile_bags) < resident) {
-    tile_bags /= 2;
-  }
-  const int64_t bags_per_cta = kWarps * tile_bags;
+  while (tile_bags > 1 && (num_bags + warps * tile_bags - 1) / (warps * tile_bags) < resident) tile_bags /= 2;
+  const int64_t bags_per_cta = warps * tile_bags;
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((num_bags + bags_per_cta - 1) / bags_per_cta, resident)));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p, values, offsets, weights, group_lanes, tile_bags);
+  kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags);
 }
 
 template <typename index_t>

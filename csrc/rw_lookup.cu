@@ -77,11 +77,12 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
                   state.numel() >= kStateWords &&
                   bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
               "pgas_row_wise: state tensors do not match the layout");
-  // 32-bit bag numbers, including a tile past the last bag (rw_index_dist.cu) and a
-  // grid stride past it (rw_lookup_kernel): bags stay at or below 2^30.
-  TORCH_CHECK(p.capacity < INT32_MAX && p.num_features * p.max_batch <= (int64_t{1} << 30),
+  // 32-bit bag numbers and id positions, including a tile past the last bag and
+  // chunks read ahead past the last id (rw_index_dist.cu) and a grid stride past
+  // the last bag (rw_lookup_kernel): both stay at or below 2^30.
+  TORCH_CHECK(p.capacity <= (int64_t{1} << 30) && p.num_features * p.max_batch <= (int64_t{1} << 30),
               "pgas: ", p.capacity, " ids and ", p.num_features * p.max_batch,
-              " bags per step must stay below 2^31 and at most 2^30 (PgasConfig)");
+              " bags per step must each stay at or below 2^30 (PgasConfig)");
   TORCH_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
               "pgas: lookup feature range [", p.lookup_f_lo, ", ", p.lookup_f_hi, ") outside [0, ",
               p.num_features, ")");
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const int g_lane = threadIdx.x % G;
     // The group's lanes within the warp (shuffles stay inside the group).
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
-    // 32-bit bag and id positions (make_rw_params checks F * Bmax and C < 2^31).
+    // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
     const int nnz = static_cast<int>(s_nnz);
     const int batch = static_cast<int>(s_batch);
     // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).

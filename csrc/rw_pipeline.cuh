@@ -13,9 +13,11 @@
 //
 //   index region   [slot][src] blocks, written by requester `src`
 //     header   int64[4]         epoch, local batch B, nnz, reserved
-//     offsets  int64[F*Bmax+1]  the requester's own CSR offsets of its bags
+//     offsets  int64[F*Bmax+1]  where bag fb's ids start in this owner's ids
 //     lengths  int32[F*Bmax]    ids of bag fb that this owner holds
-//     ids      row_t[C]         local rows, packed at the start of each bag's span;
+//     ids      row_t[C]         local rows; the ids of a tile of <= 32 bags that this
+//                               owner holds, packed in bag order at the start of the
+//                               tile's span in the requester's own CSR values;
 //                               row_t = int32 unless a shard has >= 2^31 rows (id_bytes)
 //     weights  float[C]         per-sample weights (weighted only)
 //   output region  [slot][owner] blocks, written by owner `owner`

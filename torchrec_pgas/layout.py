@@ -4,7 +4,7 @@ Every rank holds the same buffer (sizes are plan-time constants)::
 
     index region   [slot][src] blocks, written by rank ``src`` (the requester)
         header   int64[4]          epoch, local batch B, nnz, reserved
-        offsets  int64[F*Bmax+1]   start of each bag's span in ``ids``, [f][b] order
+        offsets  int64[F*Bmax+1]   where bag (f, b)'s ids start in ``ids``, [f][b] order
         lengths  int32[F*Bmax]     how many ids of bag (f, b) this owner holds
         ids      int32|int64[C]    local row offsets into this rank's shards (int32
                                    unless a shard has 2^31 rows or more: ``id_bytes``)
@@ -15,9 +15,10 @@ Every rank holds the same buffer (sizes are plan-time constants)::
 Reading rule for the owner, on both backends: bag ``fb`` is
 ``ids[offsets[fb] : offsets[fb] + lengths[fb]]`` and every position is below
 ``nnz <= C``. The CPU backend compacts (offsets are the prefix sums of this
-owner's lengths); the GPU index-dist kernel keeps each bag at the requester's
-own offsets and packs this owner's ids at the start of the bag's span, which
-needs no scan across bags.
+owner's lengths); the GPU index-dist kernel compacts within tiles of 32 bags
+(one warp each): this owner's ids of a tile are packed in bag order at the
+start of the tile's span in the requester's own CSR values, which needs no
+scan across tiles.
 
 ``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
 lookup). The signal pad holds one index slot and one output slot per peer;
