@@ -51,11 +51,13 @@ struct TileBag {
   int32_t owners;  // owner_base | owner_count << 16
 };
 
-// Dynamic shared memory of one warp, for W owners: ids per (owner, bag) of the
-// tile int32[W][32], the owners' cursors int32[W] (even count: 8-byte alignment
-// of the rings), the write-combining rings row_t[W][32] and float[W][32] (weighted).
+constexpr int kRing = 64;  // write-combining slots per owner: two 128-byte lines of int32 rows
+
+// Dynamic shared memory of one warp, for W owners: the bags' starts per owner
+// int32[W][32], then the write-combining rings row_t[W][kRing] and, weighted,
+// float[W][kRing] (8-byte aligned: the starts are 128 bytes per owner).
 __host__ __device__ constexpr int warp_smem_bytes(int world, int id_bytes, bool weighted) {
-  return world * 32 * 4 + (world + 1) / 2 * 2 * 4 + world * 32 * (id_bytes + (weighted ? 4 : 0));
+  return world * 32 * 4 + world * kRing * (id_bytes + (weighted ? 4 : 0));
 }
 
 // Owner and local row of a checked id in [0, N): a multiply-shift when N < 2^31
@@ -85,13 +87,130 @@ __device__ __noinline__ void trace_ids(int64_t* state, int rank, int bytes_per_i
   if (remote != 0 && threadIdx.x % 32 == __ffs(remote) - 1) trace_remote_bytes(state, __popc(remote) * bytes_per_id);
 }
 
+// One owner's cursor (ids of the tile so far that owner d holds) lives in lane
+// d % 32 of `lo` (d < 32) or `hi` (kMaxWorld = 64).
+__device__ __forceinline__ int cursor_of(int lo, int hi, int d) {
+  return __shfl_sync(0xffffffffu, d < 32 ? lo : hi, d & 31);
+}
+__device__ __forceinline__ void cursor_add(int& lo, int& hi, int d, int n, int lane) {
+  if (lane == (d & 31)) (d < 32 ? lo : hi) += n;
+}
+
+// Streams the ids [begin, end) of a warp's tile into the owners' copies and
+// leaves each owner's total in its cursor; starts[d * 32 + i] gets, for every
+// bag i that starts before `end`, how many of the tile's owner-d ids precede it.
+// kOneFeature: every bag of the tile has feature fields `one` (the common case:
+// tiles cross a feature only where the batch is not a multiple of 32), so an
+// id needs its bag only for a weight sum. Otherwise `bags` holds each bag's fields.
+template <bool kOneFeature, bool kWeighted, bool kTrace, typename index_t, typename row_t>
+__device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __restrict__ values,
+                                            const float* __restrict__ weights, uint8_t* const* dst,
+                                            const TileBag& one, const TileBag* bags, float* div, int32_t* starts,
+                                            row_t* ring, float* wring, int begin, int end, int n_bags, int b,
+                                            bool valid, int d_lo, int d_hi, int& cur_lo, int& cur_hi) {
+  const int lane = threadIdx.x % 32;
+  const unsigned below = (1u << lane) - 1;
+  // Two chunks of loads in flight: chunk c's ids are placed while c + 32 and c + 64 load.
+  int64_t id_next = 0, id_later = 0;
+  float w_next = 1.f, w_later = 1.f;
+  if (end - begin > lane) {
+    id_next = static_cast<int64_t>(values[begin + lane]);
+    if (kWeighted) w_next = weights[begin + lane];
+  }
+  if (end - begin > 32 + lane) {
+    id_later = static_cast<int64_t>(values[begin + 32 + lane]);
+    if (kWeighted) w_later = weights[begin + 32 + lane];
+  }
+  for (int c = begin; c < end; c += 32) {
+    const int q = c + lane;
+    const bool live = q < end;
+    int64_t id = id_next;
+    const float w = w_next;
+    id_next = id_later;
+    w_next = w_later;
+    if (end - q > 64) {
+      id_later = static_cast<int64_t>(values[q + 64]);
+      if (kWeighted) w_later = weights[q + 64];
+    }
+    // The id's bag (only for a weight sum or per-bag fields): the last bag of
+    // the tile that starts at or before q, a binary search over the lanes' starts.
+    int j = 0;
+    if (!kOneFeature || kWeighted) {
+#pragma unroll
+      for (int s = 16; s > 0; s /= 2) {
+        const int start = __shfl_sync(0xffffffffu, b, (j + s) & 31);
+        if (j + s < n_bags && start <= q) j += s;
+      }
+    }
+    const TileBag& tb = kOneFeature ? one : bags[j];
+    int owner = -1;
+    int64_t row = 0;
+    if (live) {
+      if (id < 0 || id >= tb.hash_size) {
+        if (p.bounds_mode == kBoundsFatal) {
+          record_error(p, kErrBadId, tb.feature, id);
+          id = -1;
+        } else {
+          if (p.bounds_mode == kBoundsWarning) record_error(p, kErrBadIdWarn, tb.feature, id);
+          id = 0;
+        }
+      }
+      if (id >= 0) {
+        locate(id, tb, owner, row);
+        owner += tb.owners & 0xffff;
+      }
+    }
+    if constexpr (kTrace) trace_ids(p.state, p.rank, p.id_bytes + (kWeighted ? 4 : 0), owner);
+    if constexpr (kWeighted) {
+      // The bag's weight sum, in position order: a segmented scan per chunk
+      // (lanes past the end form their own run), added by the run's last lane
+      // (chunks run in order: deterministic).
+      const unsigned seg = bag_segment(live ? j : 32, lane);
+      float v = live ? w : 0.f;
+      const int h = __ffs(seg) - 1;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const float t = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane - o >= h) v += t;
+      }
+      if (live && (seg >> lane) == 1u) div[j] += v;
+    }
+    // Lane i records bag i's start for every owner if the bag starts in this chunk.
+    const bool starts_here = valid && static_cast<unsigned>(b - c) < 32u;
+    const bool any_start = __any_sync(0xffffffffu, starts_here);
+    const unsigned before_start = (1u << ((b - c) & 31)) - 1;
+    for (int d = d_lo; d < d_hi; ++d) {
+      const unsigned m = __ballot_sync(0xffffffffu, owner == d);
+      const int cur = cursor_of(cur_lo, cur_hi, d);
+      const int first = begin + cur;  // this chunk's owner-d ids go to [first, first + popc(m))
+      if (owner == d) {
+        const int pos = first + __popc(m & below);
+        ring[d * kRing + (pos & (kRing - 1))] = static_cast<row_t>(row);
+        if (kWeighted) wring[d * kRing + (pos & (kRing - 1))] = w;
+      }
+      if (any_start && starts_here) starts[d * 32 + lane] = cur + __popc(m & before_start);
+      const int last = first + __popc(m);
+      if ((last & ~31) != (first & ~31)) {  // the line of `first` is complete: one 32-lane store
+        __syncwarp();
+        const int at = (first & ~31) + lane;
+        if (at >= begin) {  // below begin: the previous tile's ids
+          reinterpret_cast<row_t*>(dst[d] + p.ids_off)[at] = ring[d * kRing + (at & (kRing - 1))];
+          if (kWeighted) reinterpret_cast<float*>(dst[d] + p.weights_off)[at] = wring[d * kRing + (at & (kRing - 1))];
+        }
+        __syncwarp();
+      }
+      cursor_add(cur_lo, cur_hi, d, __popc(m), lane);
+    }
+  }
+}
+
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
-template <typename index_t, typename row_t, bool kTrace>
+template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values, const int64_t* __restrict__ offsets,
                          const float* __restrict__ weights, int tile_bags) {
   extern __shared__ __align__(16) uint8_t s_warps[];  // [warps][warp_smem_bytes]
-  __shared__ TileBag s_bag[kMaxWarps][32];
+  __shared__ TileBag s_bag[kMaxWarps][32];  // tiles that cross a feature
   __shared__ float s_div[kMaxWarps][32];  // weighted: the bag's weight sum
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
@@ -107,17 +226,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   if (threadIdx.x < p.world) s_dst[threadIdx.x] = reinterpret_cast<uint8_t*>(p.peer_bufs[threadIdx.x]) + my_block;
   __syncthreads();
   const int W = p.world;
-  const bool weighted = weights != nullptr;
   const int warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const unsigned below = (1u << lane) - 1;
-  uint8_t* my_smem = s_warps + warp * warp_smem_bytes(W, sizeof(row_t), weighted);
-  int32_t* count = reinterpret_cast<int32_t*>(my_smem);  // [d * 32 + i]: ids of bag i owner d holds
-  int32_t* cursor = count + W * 32;  // [d]: ids of the tile so far that owner d holds
-  row_t* ring = reinterpret_cast<row_t*>(cursor + (W + 1) / 2 * 2);  // [d * 32 + position % 32]
-  float* wring = reinterpret_cast<float*>(ring + W * 32);
-  TileBag* bags = s_bag[warp];
+  uint8_t* my_smem = s_warps + warp * warp_smem_bytes(W, sizeof(row_t), kWeighted);
+  int32_t* starts = reinterpret_cast<int32_t*>(my_smem);  // [d * 32 + i]
+  row_t* ring = reinterpret_cast<row_t*>(starts + W * 32);  // [d * kRing + position % kRing]
+  float* wring = reinterpret_cast<float*>(ring + W * kRing);
+  float* div = s_div[warp];
   // 32-bit bag numbers and id positions: make_rw_params checks F * Bmax, C <= 2^30.
   const int num_bags = static_cast<int>(p.num_features * p.batch);
   const int batch = static_cast<int>(p.batch);
@@ -147,142 +263,50 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     }
     const int begin = __shfl_sync(0xffffffffu, b, 0);
     const int end = __shfl_sync(0xffffffffu, e, n_bags - 1);
-    if (valid) {
-      const int f = bag / batch;
-      const RwFeature& feat = p.features[f];
-      bags[lane] = TileBag{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
-                           static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
+    // Lane i's bag fields; the tile's owners [d_lo, d_hi) (all W for row-wise).
+    const int f = valid ? bag / batch : 0;
+    const RwFeature& feat = p.features[f];
+    const TileBag mine{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
+                       static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
+    const int o_lo = static_cast<int>(feat.owner_base), o_hi = o_lo + static_cast<int>(feat.owner_count);
+    const int d_lo = static_cast<int>(__reduce_min_sync(0xffffffffu, valid ? o_lo : kMaxWorld));
+    const int d_hi = static_cast<int>(__reduce_max_sync(0xffffffffu, valid ? o_hi : 0));
+    const bool one_feature = __all_sync(0xffffffffu, !valid || f == __shfl_sync(0xffffffffu, f, 0));
+    if (!one_feature && valid) s_bag[warp][lane] = mine;
+    if (kWeighted) div[lane] = 0.f;
+    __syncwarp();
+    int cur_lo = 0, cur_hi = 0;
+    if (one_feature) {
+      const TileBag one{static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(mine.hash_size), 0)),
+                        static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(mine.block), 0)),
+                        static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(mine.magic), 0)),
+                        __shfl_sync(0xffffffffu, mine.shift, 0), __shfl_sync(0xffffffffu, mine.feature, 0),
+                        __shfl_sync(0xffffffffu, mine.owners, 0)};
+      stream_tile<true, kWeighted, kTrace>(p, values, weights, s_dst, one, s_bag[warp], div, starts, ring, wring,
+                                           begin, end, n_bags, b, valid, d_lo, d_hi, cur_lo, cur_hi);
+    } else {
+      stream_tile<false, kWeighted, kTrace>(p, values, weights, s_dst, mine, s_bag[warp], div, starts, ring, wring,
+                                            begin, end, n_bags, b, valid, d_lo, d_hi, cur_lo, cur_hi);
     }
-    for (int d = 0; d < W; ++d) count[d * 32 + lane] = 0;
-    for (int d = lane; d < W; d += 32) cursor[d] = 0;
-    s_div[warp][lane] = 0.f;
     __syncwarp();
 
-    // Two chunks of loads in flight: chunk c's ids are pooled while c + 32 and c + 64 load.
-    int64_t id_next = 0, id_later = 0;
-    float w_next = 1.f, w_later = 1.f;
-    if (begin + lane < end) {
-      id_next = static_cast<int64_t>(values[begin + lane]);
-      if (weighted) w_next = weights[begin + lane];
-    }
-    if (begin + 32 + lane < end) {
-      id_later = static_cast<int64_t>(values[begin + 32 + lane]);
-      if (weighted) w_later = weights[begin + 32 + lane];
-    }
-    for (int c = begin; c < end; c += 32) {
-      const int q = c + lane;
-      const bool live = q < end;
-      int64_t id = id_next;
-      const float w = w_next;
-      id_next = id_later;
-      w_next = w_later;
-      if (q + 64 < end) {
-        id_later = static_cast<int64_t>(values[q + 64]);
-        if (weighted) w_later = weights[q + 64];
-      }
-      // The id's bag: the last bag of the tile that starts at or before q.
-      int j = 0;
-#pragma unroll
-      for (int s = 16; s > 0; s /= 2) {
-        const int start = __shfl_sync(0xffffffffu, b, (j + s) & 31);
-        if (j + s < n_bags && start <= q) j += s;
-      }
-      const TileBag& tb = bags[j];
-      int owner = -1;
-      int64_t row = 0;
-      if (live) {
-        if (id < 0 || id >= tb.hash_size) {
-          if (p.bounds_mode == kBoundsFatal) {
-            record_error(p, kErrBadId, tb.feature, id);
-            id = -1;
-          } else {
-            if (p.bounds_mode == kBoundsWarning) record_error(p, kErrBadIdWarn, tb.feature, id);
-            id = 0;
-          }
-        }
-        if (id >= 0) {
-          locate(id, tb, owner, row);
-          owner += tb.owners & 0xffff;
-        }
-      }
-      if constexpr (kTrace) trace_ids(p.state, p.rank, p.id_bytes + (weighted ? 4 : 0), owner);
-      // Lanes past the end form their own run (bag 32), apart from the last bag's.
-      const unsigned seg = bag_segment(live ? j : 32, lane);
-      if (weighted) {
-        // The bag's weight sum, in position order: a segmented scan per chunk,
-        // added by the segment's last lane (chunks run in order: deterministic).
-        float v = live ? w : 0.f;
-        const int h = __ffs(seg) - 1;
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-          const float t = __shfl_up_sync(0xffffffffu, v, o);
-          if (lane - o >= h) v += t;
-        }
-        if (live && (seg >> lane) == 1u) s_div[warp][j] += v;
-      }
-      // One pass per distinct owner in the chunk.
-      unsigned pending = __ballot_sync(0xffffffffu, owner >= 0);
-      while (pending != 0) {
-        const int d = __shfl_sync(0xffffffffu, owner, __ffs(pending) - 1);
-        const unsigned m = __ballot_sync(0xffffffffu, owner == d);
-        pending &= ~m;
-        const int first = begin + cursor[d];  // this run is [first, first + popc(m)) in d's copy
-        const int last = first + __popc(m);
-        const int boundary = (first | 31) + 1;  // the next line starts here
-        const int pos = first + __popc(m & below);
-        row_t* d_ring = ring + d * 32;
-        float* d_wring = wring + d * 32;
-        if (owner == d) {
-          if (pos < boundary) {
-            d_ring[pos & 31] = static_cast<row_t>(row);
-            if (weighted) d_wring[pos & 31] = w;
-          }
-          const unsigned same = m & seg;
-          if ((same & below) == 0) count[d * 32 + j] += __popc(same);
-        }
-        if (last >= boundary) {  // the line [boundary - 32, boundary) is complete
-          __syncwarp();
-          const int at = boundary - 32 + lane;
-          if (at >= begin) {  // below begin: the previous tile's ids
-            reinterpret_cast<row_t*>(s_dst[d] + p.ids_off)[at] = d_ring[lane];
-            if (weighted) reinterpret_cast<float*>(s_dst[d] + p.weights_off)[at] = d_wring[lane];
-          }
-          __syncwarp();
-          if (owner == d && pos >= boundary) {
-            d_ring[pos & 31] = static_cast<row_t>(row);
-            if (weighted) d_wring[pos & 31] = w;
-          }
-        }
-        __syncwarp();
-        if (lane == 0) cursor[d] = last - begin;
-        __syncwarp();
-      }
-    }
-
     // Per owner: the partial last line of the tile's run, then the bags'
-    // lengths and starts (an exclusive scan of the counts), one T-lane store each.
-    if (valid) bag_div[bag] = weighted ? s_div[warp][lane] : static_cast<float>(e - b);
-    const int owners = valid ? bags[lane].owners : 0;
-    const int d_lo = owners & 0xffff, d_hi = d_lo + (owners >> 16);
-    for (int d = 0; d < W; ++d) {
-      const bool mine = valid && d >= d_lo && d < d_hi;
-      if (!__any_sync(0xffffffffu, mine)) continue;  // table-wise: only the tile's owners
-      const int run_end = begin + cursor[d];
+    // lengths and starts, one T-lane store each.
+    if (valid) bag_div[bag] = kWeighted ? div[lane] : static_cast<float>(e - b);
+    for (int d = d_lo; d < d_hi; ++d) {
+      const int total = cursor_of(cur_lo, cur_hi, d);
+      const int run_end = begin + total;
       const int at = (run_end & ~31) + lane;
       if (at >= begin && at < run_end) {
-        reinterpret_cast<row_t*>(s_dst[d] + p.ids_off)[at] = ring[d * 32 + lane];
-        if (weighted) reinterpret_cast<float*>(s_dst[d] + p.weights_off)[at] = wring[d * 32 + lane];
+        reinterpret_cast<row_t*>(s_dst[d] + p.ids_off)[at] = ring[d * kRing + (at & (kRing - 1))];
+        if (kWeighted) reinterpret_cast<float*>(s_dst[d] + p.weights_off)[at] = wring[d * kRing + (at & (kRing - 1))];
       }
-      const int n = count[d * 32 + lane];
-      int incl = n;
-#pragma unroll
-      for (int o = 1; o < 32; o *= 2) {
-        const int t = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += t;
-      }
-      if (mine) {
-        reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[bag] = n;
-        reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[bag] = begin + incl - n;
+      // A bag starting at the tile's end (empty) was never in a chunk: it starts after all.
+      const int start = valid && b < end ? starts[d * 32 + lane] : total;
+      const int next = lane == 31 ? total : __shfl_down_sync(0xffffffffu, start, 1);
+      if (valid && d >= o_lo && d < o_hi) {
+        reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[bag] = next - start;
+        reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[bag] = begin + start;
         if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
       }
     }
@@ -309,25 +333,24 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   }
 }
 
-template <typename index_t, typename row_t, bool kTrace>
+template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
                        const float* weights, cudaStream_t stream) {
   const int64_t num_bags = p.num_features * p.batch;
-  const auto kernel = rw_index_dist_kernel<index_t, row_t, kTrace>;
+  const auto kernel = rw_index_dist_kernel<index_t, row_t, kWeighted, kTrace>;
   // Warps per CTA: 8, fewer when the owners' rings would not fit (large W).
-  const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), weights != nullptr);
+  const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), kWeighted);
   constexpr int kDynamicLimit = 160 * 1024;
   int warps = kMaxWarps;
   while (warps > 1 && warps * per_warp > kDynamicLimit) warps /= 2;
   const int smem = warps * per_warp;
-  // One device per process; the occupancy depends on W and the weights (shared
-  // memory), so it is recomputed when either changes.
-  static int resident_for = -1, resident = 0;
-  const int key = p.world * 2 + (weights != nullptr ? 1 : 0);
-  if (resident_for != key) {
+  // One device per process; the occupancy depends on W (shared memory), so it
+  // is recomputed when a sharding of another world size launches.
+  static int resident_for_world = -1, resident = 0;
+  if (resident_for_world != p.world) {
     PGAS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     resident = resident_ctas(kernel, warps * 32, smem);
-    resident_for = key;
+    resident_for_world = p.world;
   }
   // Tiles of 32 bags, or fewer when the step is too small to fill the GPU with them.
   int tile_bags = 32;
@@ -338,15 +361,22 @@ void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* 
   kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags);
 }
 
+template <typename index_t, bool kWeighted, bool kTrace>
+void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
+                       const float* weights, cudaStream_t stream) {
+  p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, stream)
+                  : launch_index_dist<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, stream);
+}
+
 template <typename index_t>
 void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
                        const float* weights, cudaStream_t stream) {
-  if (p.trace) {
-    p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, true>(p, values, offsets, weights, stream)
-                    : launch_index_dist<index_t, int64_t, true>(p, values, offsets, weights, stream);
+  if (weights != nullptr) {
+    p.trace ? launch_index_dist<index_t, true, true>(p, values, offsets, weights, stream)
+            : launch_index_dist<index_t, true, false>(p, values, offsets, weights, stream);
   } else {
-    p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, false>(p, values, offsets, weights, stream)
-                    : launch_index_dist<index_t, int64_t, false>(p, values, offsets, weights, stream);
+    p.trace ? launch_index_dist<index_t, false, true>(p, values, offsets, weights, stream)
+            : launch_index_dist<index_t, false, false>(p, values, offsets, weights, stream);
   }
 }
 

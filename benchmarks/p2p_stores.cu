@@ -1,0 +1,128 @@
+// SM stores into a peer GPU's memory over NVLink: bandwidth by store width and
+// run length, next to the copy engine and local HBM (benchmarks/NOTES.md §14).
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/p2p_stores.cu -o /tmp/p2p_stores && /tmp/p2p_stores
+//
+// Every warp writes its own contiguous slice of a 256 MiB buffer (GPU 0 -> GPU 1):
+// `lanes` lanes of each warp store `width` bytes each per instruction, so a warp
+// instruction covers lanes * width contiguous bytes (lanes < 32: runs shorter
+// than a 128-byte line, the index dist's old pattern). Grid: `ctas` CTAs of 256.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#define CHECK(x)                                                                  \
+  do {                                                                            \
+    cudaError_t e = (x);                                                          \
+    if (e != cudaSuccess) {                                                       \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+      return 1;                                                                   \
+    }                                                                             \
+  } while (0)
+
+template <int kWidth>
+struct Word;
+template <>
+struct Word<4> { using T = uint32_t; };
+template <>
+struct Word<8> { using T = uint2; };
+template <>
+struct Word<16> { using T = uint4; };
+
+template <int kWidth>
+__global__ void store_kernel(uint8_t* dst, int64_t bytes, int lanes) {
+  using T = typename Word<kWidth>::T;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t per_instr = static_cast<int64_t>(lanes) * kWidth;
+  // The warp's slice, in whole 128-byte-aligned strides of 32 * kWidth bytes;
+  // only the first `lanes` lanes of a stride store (the rest of it stays unwritten).
+  const int64_t stride = 32 * kWidth;
+  const int64_t strides = bytes / stride;
+  const int64_t per_warp = (strides + warps - 1) / warps;
+  T v;
+  std::memset(&v, 0x5a, sizeof(v));
+  if (lane >= lanes) return;
+  for (int64_t s = warp * per_warp; s < min(strides, (warp + 1) * per_warp); ++s) {
+    reinterpret_cast<T*>(dst + s * stride)[lane] = v;
+  }
+  (void)per_instr;
+}
+
+template <int kWidth>
+float time_stores(uint8_t* dst, int64_t bytes, int lanes, int ctas, float* useful_gbps) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  store_kernel<kWidth><<<ctas, 256>>>(dst, bytes, lanes);  // warm-up
+  cudaEventRecord(a);
+  const int reps = 10;
+  for (int r = 0; r < reps; ++r) store_kernel<kWidth><<<ctas, 256>>>(dst, bytes, lanes);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  ms /= reps;
+  const double useful = static_cast<double>(bytes) * lanes / 32;
+  *useful_gbps = static_cast<float>(useful / ms / 1e6);
+  return ms;
+}
+
+int main() {
+  int n = 0;
+  CHECK(cudaGetDeviceCount(&n));
+  const int64_t bytes = int64_t{256} << 20;
+  uint8_t *local = nullptr, *peer = nullptr, *src = nullptr;
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (n >= 2) {
+    CHECK(cudaSetDevice(1));
+    CHECK(cudaMalloc(&peer, bytes));
+  }
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaMalloc(&local, bytes));
+  CHECK(cudaMalloc(&src, bytes));
+  if (n >= 2) CHECK(cudaDeviceEnablePeerAccess(1, 0));
+  std::printf("%d GPUs, %d SMs; 256 MiB per run, GB/s of bytes actually stored\n", n, sms);
+  if (n >= 2) {
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    CHECK(cudaMemcpyPeerAsync(peer, 1, src, 0, bytes));
+    cudaEventRecord(a);
+    for (int r = 0; r < 10; ++r) CHECK(cudaMemcpyPeerAsync(peer, 1, src, 0, bytes));
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    std::printf("copy engine to peer: %.0f GB/s\n", bytes / (ms / 10) / 1e6);
+  }
+  std::printf("%-6s %-6s %-6s %-6s %10s %10s\n", "target", "width", "lanes", "ctas", "peer GB/s", "local GB/s");
+  const int widths[] = {4, 8, 16};
+  const int lane_counts[] = {32, 16, 8};
+  std::vector<int> cta_counts = {sms / 4, sms, 2 * sms, 8 * sms};
+  for (int w : widths) {
+    for (int lanes : lane_counts) {
+      for (int ctas : cta_counts) {
+        float gp = 0, gl = 0;
+        if (w == 4) {
+          if (peer) time_stores<4>(peer, bytes, lanes, ctas, &gp);
+          time_stores<4>(local, bytes, lanes, ctas, &gl);
+        } else if (w == 8) {
+          if (peer) time_stores<8>(peer, bytes, lanes, ctas, &gp);
+          time_stores<8>(local, bytes, lanes, ctas, &gl);
+        } else {
+          if (peer) time_stores<16>(peer, bytes, lanes, ctas, &gp);
+          time_stores<16>(local, bytes, lanes, ctas, &gl);
+        }
+        CHECK(cudaGetLastError());
+        std::printf("%-6s %-6d %-6d %-6d %10.0f %10.0f\n", "peer", w, lanes, ctas, gp, gl);
+      }
+    }
+  }
+  return 0;
+}
