@@ -271,7 +271,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     const int o_lo = static_cast<int>(feat.owner_base), o_hi = o_lo + static_cast<int>(feat.owner_count);
     const int d_lo = static_cast<int>(__reduce_min_sync(0xffffffffu, valid ? o_lo : kMaxWorld));
     const int d_hi = static_cast<int>(__reduce_max_sync(0xffffffffu, valid ? o_hi : 0));
-    const bool one_feature = __all_sync(0xffffffffu, !valid || f == __shfl_sync(0xffffffffu, f, 0));
+    const int f0 = __shfl_sync(0xffffffffu, f, 0);  // every lane shuffles (full mask)
+    const bool one_feature = __all_sync(0xffffffffu, !valid || f == f0);
     if (!one_feature && valid) s_bag[warp][lane] = mine;
     if (kWeighted) div[lane] = 0.f;
     __syncwarp();
@@ -303,7 +304,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
       }
       // A bag starting at the tile's end (empty) was never in a chunk: it starts after all.
       const int start = valid && b < end ? starts[d * 32 + lane] : total;
-      const int next = lane == 31 ? total : __shfl_down_sync(0xffffffffu, start, 1);
+      const int next_up = __shfl_down_sync(0xffffffffu, start, 1);
+      const int next = lane == 31 ? total : next_up;
       if (valid && d >= o_lo && d < o_hi) {
         reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[bag] = next - start;
         reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[bag] = begin + start;
