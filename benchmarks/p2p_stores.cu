@@ -38,7 +38,6 @@ __global__ void store_kernel(uint8_t* dst, int64_t bytes, int lanes) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int64_t per_instr = static_cast<int64_t>(lanes) * kWidth;
   // The warp's slice, in whole 128-byte-aligned strides of 32 * kWidth bytes;
   // only the first `lanes` lanes of a stride store (the rest of it stays unwritten).
   const int64_t stride = 32 * kWidth;
@@ -50,7 +49,6 @@ __global__ void store_kernel(uint8_t* dst, int64_t bytes, int lanes) {
   for (int64_t s = warp * per_warp; s < min(strides, (warp + 1) * per_warp); ++s) {
     reinterpret_cast<T*>(dst + s * stride)[lane] = v;
   }
-  (void)per_instr;
 }
 
 template <int kWidth>
