@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <vector>
 
 #define CHECK(x)                                                                  \
   do {                                                                            \
@@ -51,12 +50,13 @@ __global__ void store_kernel(uint8_t* dst, int64_t bytes, int lanes) {
   }
 }
 
+// GB/s of bytes actually stored, mean of 10 launches after a warm-up.
 template <int kWidth>
-float time_stores(uint8_t* dst, int64_t bytes, int lanes, int ctas, float* useful_gbps) {
+float store_gbps(uint8_t* dst, int64_t bytes, int lanes, int ctas) {
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  store_kernel<kWidth><<<ctas, 256>>>(dst, bytes, lanes);  // warm-up
+  store_kernel<kWidth><<<ctas, 256>>>(dst, bytes, lanes);
   cudaEventRecord(a);
   const int reps = 10;
   for (int r = 0; r < reps; ++r) store_kernel<kWidth><<<ctas, 256>>>(dst, bytes, lanes);
@@ -64,10 +64,19 @@ float time_stores(uint8_t* dst, int64_t bytes, int lanes, int ctas, float* usefu
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
-  ms /= reps;
-  const double useful = static_cast<double>(bytes) * lanes / 32;
-  *useful_gbps = static_cast<float>(useful / ms / 1e6);
-  return ms;
+  return static_cast<float>(static_cast<double>(bytes) * lanes / 32 / (ms / reps) / 1e6);
+}
+
+// One line per (lanes, CTAs) at this store width: peer and local GB/s.
+template <int kWidth>
+void sweep(uint8_t* peer, uint8_t* local, int64_t bytes, int sms) {
+  for (int lanes : {32, 16, 8}) {
+    for (int ctas : {sms / 4, sms, 2 * sms, 8 * sms}) {
+      const float gp = peer != nullptr ? store_gbps<kWidth>(peer, bytes, lanes, ctas) : 0.f;
+      const float gl = store_gbps<kWidth>(local, bytes, lanes, ctas);
+      std::printf("%-6s %-6d %-6d %-6d %10.0f %10.0f\n", "peer", kWidth, lanes, ctas, gp, gl);
+    }
+  }
 }
 
 int main() {
@@ -100,27 +109,9 @@ int main() {
     std::printf("copy engine to peer: %.0f GB/s\n", bytes / (ms / 10) / 1e6);
   }
   std::printf("%-6s %-6s %-6s %-6s %10s %10s\n", "target", "width", "lanes", "ctas", "peer GB/s", "local GB/s");
-  const int widths[] = {4, 8, 16};
-  const int lane_counts[] = {32, 16, 8};
-  std::vector<int> cta_counts = {sms / 4, sms, 2 * sms, 8 * sms};
-  for (int w : widths) {
-    for (int lanes : lane_counts) {
-      for (int ctas : cta_counts) {
-        float gp = 0, gl = 0;
-        if (w == 4) {
-          if (peer) time_stores<4>(peer, bytes, lanes, ctas, &gp);
-          time_stores<4>(local, bytes, lanes, ctas, &gl);
-        } else if (w == 8) {
-          if (peer) time_stores<8>(peer, bytes, lanes, ctas, &gp);
-          time_stores<8>(local, bytes, lanes, ctas, &gl);
-        } else {
-          if (peer) time_stores<16>(peer, bytes, lanes, ctas, &gp);
-          time_stores<16>(local, bytes, lanes, ctas, &gl);
-        }
-        CHECK(cudaGetLastError());
-        std::printf("%-6s %-6d %-6d %-6d %10.0f %10.0f\n", "peer", w, lanes, ctas, gp, gl);
-      }
-    }
-  }
+  sweep<4>(peer, local, bytes, sms);
+  sweep<8>(peer, local, bytes, sms);
+  sweep<16>(peer, local, bytes, sms);
+  CHECK(cudaGetLastError());
   return 0;
 }

@@ -8,19 +8,20 @@
 // bags (lane i holds bag i's CSR span and feature fields), whose ids are one
 // contiguous range [begin, end) of the local KJT's values. It streams that
 // range 32 ids at a time, one id per lane (coalesced, no lane idles on short
-// bags, two chunks of loads in flight). A lane finds its id's bag by a binary
-// search over the tile's starts (shuffles), then its owner and local row. In
-// owner d's copy the tile's ids of owner d are packed in stream order (so bag
-// order) at the start of the tile's range: position begin + (owner-d ids of
-// the tile before this one), one ballot per distinct owner in the chunk. Bag
-// fb's entries there are offsets[fb] (where its ids start in d's copy) and
-// lengths[fb] (how many), one T-lane store per owner per tile.
+// bags, two chunks of loads in flight), and places each id by its owner and
+// local row. In owner d's copy the tile's owner-d ids are packed in stream
+// order (so bag order) at the start of the tile's range: position begin +
+// (owner-d ids of the tile before it), from one ballot per owner of the tile
+// and the owner's cursor, held in a lane. Lane i records, in the chunk where
+// bag i starts, how many owner-d ids precede it; those starts give offsets[fb]
+// and lengths[fb] (differences of consecutive starts), one T-lane store per
+// owner per tile. An id needs its bag (a binary search over the lanes' starts)
+// only where the tile crosses a feature or for a weight sum.
 //
-// NVLink writes are whole 128-byte lines: each owner's ids gather in a 32-slot
-// ring in shared memory, indexed by position mod 32, and a line goes out with
-// one 32-lane store once its last slot is filled (the first and the last line
-// of a tile's run go out partial). Direct per-chunk stores were runs of ~32/W
-// ids (16-64 bytes) at any alignment, the transaction count bounding the stage.
+// NVLink writes are whole 128-byte lines: each owner's ids gather in a
+// two-line ring in shared memory, indexed by position mod 64, and a line goes
+// out with one 32-lane store once its last slot is filled (the first and the
+// last line of a tile's run go out partial).
 //
 // Bounds: an id outside [0, N) never produces a remote write. FATAL drops it and
 // records kErrBadId (raised on the host); WARNING/IGNORE read row 0 instead
@@ -85,6 +86,14 @@ __device__ __forceinline__ unsigned bag_segment(int j, int lane) {
 __device__ __noinline__ void trace_ids(int64_t* state, int rank, int bytes_per_id, int owner) {
   const unsigned remote = __ballot_sync(0xffffffffu, owner >= 0 && owner != rank);
   if (remote != 0 && threadIdx.x % 32 == __ffs(remote) - 1) trace_remote_bytes(state, __popc(remote) * bytes_per_id);
+}
+
+// Lanes store positions `at` of owner d's run from its ring (one line: coalesced).
+template <bool kWeighted, typename row_t>
+__device__ __forceinline__ void store_from_ring(const RwParams& p, uint8_t* dst, const row_t* ring,
+                                                const float* wring, int at) {
+  reinterpret_cast<row_t*>(dst + p.ids_off)[at] = ring[at & (kRing - 1)];
+  if (kWeighted) reinterpret_cast<float*>(dst + p.weights_off)[at] = wring[at & (kRing - 1)];
 }
 
 // One owner's cursor (ids of the tile so far that owner d holds) lives in lane
@@ -193,10 +202,8 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
       if ((last & ~31) != (first & ~31)) {  // the line of `first` is complete: one 32-lane store
         __syncwarp();
         const int at = (first & ~31) + lane;
-        if (at >= begin) {  // below begin: the previous tile's ids
-          reinterpret_cast<row_t*>(dst[d] + p.ids_off)[at] = ring[d * kRing + (at & (kRing - 1))];
-          if (kWeighted) reinterpret_cast<float*>(dst[d] + p.weights_off)[at] = wring[d * kRing + (at & (kRing - 1))];
-        }
+        // below begin: the previous tile's ids
+        if (at >= begin) store_from_ring<kWeighted>(p, dst[d], ring + d * kRing, wring + d * kRing, at);
         __syncwarp();
       }
       cursor_add(cur_lo, cur_hi, d, __popc(m), lane);
@@ -298,10 +305,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
       const int total = cursor_of(cur_lo, cur_hi, d);
       const int run_end = begin + total;
       const int at = (run_end & ~31) + lane;
-      if (at >= begin && at < run_end) {
-        reinterpret_cast<row_t*>(s_dst[d] + p.ids_off)[at] = ring[d * kRing + (at & (kRing - 1))];
-        if (kWeighted) reinterpret_cast<float*>(s_dst[d] + p.weights_off)[at] = wring[d * kRing + (at & (kRing - 1))];
-      }
+      if (at >= begin && at < run_end) store_from_ring<kWeighted>(p, s_dst[d], ring + d * kRing, wring + d * kRing, at);
       // A bag starting at the tile's end (empty) was never in a chunk: it starts after all.
       const int start = valid && b < end ? starts[d * 32 + lane] : total;
       const int next_up = __shfl_down_sync(0xffffffffu, start, 1);
