@@ -5,10 +5,15 @@
 // each have their own batch (variable_batch: read from the source's header).
 // Table-wise MEAN is pooled here with the TBE's arithmetic (kMeanOwner).
 //
-// Grid (ctas_per_source, W): CTA (x, k) serves source src = (rank + 1 + k) % W,
-// so the remote sources' CTAs are scheduled first and the local source pads
-// the tail (communication-aware ordering: the bytes that must cross NVLink
-// leave first). Thread 0 waits for the source's index slot (acquire), checks
+// One wave of CTAs serves the W sources in turn, pass k serving source
+// src = (rank + 1 + k) % W: the remote sources first and the local one last
+// (communication-aware ordering: the bytes that must cross NVLink leave
+// first). That order also lets the local pass fold the finalize in (final_out,
+// when this rank looks up every feature): by then the peers, in the same order,
+// have pooled this rank's bags in their remote passes, so the pass waits once
+// for their output slots and writes each bag's output, the owners' partials
+// summed in rank order with its own in registers, MEAN divided; the partials
+// of this rank are never stored and read back. Thread 0 waits for the source's index slot (acquire), checks
 // its header, then groups of G lanes pool one bag each: G = dim_max / 4 rounded
 // up to a power of two (16 for dim 64), every lane owns 4 columns of the row
 // (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
@@ -29,7 +34,8 @@
 // is skipped but still signalled (and aborted), so no rank ever hangs.
 //
 // Completion per source: fence + done counter; the last CTA of the source
-// stores the epoch into the requester's output slot (st.release.sys).
+// stores the epoch into the requester's output slot (st.release.sys). A folded
+// step's last CTA publishes the error record (the finalize's job otherwise).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -202,134 +208,188 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
   return acc;
 }
 
+// A partial as the finalize would read it back: rounded to the output dtype.
+__device__ __forceinline__ float4 as_stored(float4 v, int out_kind) {
+  if (out_kind == 1) {
+    const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+    const float2 fa = __half22float2(a), fb = __half22float2(b);
+    return make_float4(fa.x, fa.y, fb.x, fb.y);
+  }
+  if (out_kind == 2) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+    const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
+    return make_float4(fa.x, fa.y, fb.x, fb.y);
+  }
+  return v;
+}
+
+// A peer's partial (4 elements at i) from this rank's output block.
+__device__ __forceinline__ float4 load_out(const uint8_t* block, int64_t i, int out_kind) {
+  if (out_kind == 0) return load4_cg(reinterpret_cast<const float*>(block) + i);
+  if (out_kind == 1) return load4_cg(reinterpret_cast<const c10::Half*>(block) + i);
+  return load4_cg(reinterpret_cast<const c10::BFloat16*>(block) + i);
+}
+
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
+// final_out: the folded step's [B, D] output (nullptr: partials only, the finalize reduces).
 template <typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
-                                                                         int out_kind) {
+                                                                         int out_kind, uint8_t* final_out) {
   __shared__ int64_t s_epoch, s_nnz, s_batch;
-  __shared__ int s_ok;
-  const int k = blockIdx.y;
-  const int src = (p.rank + 1 + k) % p.world;
+  __shared__ int s_ok, s_fold_ok;
   if (threadIdx.x == 0) {
-    const int64_t epoch = p.state[kCtrLookup] + 1;
-    const int64_t slot = epoch % p.num_slots;
-    const int64_t* header = reinterpret_cast<const int64_t*>(p.buf + index_block(p, slot, src));
-    const int64_t* signal = p.pad + kPadHeaderWords + src;
-    int ok = wait_epoch(p, signal, epoch, 1, src);
-    if (ld_acquire_sys(signal) >= epoch) {
-      const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
-      if (!p.variable_batch && h_batch != p.batch) {
-        record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
-        ok = 0;
-      } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
-        record_error(p, kErrCorrupt, src, 0);
-        ok = 0;
-      }
-    }
-    if (!ok) abort_peer(p, src);
-    s_epoch = epoch;
-    s_nnz = ok ? __ldcg(header + 2) : 0;  // the values checked above
-    s_batch = ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
-    s_ok = ok;
+    s_epoch = p.state[kCtrLookup] + 1;
+    s_fold_ok = 1;
   }
   __syncthreads();
   const int64_t epoch = s_epoch;
   const int64_t slot = epoch % p.num_slots;
+  const float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
 
-  if (s_ok) {
-    const uint8_t* block = p.buf + index_block(p, slot, src);
-    const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
-    const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
-    const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
-    const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
-    uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
-
-    const int G = group_lanes;
-    const int groups_per_cta = kThreads / G;
-    const int group = threadIdx.x / G;
-    const int g_lane = threadIdx.x % G;
-    // The group's lanes within the warp (shuffles stay inside the group).
-    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
-    // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
-    const int nnz = static_cast<int>(s_nnz);
-    const int batch = static_cast<int>(s_batch);
-    // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
-    const int bag_end = p.lookup_f_hi * batch;
-    const bool remote = src != p.rank;
-    bool bad = false, bad_span = false;
-    for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
-         bag += gridDim.x * groups_per_cta) {
-      const int f = bag / batch;
-      const RwFeature& feat = p.features[f];
-      const int64_t begin = __ldcg(offsets + bag);
-      const int n = __ldcg(lengths + bag);
-      if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
-        bad_span = true;  // this bag's output is not written
-        continue;
-      }
-      const row_t* bag_ids = ids + begin;
-      const float* bag_w = kWeighted ? weights + begin : nullptr;
-      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
-      const bool f32 = feat.dtype == kF32;
-      const row_t local_rows = static_cast<row_t>(feat.local_rows);
-      const int dim = static_cast<int>(feat.dim);
-      const int row_bytes = dim * (f32 ? 4 : 2);
-      for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
-        const int col = col0 + 4 * g_lane;
-        const bool col_ok = col < dim;
-        const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
-        const float4 acc =
-            f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                    gmask, local_rows, bad)
-                : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                     gmask, local_rows, bad);
-        float4 v = acc;
-        if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
-          const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
-          v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+  for (int k = 0; k < p.world; ++k) {
+    const int src = (p.rank + 1 + k) % p.world;
+    const bool fold = final_out != nullptr && src == p.rank;  // the last pass: the local source
+    if (threadIdx.x == 0) {
+      const int64_t* header = reinterpret_cast<const int64_t*>(p.buf + index_block(p, slot, src));
+      const int64_t* signal = p.pad + kPadHeaderWords + src;
+      int ok = wait_epoch(p, signal, epoch, 1, src);
+      if (ld_acquire_sys(signal) >= epoch) {
+        const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
+        if (!p.variable_batch && h_batch != p.batch) {
+          record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
+          ok = 0;
+        } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
+          record_error(p, kErrCorrupt, src, 0);
+          ok = 0;
         }
-        const int b = bag - f * batch;
-        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
       }
-      if constexpr (kTrace) {
-        if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
-      }
+      if (!ok) abort_peer(p, src);
+      s_nnz = ok ? __ldcg(header + 2) : 0;  // the values checked above
+      s_batch = ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
+      s_ok = ok;
     }
-    // Reported once per lane, before this CTA counts as done (so before the signal).
-    if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
-  }
+    // Folding: the peers' partials of this rank's bags, which they pooled in
+    // their remote passes (before their local one, as here), must have landed.
+    if (fold && threadIdx.x < p.world && threadIdx.x != p.rank &&
+        !wait_epoch(p, p.pad + kPadHeaderWords + p.world + threadIdx.x, epoch, 2, threadIdx.x)) {
+      s_fold_ok = 0;
+    }
+    __syncthreads();
 
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    if (last_to_arrive(p.state + kDoneSrc + k, gridDim.x)) {
+    if (s_ok && (!fold || s_fold_ok)) {
+      const uint8_t* block = p.buf + index_block(p, slot, src);
+      const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
+      const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
+      const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
+      const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
+      uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
+
+      const int G = group_lanes;
+      const int groups_per_cta = kThreads / G;
+      const int group = threadIdx.x / G;
+      const int g_lane = threadIdx.x % G;
+      // The group's lanes within the warp (shuffles stay inside the group).
+      const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
+      // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
+      const int nnz = static_cast<int>(s_nnz);
+      const int batch = static_cast<int>(s_batch);
+      // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
+      const int bag_end = p.lookup_f_hi * batch;
+      const bool remote = src != p.rank;
+      bool bad = false, bad_span = false;
+      for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
+           bag += gridDim.x * groups_per_cta) {
+        const int f = bag / batch;
+        const RwFeature& feat = p.features[f];
+        const int64_t begin = __ldcg(offsets + bag);
+        const int n = __ldcg(lengths + bag);
+        if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
+          bad_span = true;  // this bag's output is not written
+          continue;
+        }
+        const row_t* bag_ids = ids + begin;
+        const float* bag_w = kWeighted ? weights + begin : nullptr;
+        const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
+        const bool f32 = feat.dtype == kF32;
+        const row_t local_rows = static_cast<row_t>(feat.local_rows);
+        const int dim = static_cast<int>(feat.dim);
+        const int row_bytes = dim * (f32 ? 4 : 2);
+        for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
+          const int col = col0 + 4 * g_lane;
+          const bool col_ok = col < dim;
+          const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
+          const float4 acc =
+              f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                      gmask, local_rows, bad)
+                  : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                       gmask, local_rows, bad);
+          float4 v = acc;
+          if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
+            const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
+            v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+          }
+          const int b = bag - f * batch;
+          const int64_t at = static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col;
+          if (fold && col_ok) {
+            // The finalize's arithmetic, in registers: the owners' partials in rank
+            // order, this rank's as it would have been stored, then the MEAN divisor.
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+            const int owner_end = static_cast<int>(feat.owner_base + feat.owner_count);
+            for (int d = static_cast<int>(feat.owner_base); d < owner_end; ++d) {
+              fma4(sum, 1.f, d == p.rank ? as_stored(v, out_kind) : load_out(p.buf + output_block(p, slot, d), at,
+                                                                               out_kind));
+            }
+            if (feat.is_mean == kMeanRequester) {
+              const float dv = bag_div[f * batch + b] + kMeanEps;
+              sum.x /= dv;
+              sum.y /= dv;
+              sum.z /= dv;
+              sum.w /= dv;
+            }
+            store_out(final_out, at, out_kind, sum);
+          } else if (col_ok) {
+            store_out(out, at, out_kind, v);
+          }
+        }
+        if constexpr (kTrace) {
+          if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
+        }
+      }
+      // Reported once per lane, before this CTA counts as done (so before the signal).
+      if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
+    }
+
+    __syncthreads();
+    if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneSrc + k, gridDim.x)) {
       int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[src]);
       st_release_sys(peer_pad + kPadHeaderWords + p.world + p.rank, epoch);
     }
-    if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
-      p.state[kCtrLookup] = epoch;
-    }
+  }
+  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneLookup, gridDim.x)) {
+    p.state[kCtrLookup] = epoch;
+    if (final_out != nullptr) publish_errors(p);  // no finalize follows
   }
 }
 
 template <typename row_t, bool kWeighted, bool kTrace>
-void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
-  // One wave: W sources share the resident CTAs (one device per process, so the
-  // occupancy is computed once).
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* final_out, cudaStream_t stream) {
+  // One wave; every CTA serves the W sources in turn (one device per process, so
+  // the occupancy is computed once).
   static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
-  const int64_t ctas = std::max<int64_t>(
-      1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
+  const int64_t ctas =
+      std::max<int64_t>(1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident));
+  rw_lookup_kernel<row_t, kWeighted, kTrace>
+      <<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p, group_lanes, out_kind, final_out);
 }
 
 template <typename row_t, bool kWeighted>
-void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
-  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, stream)
-          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, stream);
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* final_out, cudaStream_t stream) {
+  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, final_out, stream)
+          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, final_out, stream);
 }
 
 }  // namespace
@@ -337,7 +397,7 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_
 void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                const at::Tensor& status, at::IntArrayRef cfg, int64_t batch, int64_t max_dim,
-               at::ScalarType out_dtype) {
+               at::ScalarType out_dtype, const c10::optional<at::Tensor>& out) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
   TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "rw_lookup: dims must be multiples of 4, got ", max_dim);
   int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
@@ -345,13 +405,25 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
               "rw_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
+  // Folding (the step's output written here, no finalize) needs every column: this
+  // rank must look up every feature (row-wise, or table-wise on one rank).
+  uint8_t* final_out = nullptr;
+  if (out.has_value()) {
+    TORCH_CHECK(p.lookup_f_lo == 0 && p.lookup_f_hi == p.num_features,
+                "rw_lookup: an output needs the lookup of every feature, this rank holds [", p.lookup_f_lo, ", ",
+                p.lookup_f_hi, ") of ", p.num_features);
+    TORCH_CHECK(out->is_cuda() && out->is_contiguous() && out->scalar_type() == out_dtype && out->dim() == 2 &&
+                    out->size(0) == batch && out->size(1) == p.dim_sum,
+                "rw_lookup: out must be a contiguous [", batch, ", ", p.dim_sum, "] CUDA tensor of ", out_dtype);
+    final_out = reinterpret_cast<uint8_t*>(out->data_ptr());
+  }
   auto stream = at::cuda::getCurrentCUDAStream();
   if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, final_out, stream)
+               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, final_out, stream);
   } else {
-    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, final_out, stream)
+               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, final_out, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

@@ -27,17 +27,19 @@
 // reason, then 2W epoch slots: index slot `src` (requester -> owner) and
 // output slot `W + owner` (owner -> requester).
 //
-// Synchronization protocol, one step = three kernels on the current stream:
+// Synchronization protocol, one step = three kernels on the current stream
+// (two when the lookup folds the finalize in: every feature looked up here):
 //   index_dist (requester): every CTA stores ids/lengths/offsets straight into
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
 //     the epoch into every owner's index slot (st.release.sys).
-//   lookup (owner): CTA (x, k) serves source (rank + 1 + k) % W, so remote
-//     sources are scheduled first and the local one last; thread 0 spins
+//   lookup (owner): every CTA serves source (rank + 1 + k) % W in pass k, so
+//     remote sources come first and the local one last; thread 0 spins
 //     (ld.acquire.sys) on that source's index slot, the CTA pools its share of
 //     the bags and stores each partial vector into the requester's output
-//     block; the last CTA of the source fences and stores the epoch into the
-//     requester's output slot.
+//     block; the last CTA of the pass fences and stores the epoch into the
+//     requester's output slot. Folded: the local pass first waits for the
+//     peers' output slots and writes the reduced output itself.
 //   finalize (requester): W threads spin on the W output slots, then the CTA
 //     sums the partials in rank order (and divides MEAN bags) into the output.
 // index_dist and lookup keep device-side epoch counters (state[kCtr*]), read
@@ -216,6 +218,17 @@ __device__ __forceinline__ bool last_to_arrive(int64_t* counter, int64_t arrival
   *counter = 0;  // stream order: the next launch starts after this one ends
   __threadfence_system();
   return true;
+}
+
+// The step's last kernel publishes its error record to pinned host memory
+// (single writer: plain stores to host) and clears it for the next step.
+__device__ __forceinline__ void publish_errors(const RwParams& p) {
+  if (p.state[kErrCode] != kErrNone) {
+    for (int i = 1; i < 4; ++i) p.status[i] = p.state[kErrCode + i];
+    __threadfence_system();
+    p.status[0] = p.state[kErrCode];
+    for (int i = 0; i < 4; ++i) p.state[kErrCode + i] = 0;
+  }
 }
 
 // ---- 4-element vectors: every row, column block and output is a multiple of 4 ----

@@ -68,7 +68,9 @@ class FeatureOwners:
 
 
 class DevicePipeline(PgasPipeline):
-    """Three fused kernel launches per step on the current stream; no host sync.
+    """Fused kernel launches on the current stream, no host sync: index dist, then the
+    lookup, which also reduces the output when this rank looks up every feature
+    (row-wise: two launches), else a finalize (table-wise: three).
 
     Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
     in a pinned record that the next step reads without syncing; ``check()``
@@ -113,9 +115,10 @@ class DevicePipeline(PgasPipeline):
             lookup_features=owners.lookup, variable_batch=owners.variable_batch,
         )
         self._max_dim = max(self.feature_dims[owners.lookup[0]:owners.lookup[1]], default=4)
+        self._fold = tuple(owners.lookup) == (0, len(self.feature_dims))
         self._out_dtype = out_dtype
         self._tbe_key: List[int] = [-1]
-        # Recorded after each finalize, per slot (see index_dist).
+        # Recorded after each step's last kernel, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
@@ -128,7 +131,7 @@ class DevicePipeline(PgasPipeline):
         stream = torch.cuda.current_stream(self.device)
         if not torch.cuda.is_current_stream_capturing():
             # TorchRec's train pipelines run the input dist on their own stream:
-            # reusing a slot must wait for the finalize that last read it.
+            # reusing a slot must wait for the step that last read it.
             stream.wait_event(self._slot_free[(self.issued + 1) % self.layout.num_slots])
         try:
             torch.ops.torchrec_pgas.rw_index_dist(
@@ -176,11 +179,15 @@ class DevicePipeline(PgasPipeline):
         args = (self.buf.local, self.pad.words, self._peers, self._features)
         try:
             self._bind_weights(tbes)
+            batch = kjt.stride()
+            out = (torch.empty(batch, self.layout.dim_sum, dtype=self._out_dtype, device=self.device)
+                   if self._fold else None)
             ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
-                          kjt.stride(), self._max_dim, self._out_dtype)
+                          batch, self._max_dim, self._out_dtype, out)
             profiling.mark("lookup")
-            out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
-                                  self._cfg, kjt.stride(), self._out_dtype)
+            if out is None:
+                out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
+                                      self._cfg, batch, self._out_dtype)
         except PgasError as e:  # peers wait for this rank's pooled rows: abort them
             raise self._fail(e)
         except RuntimeError as e:
