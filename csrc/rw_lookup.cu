@@ -5,24 +5,31 @@
 // each have their own batch (variable_batch: read from the source's header).
 // Table-wise MEAN is pooled here with the TBE's arithmetic (kMeanOwner).
 //
-// One wave of CTAs serves the W sources in turn, pass k serving source
-// src = (rank + 1 + k) % W: the remote sources first and the local one last
+// Grid (X, W): CTA (x, k) serves source src = (rank + 1 + k) % W, so the
+// remote sources' CTAs are scheduled first and the local source pads the tail
 // (communication-aware ordering: the bytes that must cross NVLink leave
-// first). That order also lets the local pass fold the finalize in (final_out,
-// when this rank looks up every feature): by then the peers, in the same order,
-// have pooled this rank's bags in their remote passes, so the pass waits once
-// for their output slots and writes each bag's output, the owners' partials
-// summed in rank order with its own in registers, MEAN divided; the partials
-// of this rank are never stored and read back. Thread 0 waits for the source's index slot (acquire), checks
-// its header, then groups of G lanes pool one bag each: G = dim_max / 4 rounded
-// up to a power of two (16 for dim 64), every lane owns 4 columns of the row
-// (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
-// (coalesced, bounds-checked once), the next chunk prefetched while this one
-// is pooled; each row index is then broadcast with a shuffle and kRowsInFlight
-// row loads are issued before their sums, so a group keeps 8 rows (2 KiB at
-// dim 64) in flight without a dependent load between them. The pooled vector
-// is stored straight into the requester's output block [slot][owner = rank],
-// at row b and the feature's column: its final layout, no unpack.
+// first). Thread 0 waits for the source's index slot (acquire) and checks its
+// header; then each warp serves chunks of S bags (chunk c by warp c modulo the
+// source's warps), groups of G lanes pooling one bag each: G = dim_max / 4
+// rounded up to a power of two (16 for dim 64), every lane owns 4 columns of
+// the row (16 bytes for fp32). The ids of a bag are read G at a time, one per
+// lane (coalesced, bounds-checked once), the next chunk prefetched while this
+// one is pooled; each row index is then broadcast with a shuffle and
+// kRowsInFlight row loads are issued before their sums, so a group keeps 8
+// rows (2 KiB at dim 64) in flight without a dependent load between them. The
+// pooled vector is stored straight into the requester's output block
+// [slot][owner = rank], at row b and the feature's column: its final layout,
+// no unpack.
+//
+// Folding (fold_chunk > 0: every rank holds a block of every feature, i.e.
+// row-wise): after each chunk of a remote source the warp stores the epoch into
+// the requester's fold flag (rank, c). A warp of the local source first waits
+// for chunk c's flags from every peer, then writes each bag's output itself:
+// the owners' partials summed in rank order (its own from registers, as it
+// would have been stored; the first peer's loaded with the bag's span), MEAN
+// divided. Peers serve the same chunks in the same order at the same time, so
+// the local warps trail them by about one chunk, NVLink carries partials for
+// the whole kernel, and no partial of this rank is stored and read back.
 //
 // A source whose signal arrived is checked for a batch mismatch even when a
 // peer has aborted the step: both ranks of a mismatch abort each other, and
@@ -75,7 +82,8 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   p.lookup_f_lo = static_cast<int32_t>(cfg[18]);
   p.lookup_f_hi = static_cast<int32_t>(cfg[19]);
   p.variable_batch = static_cast<int32_t>(cfg[20]);
-  p.trace = static_cast<int32_t>(cfg[21]);
+  p.fold_chunk = static_cast<int32_t>(cfg[21]);
+  p.trace = static_cast<int32_t>(cfg[22]);
   TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
@@ -92,6 +100,12 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   TORCH_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
               "pgas: lookup feature range [", p.lookup_f_lo, ", ", p.lookup_f_hi, ") outside [0, ",
               p.num_features, ")");
+  TORCH_CHECK(p.fold_chunk >= 0 && p.fold_chunk % 32 == 0, "pgas: fold chunk of ", p.fold_chunk, " bags");
+  p.fold_chunks = p.fold_chunk > 0 ? (p.num_features * p.max_batch + p.fold_chunk - 1) / p.fold_chunk : 0;
+  // Peers store signals and fold flags into this pad at these offsets.
+  TORCH_CHECK(pad.numel() >= kPadHeaderWords + 2 * p.world + p.world * p.fold_chunks,
+              "pgas_row_wise: signal pad of ", pad.numel(), " words for ", p.world, " ranks and ",
+              p.fold_chunks, " fold chunks");
   TORCH_CHECK(batch >= 0 && batch <= p.max_batch, "pgas_row_wise: batch ", batch,
               " outside [0, ", p.max_batch, "]");
   TORCH_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas_row_wise: ", nnz,
@@ -233,74 +247,84 @@ __device__ __forceinline__ float4 load_out(const uint8_t* block, int64_t i, int 
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
-// final_out: the folded step's [B, D] output (nullptr: partials only, the finalize reduces).
+// final_out: the folded step's [B, D] output (p.fold_chunk > 0), else nullptr.
 template <typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
                                                                          int out_kind, uint8_t* final_out) {
   __shared__ int64_t s_epoch, s_nnz, s_batch;
-  __shared__ int s_ok, s_fold_ok;
+  __shared__ int s_ok;
+  const int k = blockIdx.y;
+  const int src = (p.rank + 1 + k) % p.world;
   if (threadIdx.x == 0) {
-    s_epoch = p.state[kCtrLookup] + 1;
-    s_fold_ok = 1;
+    const int64_t epoch = p.state[kCtrLookup] + 1;
+    const int64_t slot = epoch % p.num_slots;
+    const int64_t* header = reinterpret_cast<const int64_t*>(p.buf + index_block(p, slot, src));
+    const int64_t* signal = p.pad + kPadHeaderWords + src;
+    int ok = wait_epoch(p, signal, epoch, 1, src);
+    if (ld_acquire_sys(signal) >= epoch) {
+      const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
+      if (!p.variable_batch && h_batch != p.batch) {
+        record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
+        ok = 0;
+      } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
+        record_error(p, kErrCorrupt, src, 0);
+        ok = 0;
+      }
+    }
+    if (!ok) abort_peer(p, src);
+    s_epoch = epoch;
+    s_nnz = ok ? __ldcg(header + 2) : 0;  // the values checked above
+    s_batch = ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
+    s_ok = ok;
   }
   __syncthreads();
   const int64_t epoch = s_epoch;
   const int64_t slot = epoch % p.num_slots;
-  const float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
 
-  for (int k = 0; k < p.world; ++k) {
-    const int src = (p.rank + 1 + k) % p.world;
-    const bool fold = final_out != nullptr && src == p.rank;  // the last pass: the local source
-    if (threadIdx.x == 0) {
-      const int64_t* header = reinterpret_cast<const int64_t*>(p.buf + index_block(p, slot, src));
-      const int64_t* signal = p.pad + kPadHeaderWords + src;
-      int ok = wait_epoch(p, signal, epoch, 1, src);
-      if (ld_acquire_sys(signal) >= epoch) {
-        const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
-        if (!p.variable_batch && h_batch != p.batch) {
-          record_error(p, kErrBatchMismatch, src, h_batch, p.batch);
-          ok = 0;
-        } else if (h_epoch != epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
-          record_error(p, kErrCorrupt, src, 0);
-          ok = 0;
+  if (s_ok) {
+    const uint8_t* block = p.buf + index_block(p, slot, src);
+    const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
+    const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
+    const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
+    const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
+    uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
+    int64_t* src_pad = reinterpret_cast<int64_t*>(p.peer_pads[src]);
+    const float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
+
+    const int G = group_lanes;
+    const int lane = threadIdx.x % 32;
+    const int groups_per_warp = 32 / G;
+    const int g_lane = lane % G;
+    // The group's lanes within the warp (shuffles stay inside the group).
+    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (lane / G * G);
+    // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
+    const int nnz = static_cast<int>(s_nnz);
+    const int batch = static_cast<int>(s_batch);
+    // The bags of the features whose rows this rank holds ([f][b] order, the source's batch),
+    // in chunks of S: warp w of the source serves chunks w, w + warps, ...
+    const int bag_lo = p.lookup_f_lo * batch, bag_end = p.lookup_f_hi * batch;
+    const bool remote = src != p.rank;
+    const bool flag_chunks = p.fold_chunk > 0 && remote;  // tell the requester each chunk landed
+    const bool fold = p.fold_chunk > 0 && !remote;  // reduce this rank's output here
+    const int S = p.fold_chunk > 0 ? p.fold_chunk : 32;
+    const int chunks = (bag_end - bag_lo + S - 1) / S;  // <= fold_chunks: batch <= Bmax
+    const int warps = gridDim.x * (kThreads / 32);
+    // Folded: the first peer's partial of a bag is loaded with its span (W = 2: the only one).
+    const int first_peer = p.rank == 0 ? 1 : 0;
+    bool bad = false, bad_span = false;
+    for (int c = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; c < chunks; c += warps) {
+      if (fold) {
+        // Every peer's partials of this chunk (lane d waits for peer d's flag).
+        bool ok = true;
+        for (int d = lane; ok && d < p.world; d += 32) {
+          if (d != p.rank) ok = wait_epoch(p, p.pad + fold_flag(p, d, c), epoch, 2, d);
         }
+        // Uniform: a failed wait (recorded) ends this warp's folding; the step raises.
+        if (!__all_sync(0xffffffffu, ok)) break;
+        __syncwarp();  // the flags' acquires before any lane's partial loads
       }
-      if (!ok) abort_peer(p, src);
-      s_nnz = ok ? __ldcg(header + 2) : 0;  // the values checked above
-      s_batch = ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
-      s_ok = ok;
-    }
-    // Folding: the peers' partials of this rank's bags, which they pooled in
-    // their remote passes (before their local one, as here), must have landed.
-    if (fold && threadIdx.x < p.world && threadIdx.x != p.rank &&
-        !wait_epoch(p, p.pad + kPadHeaderWords + p.world + threadIdx.x, epoch, 2, threadIdx.x)) {
-      s_fold_ok = 0;
-    }
-    __syncthreads();
-
-    if (s_ok && (!fold || s_fold_ok)) {
-      const uint8_t* block = p.buf + index_block(p, slot, src);
-      const int64_t* offsets = reinterpret_cast<const int64_t*>(block + p.offsets_off);
-      const int32_t* lengths = reinterpret_cast<const int32_t*>(block + p.lengths_off);
-      const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
-      const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
-      uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
-
-      const int G = group_lanes;
-      const int groups_per_cta = kThreads / G;
-      const int group = threadIdx.x / G;
-      const int g_lane = threadIdx.x % G;
-      // The group's lanes within the warp (shuffles stay inside the group).
-      const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
-      // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
-      const int nnz = static_cast<int>(s_nnz);
-      const int batch = static_cast<int>(s_batch);
-      // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
-      const int bag_end = p.lookup_f_hi * batch;
-      const bool remote = src != p.rank;
-      bool bad = false, bad_span = false;
-      for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
-           bag += gridDim.x * groups_per_cta) {
+      const int chunk_end = min(bag_lo + (c + 1) * S, bag_end);
+      for (int bag = bag_lo + c * S + lane / G; bag < chunk_end; bag += groups_per_warp) {
         const int f = bag / batch;
         const RwFeature& feat = p.features[f];
         const int64_t begin = __ldcg(offsets + bag);
@@ -316,10 +340,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
         const row_t local_rows = static_cast<row_t>(feat.local_rows);
         const int dim = static_cast<int>(feat.dim);
         const int row_bytes = dim * (f32 ? 4 : 2);
+        const int b = bag - f * batch;
         for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
           const int col = col0 + 4 * g_lane;
           const bool col_ok = col < dim;
           const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
+          const int64_t at = static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col;
+          float4 first = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (fold && col_ok && p.world > 1) first = load_out(p.buf + output_block(p, slot, first_peer), at, out_kind);
           const float4 acc =
               f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
                                                       gmask, local_rows, bad)
@@ -330,16 +358,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
             const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
             v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
           }
-          const int b = bag - f * batch;
-          const int64_t at = static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col;
           if (fold && col_ok) {
             // The finalize's arithmetic, in registers: the owners' partials in rank
             // order, this rank's as it would have been stored, then the MEAN divisor.
             float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
             const int owner_end = static_cast<int>(feat.owner_base + feat.owner_count);
             for (int d = static_cast<int>(feat.owner_base); d < owner_end; ++d) {
-              fma4(sum, 1.f, d == p.rank ? as_stored(v, out_kind) : load_out(p.buf + output_block(p, slot, d), at,
-                                                                               out_kind));
+              fma4(sum, 1.f, d == p.rank       ? as_stored(v, out_kind)
+                             : d == first_peer ? first
+                                               : load_out(p.buf + output_block(p, slot, d), at, out_kind));
             }
             if (feat.is_mean == kMeanRequester) {
               const float dv = bag_div[f * batch + b] + kMeanEps;
@@ -357,33 +384,43 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
           if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
         }
       }
-      // Reported once per lane, before this CTA counts as done (so before the signal).
-      if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
+      if (flag_chunks) {
+        // The warp's partials of chunk c, then its flag in the requester's pad (the
+        // release orders the other lanes' stores, seen through the warp barrier).
+        __syncwarp();
+        if (lane == 0) st_release_sys(src_pad + fold_flag(p, p.rank, c), epoch);
+      }
     }
+    // Reported once per lane, before this CTA counts as done (so before the signal).
+    if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
+  }
 
-    __syncthreads();
-    if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneSrc + k, gridDim.x)) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (last_to_arrive(p.state + kDoneSrc + k, gridDim.x)) {
       int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[src]);
       st_release_sys(peer_pad + kPadHeaderWords + p.world + p.rank, epoch);
     }
-  }
-  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneLookup, gridDim.x)) {
-    p.state[kCtrLookup] = epoch;
-    if (final_out != nullptr) publish_errors(p);  // no finalize follows
+    if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
+      p.state[kCtrLookup] = epoch;
+      if (final_out != nullptr) publish_errors(p);  // no finalize follows
+    }
   }
 }
 
 template <typename row_t, bool kWeighted, bool kTrace>
 void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* final_out, cudaStream_t stream) {
-  // One wave; every CTA serves the W sources in turn (one device per process, so
-  // the occupancy is computed once).
+  // One wave: W sources share the resident CTAs, so a folding warp never waits
+  // for a peer CTA that is not running (one device per process, so the
+  // occupancy is computed once).
   static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
-  const int64_t groups_per_cta = kThreads / group_lanes;
-  const int64_t ctas =
-      std::max<int64_t>(1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident));
-  rw_lookup_kernel<row_t, kWeighted, kTrace>
-      <<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p, group_lanes, out_kind, final_out);
+  const int64_t chunk = p.fold_chunk > 0 ? p.fold_chunk : 32;
+  const int64_t warps_per_cta = kThreads / 32;
+  const int64_t ctas = std::max<int64_t>(
+      1, std::min<int64_t>((bags + chunk * warps_per_cta - 1) / (chunk * warps_per_cta), resident / p.world));
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
+  rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind, final_out);
 }
 
 template <typename row_t, bool kWeighted>
@@ -405,8 +442,10 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
               "rw_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
-  // Folding (the step's output written here, no finalize) needs every column: this
-  // rank must look up every feature (row-wise, or table-wise on one rank).
+  // Folding (the step's output written here, no finalize; every rank folds or none
+  // does, layout.kernel_config) needs every column: this rank looks up every feature.
+  TORCH_CHECK(out.has_value() == (p.fold_chunk > 0), "rw_lookup: an output tensor is given exactly when the ",
+              "config folds (fold chunk ", p.fold_chunk, ")");
   uint8_t* final_out = nullptr;
   if (out.has_value()) {
     TORCH_CHECK(p.lookup_f_lo == 0 && p.lookup_f_hi == p.num_features,

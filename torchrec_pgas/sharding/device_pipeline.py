@@ -69,8 +69,8 @@ class FeatureOwners:
 
 class DevicePipeline(PgasPipeline):
     """Fused kernel launches on the current stream, no host sync: index dist, then the
-    lookup, which also reduces the output when this rank looks up every feature
-    (row-wise: two launches), else a finalize (table-wise: three).
+    lookup, which also reduces the output chunk by chunk when every rank holds a
+    block of every feature (row-wise: two launches), else a finalize (table-wise: three).
 
     Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
     in a pinned record that the next step reads without syncing; ``check()``
@@ -110,12 +110,14 @@ class DevicePipeline(PgasPipeline):
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=dev)
         self._status = torch.zeros(4, dtype=torch.int64).pin_memory()
         self._lookup = owners.lookup
+        # Every rank holds a block of every feature (row-wise): each one's lookup
+        # reduces its own output (the same choice on every rank).
+        self._fold = owners.count == self.world_size
         self._cfg = lay.kernel_config(
             int(self.config.wait_timeout_s * 1e9), self.rank, _BOUNDS_MODES[self.bounds_check_mode],
-            lookup_features=owners.lookup, variable_batch=owners.variable_batch,
+            lookup_features=owners.lookup, variable_batch=owners.variable_batch, fold=self._fold,
         )
         self._max_dim = max(self.feature_dims[owners.lookup[0]:owners.lookup[1]], default=4)
-        self._fold = tuple(owners.lookup) == (0, len(self.feature_dims))
         self._out_dtype = out_dtype
         self._tbe_key: List[int] = [-1]
         # Recorded after each step's last kernel, per slot (see index_dist).
