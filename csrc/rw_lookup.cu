@@ -9,8 +9,8 @@
 // remote sources' CTAs are scheduled first and the local source pads the tail
 // (communication-aware ordering: the bytes that must cross NVLink leave
 // first). Thread 0 waits for the source's index slot (acquire) and checks its
-// header; then each warp serves chunks of S bags (chunk c by warp c modulo the
-// source's warps), groups of G lanes pooling one bag each: G = dim_max / 4
+// header; then groups of G lanes pool one bag each (the grid's groups on
+// consecutive bags, step after step): G = dim_max / 4
 // rounded up to a power of two (16 for dim 64), every lane owns 4 columns of
 // the row (16 bytes for fp32). The ids of a bag are read G at a time, one per
 // lane (coalesced, bounds-checked once), the next chunk prefetched while this
@@ -22,13 +22,14 @@
 // no unpack.
 //
 // Folding (fold_chunk > 0: every rank holds a block of every feature, i.e.
-// row-wise): after each chunk of a remote source the warp stores the epoch into
-// the requester's fold flag (rank, c). A warp of the local source first waits
-// for chunk c's flags from every peer, then writes each bag's output itself:
+// row-wise): a warp's steps are cut into rounds (fold_chunks flags per owner
+// bound their number); after each round of a remote source the warp stores its
+// fold flag into the requester's pad. The same warp of the local source first
+// waits for that round's flag from every peer, then writes each bag's output itself:
 // the owners' partials summed in rank order (its own from registers, as it
 // would have been stored; the first peer's loaded with the bag's span), MEAN
-// divided. Peers serve the same chunks in the same order at the same time, so
-// the local warps trail them by about one chunk, NVLink carries partials for
+// divided. Peers serve the same rounds in the same order at the same time, so
+// the local warps trail them by about one round, NVLink carries partials for
 // the whole kernel, and no partial of this rank is stored and read back.
 //
 // A source whose signal arrived is checked for a batch mismatch even when a
@@ -293,38 +294,59 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
 
     const int G = group_lanes;
     const int lane = threadIdx.x % 32;
-    const int groups_per_warp = 32 / G;
     const int g_lane = lane % G;
     // The group's lanes within the warp (shuffles stay inside the group).
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (lane / G * G);
     // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
     const int nnz = static_cast<int>(s_nnz);
     const int batch = static_cast<int>(s_batch);
-    // The bags of the features whose rows this rank holds ([f][b] order, the source's batch),
-    // in chunks of S: warp w of the source serves chunks w, w + warps, ...
+    // The bags of the features whose rows this rank holds ([f][b] order, the source's
+    // batch), served in steps: at step j, group g of warp w pools bag (j * V + w) * gpw + g,
+    // so the grid's groups pool consecutive bags, i.e. one table at a time (a narrow
+    // window of rows: spreading the groups over several tables was 14% slower).
     const int bag_lo = p.lookup_f_lo * batch, bag_end = p.lookup_f_hi * batch;
     const bool remote = src != p.rank;
-    const bool flag_chunks = p.fold_chunk > 0 && remote;  // tell the requester each chunk landed
+    const bool flag_chunks = p.fold_chunk > 0 && remote;  // tell the requester each round landed
     const bool fold = p.fold_chunk > 0 && !remote;  // reduce this rank's output here
-    const int S = p.fold_chunk > 0 ? p.fold_chunk : 32;
-    const int chunks = (bag_end - bag_lo + S - 1) / S;  // <= fold_chunks: batch <= Bmax
-    const int warps = gridDim.x * (kThreads / 32);
+    // Folded, a warp flags its bags every Q steps (a round): flag (r, w) at r * V + w, which
+    // the layout's fold_chunks bound. The requester's local warps and every owner's
+    // warps for that requester agree on V (same grid: same device and bags; the flag
+    // value carries V, so a mismatch is reported, not misread).
+    const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+    const int V = static_cast<int>(p.fold_chunk > 0 && p.fold_chunks < warps ? p.fold_chunks : warps);
+    const int gpw = 32 / G;
+    const int steps = (bag_end - bag_lo + V * gpw - 1) / (V * gpw);
+    const int rounds_max = static_cast<int>(p.fold_chunk > 0 ? p.fold_chunks / V : 1);  // >= 1
+    const int Q = max(1, (steps + rounds_max - 1) / rounds_max);
+    const int64_t fold_value = epoch * kFoldTag + V;
+    const int w = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;  // warp-uniform
     // Folded: the first peer's partial of a bag is loaded with its span (W = 2: the only one).
     const int first_peer = p.rank == 0 ? 1 : 0;
     bool bad = false, bad_span = false;
-    for (int c = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; c < chunks; c += warps) {
+    for (int j0 = 0; w < V && j0 < steps; j0 += Q) {
+      const int round = j0 / Q;
       if (fold) {
-        // Every peer's partials of this chunk (lane d waits for peer d's flag).
+        // Every peer's partials of this round (lane d waits for peer d's flag).
         bool ok = true;
         for (int d = lane; ok && d < p.world; d += 32) {
-          if (d != p.rank) ok = wait_epoch(p, p.pad + fold_flag(p, d, c), epoch, 2, d);
+          if (d == p.rank) continue;
+          const int64_t* flag = p.pad + fold_flag(p, d, static_cast<int64_t>(round) * V + w);
+          ok = wait_epoch(p, flag, epoch * kFoldTag, 2, d);
+          if (ok && ld_acquire_sys(flag) != fold_value) {
+            record_error(p, kErrCorrupt, d, 3);  // its lookup grid differs from this rank's
+            abort_peer(p, d);
+            abort_peer(p, p.rank);  // this rank's other warps stop waiting
+            ok = false;
+          }
         }
         // Uniform: a failed wait (recorded) ends this warp's folding; the step raises.
         if (!__all_sync(0xffffffffu, ok)) break;
         __syncwarp();  // the flags' acquires before any lane's partial loads
       }
-      const int chunk_end = min(bag_lo + (c + 1) * S, bag_end);
-      for (int bag = bag_lo + c * S + lane / G; bag < chunk_end; bag += groups_per_warp) {
+      const int j_end = min(steps, j0 + Q);
+      for (int j = j0; j < j_end; ++j) {
+        const int bag = bag_lo + (j * V + w) * gpw + lane / G;
+        if (bag >= bag_end) break;  // the last step's tail (per group: shuffles stay in groups)
         const int f = bag / batch;
         const RwFeature& feat = p.features[f];
         const int64_t begin = __ldcg(offsets + bag);
@@ -385,10 +407,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
         }
       }
       if (flag_chunks) {
-        // The warp's partials of chunk c, then its flag in the requester's pad (the
+        // The warp's partials of this round, then its flag in the requester's pad (the
         // release orders the other lanes' stores, seen through the warp barrier).
         __syncwarp();
-        if (lane == 0) st_release_sys(src_pad + fold_flag(p, p.rank, c), epoch);
+        if (lane == 0) st_release_sys(src_pad + fold_flag(p, p.rank, static_cast<int64_t>(round) * V + w), fold_value);
       }
     }
     // Reported once per lane, before this CTA counts as done (so before the signal).
@@ -415,10 +437,9 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* fi
   // occupancy is computed once).
   static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
-  const int64_t chunk = p.fold_chunk > 0 ? p.fold_chunk : 32;
-  const int64_t warps_per_cta = kThreads / 32;
+  const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
-      1, std::min<int64_t>((bags + chunk * warps_per_cta - 1) / (chunk * warps_per_cta), resident / p.world));
+      1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
   rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind, final_out);
 }

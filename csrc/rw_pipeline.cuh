@@ -25,9 +25,9 @@
 //
 // slot = epoch % num_slots. Signal pad (int64): [0] abort word, [1..31] abort
 // reason, then 2W epoch slots: index slot `src` (requester -> owner) and
-// output slot `W + owner` (owner -> requester); then, row-wise, W * n_chunks
-// fold flags: flag (owner, c) says owner's partials of the requester's bags
-// [c * S, (c + 1) * S) have landed (S = fold_chunk bags, layout.py).
+// output slot `W + owner` (owner -> requester); then, row-wise, W * fold_chunks
+// fold flags: flag (owner, c) says that owner's partials of one round of one
+// lookup warp's bags (rw_lookup.cu) have landed in the requester's output block.
 //
 // Synchronization protocol, one step = three kernels on the current stream
 // (two when every rank looks up every feature and the lookup folds the
@@ -91,7 +91,7 @@ enum ErrorCode : int64_t {
   kErrBatchMismatch = 2,  // a: src rank, b: its B, c: this B
   kErrTimeout = 3,  // a: stage (0 index, 1 lookup, 2 finalize), b: peer
   kErrPeerAbort = 4,  // a: aborting rank
-  kErrCorrupt = 5,  // a: src rank, b: what (0 header, 1 span, 2 row)
+  kErrCorrupt = 5,  // a: src rank, b: what (0 header, 1 span, 2 row, 3 fold flag of another lookup grid)
   kErrBadIdWarn = 6,  // a: feature, b: id                  (WARNING, replaced by 0)
 };
 
@@ -162,6 +162,9 @@ __device__ __forceinline__ int64_t index_block(const RwParams& p, int64_t slot, 
 __device__ __forceinline__ int64_t output_block(const RwParams& p, int64_t slot, int owner) {
   return p.output_region_off + (slot * p.world + owner) * p.output_block_bytes;
 }
+
+// A fold flag holds epoch * kFoldTag + V (V: the lookup's warps per source, < 2^20).
+constexpr int64_t kFoldTag = int64_t{1} << 20;
 
 // The pad word of fold flag (owner, chunk) (chunk < fold_chunks: callers check).
 __device__ __forceinline__ int64_t fold_flag(const RwParams& p, int owner, int64_t chunk) {

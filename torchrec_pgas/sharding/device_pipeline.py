@@ -248,6 +248,11 @@ class DevicePipeline(PgasPipeline):
             )
         if code == _ERR_ABORT:
             raise PgasPeerAbortError(f"rank {a} aborted the {self.kind} step (see its error)")
+        if b == 3:
+            raise PgasError(
+                f"{self.kind}: rank {a}'s lookup kernel runs another grid than rank {self.rank}'s (different "
+                "GPUs or builds); the fused reduction needs the same on every rank"
+            )
         raise PgasError(f"{self.kind}: corrupt data from rank {a} (kind {b})")
 
 
