@@ -76,7 +76,15 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
 
   __syncthreads();
-  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneFinal, gridDim.x)) publish_errors(p);
+  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneFinal, gridDim.x)) {
+    // Publish this step's error record (single writer: plain stores to host).
+    if (p.state[kErrCode] != kErrNone) {
+      for (int i = 1; i < 4; ++i) p.status[i] = p.state[kErrCode + i];
+      __threadfence_system();
+      p.status[0] = p.state[kErrCode];
+      for (int i = 0; i < 4; ++i) p.state[kErrCode + i] = 0;
+    }
+  }
 }
 
 template <typename out_t>

@@ -5,32 +5,19 @@
 // each have their own batch (variable_batch: read from the source's header).
 // Table-wise MEAN is pooled here with the TBE's arithmetic (kMeanOwner).
 //
-// Grid (X, W): CTA (x, k) serves source src = (rank + 1 + k) % W, so the
-// remote sources' CTAs are scheduled first and the local source pads the tail
-// (communication-aware ordering: the bytes that must cross NVLink leave
-// first). Thread 0 waits for the source's index slot (acquire) and checks its
-// header; then groups of G lanes pool one bag each (the grid's groups on
-// consecutive bags, step after step): G = dim_max / 4
-// rounded up to a power of two (16 for dim 64), every lane owns 4 columns of
-// the row (16 bytes for fp32). The ids of a bag are read G at a time, one per
-// lane (coalesced, bounds-checked once), the next chunk prefetched while this
-// one is pooled; each row index is then broadcast with a shuffle and
-// kRowsInFlight row loads are issued before their sums, so a group keeps 8
-// rows (2 KiB at dim 64) in flight without a dependent load between them. The
-// pooled vector is stored straight into the requester's output block
-// [slot][owner = rank], at row b and the feature's column: its final layout,
-// no unpack.
-//
-// Folding (fold_chunk > 0: every rank holds a block of every feature, i.e.
-// row-wise): a warp's steps are cut into rounds (fold_chunks flags per owner
-// bound their number); after each round of a remote source the warp stores its
-// fold flag into the requester's pad. The same warp of the local source first
-// waits for that round's flag from every peer, then writes each bag's output itself:
-// the owners' partials summed in rank order (its own from registers, as it
-// would have been stored; the first peer's loaded with the bag's span), MEAN
-// divided. Peers serve the same rounds in the same order at the same time, so
-// the local warps trail them by about one round, NVLink carries partials for
-// the whole kernel, and no partial of this rank is stored and read back.
+// Grid (ctas_per_source, W): CTA (x, k) serves source src = (rank + 1 + k) % W,
+// so the remote sources' CTAs are scheduled first and the local source pads
+// the tail (communication-aware ordering: the bytes that must cross NVLink
+// leave first). Thread 0 waits for the source's index slot (acquire), checks
+// its header, then groups of G lanes pool one bag each: G = dim_max / 4 rounded
+// up to a power of two (16 for dim 64), every lane owns 4 columns of the row
+// (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
+// (coalesced, bounds-checked once), the next chunk prefetched while this one
+// is pooled; each row index is then broadcast with a shuffle and kRowsInFlight
+// row loads are issued before their sums, so a group keeps 8 rows (2 KiB at
+// dim 64) in flight without a dependent load between them. The pooled vector
+// is stored straight into the requester's output block [slot][owner = rank],
+// at row b and the feature's column: its final layout, no unpack.
 //
 // A source whose signal arrived is checked for a batch mismatch even when a
 // peer has aborted the step: both ranks of a mismatch abort each other, and
@@ -42,8 +29,7 @@
 // is skipped but still signalled (and aborted), so no rank ever hangs.
 //
 // Completion per source: fence + done counter; the last CTA of the source
-// stores the epoch into the requester's output slot (st.release.sys). A folded
-// step's last CTA publishes the error record (the finalize's job otherwise).
+// stores the epoch into the requester's output slot (st.release.sys).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -83,8 +69,7 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   p.lookup_f_lo = static_cast<int32_t>(cfg[18]);
   p.lookup_f_hi = static_cast<int32_t>(cfg[19]);
   p.variable_batch = static_cast<int32_t>(cfg[20]);
-  p.fold_chunk = static_cast<int32_t>(cfg[21]);
-  p.trace = static_cast<int32_t>(cfg[22]);
+  p.trace = static_cast<int32_t>(cfg[21]);
   TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas_row_wise: id width ", p.id_bytes, " bytes");
   TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas_row_wise: world size ", p.world,
               " outside [1, ", kMaxWorld, "]");
@@ -101,12 +86,9 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
   TORCH_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
               "pgas: lookup feature range [", p.lookup_f_lo, ", ", p.lookup_f_hi, ") outside [0, ",
               p.num_features, ")");
-  TORCH_CHECK(p.fold_chunk >= 0 && p.fold_chunk % 32 == 0, "pgas: fold chunk of ", p.fold_chunk, " bags");
-  p.fold_chunks = p.fold_chunk > 0 ? (p.num_features * p.max_batch + p.fold_chunk - 1) / p.fold_chunk : 0;
-  // Peers store signals and fold flags into this pad at these offsets.
-  TORCH_CHECK(pad.numel() >= kPadHeaderWords + 2 * p.world + p.world * p.fold_chunks,
-              "pgas_row_wise: signal pad of ", pad.numel(), " words for ", p.world, " ranks and ",
-              p.fold_chunks, " fold chunks");
+  // Peers store signals into this pad at these offsets (kernels index it by rank).
+  TORCH_CHECK(pad.numel() >= kPadHeaderWords + 2 * p.world, "pgas_row_wise: signal pad of ", pad.numel(),
+              " words for ", p.world, " ranks");
   TORCH_CHECK(batch >= 0 && batch <= p.max_batch, "pgas_row_wise: batch ", batch,
               " outside [0, ", p.max_batch, "]");
   TORCH_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas_row_wise: ", nnz,
@@ -223,35 +205,12 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
   return acc;
 }
 
-// A partial as the finalize would read it back: rounded to the output dtype.
-__device__ __forceinline__ float4 as_stored(float4 v, int out_kind) {
-  if (out_kind == 1) {
-    const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
-    const float2 fa = __half22float2(a), fb = __half22float2(b);
-    return make_float4(fa.x, fa.y, fb.x, fb.y);
-  }
-  if (out_kind == 2) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-    const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
-    return make_float4(fa.x, fa.y, fb.x, fb.y);
-  }
-  return v;
-}
-
-// A peer's partial (4 elements at i) from this rank's output block.
-__device__ __forceinline__ float4 load_out(const uint8_t* block, int64_t i, int out_kind) {
-  if (out_kind == 0) return load4_cg(reinterpret_cast<const float*>(block) + i);
-  if (out_kind == 1) return load4_cg(reinterpret_cast<const c10::Half*>(block) + i);
-  return load4_cg(reinterpret_cast<const c10::BFloat16*>(block) + i);
-}
-
 // Specialized on the id width and on weighting (the unweighted kernel carries no
 // weight registers); registers decide how many warps hide the gather's latency.
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
-// final_out: the folded step's [B, D] output (p.fold_chunk > 0), else nullptr.
 template <typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParams p, int group_lanes,
-                                                                         int out_kind, uint8_t* final_out) {
+                                                                         int out_kind) {
   __shared__ int64_t s_epoch, s_nnz, s_batch;
   __shared__ int s_ok;
   const int k = blockIdx.y;
@@ -289,128 +248,56 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const row_t* ids = reinterpret_cast<const row_t*>(block + p.ids_off);
     const float* weights = kWeighted ? reinterpret_cast<const float*>(block + p.weights_off) : nullptr;
     uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
-    int64_t* src_pad = reinterpret_cast<int64_t*>(p.peer_pads[src]);
-    const float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
 
     const int G = group_lanes;
-    const int lane = threadIdx.x % 32;
-    const int g_lane = lane % G;
+    const int groups_per_cta = kThreads / G;
+    const int group = threadIdx.x / G;
+    const int g_lane = threadIdx.x % G;
     // The group's lanes within the warp (shuffles stay inside the group).
-    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (lane / G * G);
+    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
     // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
     const int nnz = static_cast<int>(s_nnz);
     const int batch = static_cast<int>(s_batch);
-    // The bags of the features whose rows this rank holds ([f][b] order, the source's
-    // batch), served in steps: at step j, group g of warp w pools bag (j * V + w) * gpw + g,
-    // so the grid's groups pool consecutive bags, i.e. one table at a time (a narrow
-    // window of rows: spreading the groups over several tables was 14% slower).
-    const int bag_lo = p.lookup_f_lo * batch, bag_end = p.lookup_f_hi * batch;
+    // The bags of the features whose rows this rank holds ([f][b] order, the source's batch).
+    const int bag_end = p.lookup_f_hi * batch;
     const bool remote = src != p.rank;
-    const bool flag_chunks = p.fold_chunk > 0 && remote;  // tell the requester each round landed
-    const bool fold = p.fold_chunk > 0 && !remote;  // reduce this rank's output here
-    // Folded, a warp flags its bags every Q steps (a round): flag (r, w) at r * V + w, which
-    // the layout's fold_chunks bound. The requester's local warps and every owner's
-    // warps for that requester agree on V (same grid: same device and bags; the flag
-    // value carries V, so a mismatch is reported, not misread).
-    const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-    const int V = static_cast<int>(p.fold_chunk > 0 && p.fold_chunks < warps ? p.fold_chunks : warps);
-    const int gpw = 32 / G;
-    const int steps = (bag_end - bag_lo + V * gpw - 1) / (V * gpw);
-    const int rounds_max = static_cast<int>(p.fold_chunk > 0 ? p.fold_chunks / V : 1);  // >= 1
-    const int Q = max(1, (steps + rounds_max - 1) / rounds_max);
-    const int64_t fold_value = epoch * kFoldTag + V;
-    const int w = blockIdx.x * (kThreads / 32) + threadIdx.x / 32;  // warp-uniform
-    // Folded: the first peer's partial of a bag is loaded with its span (W = 2: the only one).
-    const int first_peer = p.rank == 0 ? 1 : 0;
     bool bad = false, bad_span = false;
-    for (int j0 = 0; w < V && j0 < steps; j0 += Q) {
-      const int round = j0 / Q;
-      if (fold) {
-        // Every peer's partials of this round (lane d waits for peer d's flag).
-        bool ok = true;
-        for (int d = lane; ok && d < p.world; d += 32) {
-          if (d == p.rank) continue;
-          const int64_t* flag = p.pad + fold_flag(p, d, static_cast<int64_t>(round) * V + w);
-          ok = wait_epoch(p, flag, epoch * kFoldTag, 2, d);
-          if (ok && ld_acquire_sys(flag) != fold_value) {
-            record_error(p, kErrCorrupt, d, 3);  // its lookup grid differs from this rank's
-            abort_peer(p, d);
-            abort_peer(p, p.rank);  // this rank's other warps stop waiting
-            ok = false;
-          }
-        }
-        // Uniform: a failed wait (recorded) ends this warp's folding; the step raises.
-        if (!__all_sync(0xffffffffu, ok)) break;
-        __syncwarp();  // the flags' acquires before any lane's partial loads
+    for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
+         bag += gridDim.x * groups_per_cta) {
+      const int f = bag / batch;
+      const RwFeature& feat = p.features[f];
+      const int64_t begin = __ldcg(offsets + bag);
+      const int n = __ldcg(lengths + bag);
+      if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
+        bad_span = true;  // this bag's output is not written
+        continue;
       }
-      const int j_end = min(steps, j0 + Q);
-      for (int j = j0; j < j_end; ++j) {
-        const int bag = bag_lo + (j * V + w) * gpw + lane / G;
-        if (bag >= bag_end) break;  // the last step's tail (per group: shuffles stay in groups)
-        const int f = bag / batch;
-        const RwFeature& feat = p.features[f];
-        const int64_t begin = __ldcg(offsets + bag);
-        const int n = __ldcg(lengths + bag);
-        if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
-          bad_span = true;  // this bag's output is not written
-          continue;
+      const row_t* bag_ids = ids + begin;
+      const float* bag_w = kWeighted ? weights + begin : nullptr;
+      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
+      const bool f32 = feat.dtype == kF32;
+      const row_t local_rows = static_cast<row_t>(feat.local_rows);
+      const int dim = static_cast<int>(feat.dim);
+      const int row_bytes = dim * (f32 ? 4 : 2);
+      for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
+        const int col = col0 + 4 * g_lane;
+        const bool col_ok = col < dim;
+        const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
+        const float4 acc =
+            f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                    gmask, local_rows, bad)
+                : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
+                                                     gmask, local_rows, bad);
+        float4 v = acc;
+        if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
+          const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
+          v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
         }
-        const row_t* bag_ids = ids + begin;
-        const float* bag_w = kWeighted ? weights + begin : nullptr;
-        const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
-        const bool f32 = feat.dtype == kF32;
-        const row_t local_rows = static_cast<row_t>(feat.local_rows);
-        const int dim = static_cast<int>(feat.dim);
-        const int row_bytes = dim * (f32 ? 4 : 2);
         const int b = bag - f * batch;
-        for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
-          const int col = col0 + 4 * g_lane;
-          const bool col_ok = col < dim;
-          const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
-          const int64_t at = static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col;
-          float4 first = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (fold && col_ok && p.world > 1) first = load_out(p.buf + output_block(p, slot, first_peer), at, out_kind);
-          const float4 acc =
-              f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                      gmask, local_rows, bad)
-                  : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                       gmask, local_rows, bad);
-          float4 v = acc;
-          if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
-            const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
-            v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
-          }
-          if (fold && col_ok) {
-            // The finalize's arithmetic, in registers: the owners' partials in rank
-            // order, this rank's as it would have been stored, then the MEAN divisor.
-            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-            const int owner_end = static_cast<int>(feat.owner_base + feat.owner_count);
-            for (int d = static_cast<int>(feat.owner_base); d < owner_end; ++d) {
-              fma4(sum, 1.f, d == p.rank       ? as_stored(v, out_kind)
-                             : d == first_peer ? first
-                                               : load_out(p.buf + output_block(p, slot, d), at, out_kind));
-            }
-            if (feat.is_mean == kMeanRequester) {
-              const float dv = bag_div[f * batch + b] + kMeanEps;
-              sum.x /= dv;
-              sum.y /= dv;
-              sum.z /= dv;
-              sum.w /= dv;
-            }
-            store_out(final_out, at, out_kind, sum);
-          } else if (col_ok) {
-            store_out(out, at, out_kind, v);
-          }
-        }
-        if constexpr (kTrace) {
-          if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
-        }
+        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
       }
-      if (flag_chunks) {
-        // The warp's partials of this round, then its flag in the requester's pad (the
-        // release orders the other lanes' stores, seen through the warp barrier).
-        __syncwarp();
-        if (lane == 0) st_release_sys(src_pad + fold_flag(p, p.rank, static_cast<int64_t>(round) * V + w), fold_value);
+      if constexpr (kTrace) {
+        if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
       }
     }
     // Reported once per lane, before this CTA counts as done (so before the signal).
@@ -425,15 +312,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     }
     if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
       p.state[kCtrLookup] = epoch;
-      if (final_out != nullptr) publish_errors(p);  // no finalize follows
     }
   }
 }
 
 template <typename row_t, bool kWeighted, bool kTrace>
-void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* final_out, cudaStream_t stream) {
-  // One wave: W sources share the resident CTAs, so a folding warp never waits
-  // for a peer CTA that is not running (one device per process, so the
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
+  // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
   static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
@@ -441,13 +326,13 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* fi
   const int64_t ctas = std::max<int64_t>(
       1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind, final_out);
+  rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
 }
 
 template <typename row_t, bool kWeighted>
-void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* final_out, cudaStream_t stream) {
-  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, final_out, stream)
-          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, final_out, stream);
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
+  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, stream)
+          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, stream);
 }
 
 }  // namespace
@@ -455,7 +340,7 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, uint8_t* fi
 void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                const at::Tensor& status, at::IntArrayRef cfg, int64_t batch, int64_t max_dim,
-               at::ScalarType out_dtype, const c10::optional<at::Tensor>& out) {
+               at::ScalarType out_dtype) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
   TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "rw_lookup: dims must be multiples of 4, got ", max_dim);
   int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
@@ -463,27 +348,13 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
               "rw_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
-  // Folding (the step's output written here, no finalize; every rank folds or none
-  // does, layout.kernel_config) needs every column: this rank looks up every feature.
-  TORCH_CHECK(out.has_value() == (p.fold_chunk > 0), "rw_lookup: an output tensor is given exactly when the ",
-              "config folds (fold chunk ", p.fold_chunk, ")");
-  uint8_t* final_out = nullptr;
-  if (out.has_value()) {
-    TORCH_CHECK(p.lookup_f_lo == 0 && p.lookup_f_hi == p.num_features,
-                "rw_lookup: an output needs the lookup of every feature, this rank holds [", p.lookup_f_lo, ", ",
-                p.lookup_f_hi, ") of ", p.num_features);
-    TORCH_CHECK(out->is_cuda() && out->is_contiguous() && out->scalar_type() == out_dtype && out->dim() == 2 &&
-                    out->size(0) == batch && out->size(1) == p.dim_sum,
-                "rw_lookup: out must be a contiguous [", batch, ", ", p.dim_sum, "] CUDA tensor of ", out_dtype);
-    final_out = reinterpret_cast<uint8_t*>(out->data_ptr());
-  }
   auto stream = at::cuda::getCurrentCUDAStream();
   if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, final_out, stream)
-               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, final_out, stream);
+    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, stream);
   } else {
-    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, final_out, stream)
-               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, final_out, stream);
+    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
+               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

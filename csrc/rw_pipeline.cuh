@@ -25,41 +25,28 @@
 //
 // slot = epoch % num_slots. Signal pad (int64): [0] abort word, [1..31] abort
 // reason, then 2W epoch slots: index slot `src` (requester -> owner) and
-// output slot `W + owner` (owner -> requester); then, row-wise, W * fold_chunks
-// fold flags: flag (owner, c) says that owner's partials of one round of one
-// lookup warp's bags (rw_lookup.cu) have landed in the requester's output block.
+// output slot `W + owner` (owner -> requester).
 //
-// Synchronization protocol, one step = three kernels on the current stream
-// (two when every rank looks up every feature and the lookup folds the
-// finalize in):
+// Synchronization protocol, one step = three kernels on the current stream:
 //   index_dist (requester): every CTA stores ids/lengths/offsets straight into
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
 //     the epoch into every owner's index slot (st.release.sys).
-//   lookup (owner): grid (X, W), CTA (x, k) serves source (rank + 1 + k) % W,
-//     so the remote sources' CTAs are scheduled first and all sources are
-//     served at once; thread 0 spins (ld.acquire.sys) on that source's index
-//     slot, then each warp serves chunks of S bags (chunk c by warp c mod the
-//     source's warps) and stores each partial vector into the requester's
-//     output block; the last CTA of the source fences and stores the epoch
-//     into the requester's output slot.
-//     Folded: after each remote chunk the warp fences and stores the epoch
-//     into the requester's fold flag (rank, c); a warp of the local source
-//     waits for the flags of chunk c from every peer, then pools the chunk and
-//     writes each bag's output, the owners' partials summed in rank order with
-//     its own in registers. Peers serve the chunks in the same order at the
-//     same time, so the local warps trail the peers by about one chunk.
-//   finalize (requester, unless folded): W threads spin on the W output
-//     slots, then the CTA sums the partials in rank order (and divides MEAN
-//     bags) into the output.
+//   lookup (owner): CTA (x, k) serves source (rank + 1 + k) % W, so remote
+//     sources are scheduled first and the local one last; thread 0 spins
+//     (ld.acquire.sys) on that source's index slot, the CTA pools its share of
+//     the bags and stores each partial vector into the requester's output
+//     block; the last CTA of the source fences and stores the epoch into the
+//     requester's output slot.
+//   finalize (requester): W threads spin on the W output slots, then the CTA
+//     sums the partials in rank order (and divides MEAN bags) into the output.
 // index_dist and lookup keep device-side epoch counters (state[kCtr*]), read
 // by every CTA at entry and advanced by the stage's last CTA; finalize reads
-// the lookup's. No host value changes between steps, so the launches can
+// the lookup's. No host value changes between steps, so the three launches can
 // be captured in a CUDA graph. Waits give up after `timeout_ns` or when the
 // pad's abort word is set (checked again once the signal has arrived); errors
-// go to a device record that the step's last kernel copies to pinned host
-// memory. A rank that skips a source's data aborts that source before
-// signalling it.
+// go to a device record that finalize copies to pinned host memory. A rank
+// that skips a source's data aborts that source before signalling it.
 #pragma once
 
 #include <cstdint>
@@ -74,7 +61,7 @@
 namespace torchrec_pgas {
 
 constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
-constexpr int kCfgEntries = 23;  // the layout config list (layout.py: RwLayout.kernel_config)
+constexpr int kCfgEntries = 22;  // the layout config list (layout.py: RwLayout.kernel_config)
 constexpr int kMaxWorld = 64;
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
@@ -91,7 +78,7 @@ enum ErrorCode : int64_t {
   kErrBatchMismatch = 2,  // a: src rank, b: its B, c: this B
   kErrTimeout = 3,  // a: stage (0 index, 1 lookup, 2 finalize), b: peer
   kErrPeerAbort = 4,  // a: aborting rank
-  kErrCorrupt = 5,  // a: src rank, b: what (0 header, 1 span, 2 row, 3 fold flag of another lookup grid)
+  kErrCorrupt = 5,  // a: src rank, b: what (0 header, 1 span, 2 row)
   kErrBadIdWarn = 6,  // a: feature, b: id                  (WARNING, replaced by 0)
 };
 
@@ -149,8 +136,6 @@ struct RwParams {
   int32_t rank, world, weighted, bounds_mode, id_bytes;
   int32_t lookup_f_lo, lookup_f_hi;  // the features whose rows this rank holds
   int32_t variable_batch;  // 1: each source's batch comes from its header (TW)
-  int32_t fold_chunk;  // bags per fold flag; 0: no fold (a finalize reduces)
-  int64_t fold_chunks;  // fold flags per owner: ceil(F * Bmax / fold_chunk)
   int32_t trace;  // 1: launch the comm-timeline builds of the kernels
   int64_t batch, nnz;  // this step, this rank
 };
@@ -161,14 +146,6 @@ __device__ __forceinline__ int64_t index_block(const RwParams& p, int64_t slot, 
 
 __device__ __forceinline__ int64_t output_block(const RwParams& p, int64_t slot, int owner) {
   return p.output_region_off + (slot * p.world + owner) * p.output_block_bytes;
-}
-
-// A fold flag holds epoch * kFoldTag + V (V: the lookup's warps per source, < 2^20).
-constexpr int64_t kFoldTag = int64_t{1} << 20;
-
-// The pad word of fold flag (owner, chunk) (chunk < fold_chunks: callers check).
-__device__ __forceinline__ int64_t fold_flag(const RwParams& p, int owner, int64_t chunk) {
-  return kPadHeaderWords + 2 * p.world + owner * p.fold_chunks + chunk;
 }
 
 __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
@@ -239,17 +216,6 @@ __device__ __forceinline__ bool last_to_arrive(int64_t* counter, int64_t arrival
   *counter = 0;  // stream order: the next launch starts after this one ends
   __threadfence_system();
   return true;
-}
-
-// The step's last kernel publishes its error record to pinned host memory
-// (single writer: plain stores to host) and clears it for the next step.
-__device__ __forceinline__ void publish_errors(const RwParams& p) {
-  if (p.state[kErrCode] != kErrNone) {
-    for (int i = 1; i < 4; ++i) p.status[i] = p.state[kErrCode + i];
-    __threadfence_system();
-    p.status[0] = p.state[kErrCode];
-    for (int i = 0; i < 4; ++i) p.state[kErrCode + i] = 0;
-  }
 }
 
 // ---- 4-element vectors: every row, column block and output is a multiple of 4 ----

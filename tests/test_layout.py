@@ -35,19 +35,6 @@ def test_blocks_are_disjoint_aligned_and_in_bounds(
         assert start % 16 == 0
     assert len({lay.index_signal(p) for p in range(world)} | {lay.output_signal(p) for p in range(world)}) == 2 * world
     assert max(lay.output_signal(p) for p in range(world)) < lay.num_signal_slots
-    flags = {lay.fold_signal(p, c) for p in range(world) for c in range(lay.fold_chunks)}
-    assert len(flags) == world * lay.fold_chunks and min(flags) == 2 * world
-    assert max(flags) == lay.num_signal_slots - 1
-
-
-@pytest.mark.parametrize("world,features,batch", [(1, 1, 1), (2, 96, 8192), (2, 128, 8192), (8, 1024, 65536)])
-def test_fold_chunks_cover_every_bag_with_bounded_flags(world: int, features: int, batch: int) -> None:
-    """The lookup's fold flags: chunks of whole warps (32 bags) covering F * Bmax, at most 2^16 flags per pad."""
-    lay = RwLayout(world, features, batch, 1, 4, False)
-    s = lay.fold_chunk_bags
-    assert s % 32 == 0 and lay.fold_chunks * s >= features * batch > (lay.fold_chunks - 1) * s
-    assert world * lay.fold_chunks <= 1 << 16
-    assert lay.kernel_config(1, 0, 0, fold=True)[-2] == s and lay.kernel_config(1, 0, 0)[-2] == 0
 
 
 def test_ids_are_int32_unless_a_shard_needs_64_bits() -> None:

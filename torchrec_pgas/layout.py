@@ -22,11 +22,7 @@ scan across tiles.
 
 ``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
 lookup). The signal pad holds one index slot and one output slot per peer;
-peers store the epoch there after the block is complete. Then one fold flag per
-(owner, chunk of ``fold_chunk_bags`` bags): when every rank looks up every
-feature (row-wise), the owner marks each chunk of a requester's partials as
-landed, and the requester's lookup reduces that chunk's output as soon as all
-owners have marked it (no finalize kernel).
+peers store the epoch there after the block is complete.
 
 ``pgas_table_wise`` uses the same layout with whole-table row ids. On the
 host path an index block holds only the features of its owner's tables, and an
@@ -43,9 +39,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 _ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
-# Fold flags per pad, all owners together (512 KiB): chunks grow with F * Bmax / W.
-_FOLD_FLAGS = 1 << 16
-_FOLD_CHUNK_ALIGN = 32  # bags; a warp serves one chunk at a time
 
 
 def _align(n: int) -> int:
@@ -117,19 +110,8 @@ class RwLayout:
         return self.output_region_off + self.num_slots * self.world_size * self.output_block_bytes
 
     @property
-    def fold_chunk_bags(self) -> int:
-        """Bags per fold flag: a multiple of 32, enough that W owners' flags fit ``_FOLD_FLAGS`` words."""
-        per_owner = max(1, _FOLD_FLAGS // self.world_size)
-        bags = self.num_features * self.max_batch
-        return _FOLD_CHUNK_ALIGN * max(1, -(-bags // (_FOLD_CHUNK_ALIGN * per_owner)))
-
-    @property
-    def fold_chunks(self) -> int:
-        return -(-self.num_features * self.max_batch // self.fold_chunk_bags)
-
-    @property
     def num_signal_slots(self) -> int:
-        return 2 * self.world_size + self.world_size * self.fold_chunks
+        return 2 * self.world_size
 
     @property
     def id_dtype(self) -> torch.dtype:
@@ -137,14 +119,12 @@ class RwLayout:
 
     def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int,
                       lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False,
-                      fold: bool = False, trace: bool = False) -> List[int]:
+                      trace: bool = False) -> List[int]:
         """The int list every kernel op takes (RwParams, csrc/rw_lookup.cu: make_rw_params).
 
         ``lookup_features``: the features whose rows this rank holds (all, for row-wise);
         ``variable_batch``: owners take each source's batch from its header (table-wise);
-        ``fold``: every rank holds a block of every feature (row-wise), so the lookup
-        reduces the output itself, chunk by chunk (0 in the entry: a finalize does);
-        ``trace``: launch the kernels' comm-timeline builds (the last entry).
+        ``trace``: launch the kernels' comm-timeline builds.
         """
         f_lo, f_hi = lookup_features if lookup_features is not None else (0, self.num_features)
         return [
@@ -152,7 +132,7 @@ class RwLayout:
             self.offsets_off, self.lengths_off, self.ids_off, self.weights_off,
             self.num_slots, self.max_batch, self.ids_capacity, self.dim_sum, self.num_features,
             timeout_ns, rank, self.world_size, int(self.weighted), bounds_mode, self.id_bytes,
-            f_lo, f_hi, int(variable_batch), self.fold_chunk_bags if fold else 0, int(trace),
+            f_lo, f_hi, int(variable_batch), int(trace),
         ]
 
     def index_block(self, slot: int, src: int) -> int:
@@ -166,6 +146,3 @@ class RwLayout:
 
     def output_signal(self, owner: int) -> int:
         return self.world_size + owner
-
-    def fold_signal(self, owner: int, chunk: int) -> int:
-        return 2 * self.world_size + owner * self.fold_chunks + chunk

@@ -68,9 +68,7 @@ class FeatureOwners:
 
 
 class DevicePipeline(PgasPipeline):
-    """Fused kernel launches on the current stream, no host sync: index dist, then the
-    lookup, which also reduces the output chunk by chunk when every rank holds a
-    block of every feature (row-wise: two launches), else a finalize (table-wise: three).
+    """Three fused kernel launches per step on the current stream; no host sync.
 
     Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
     in a pinned record that the next step reads without syncing; ``check()``
@@ -110,17 +108,14 @@ class DevicePipeline(PgasPipeline):
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=dev)
         self._status = torch.zeros(4, dtype=torch.int64).pin_memory()
         self._lookup = owners.lookup
-        # Every rank holds a block of every feature (row-wise): each one's lookup
-        # reduces its own output (the same choice on every rank).
-        self._fold = owners.count == self.world_size
         self._cfg = lay.kernel_config(
             int(self.config.wait_timeout_s * 1e9), self.rank, _BOUNDS_MODES[self.bounds_check_mode],
-            lookup_features=owners.lookup, variable_batch=owners.variable_batch, fold=self._fold,
+            lookup_features=owners.lookup, variable_batch=owners.variable_batch,
         )
         self._max_dim = max(self.feature_dims[owners.lookup[0]:owners.lookup[1]], default=4)
         self._out_dtype = out_dtype
         self._tbe_key: List[int] = [-1]
-        # Recorded after each step's last kernel, per slot (see index_dist).
+        # Recorded after each finalize, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
@@ -133,7 +128,7 @@ class DevicePipeline(PgasPipeline):
         stream = torch.cuda.current_stream(self.device)
         if not torch.cuda.is_current_stream_capturing():
             # TorchRec's train pipelines run the input dist on their own stream:
-            # reusing a slot must wait for the step that last read it.
+            # reusing a slot must wait for the finalize that last read it.
             stream.wait_event(self._slot_free[(self.issued + 1) % self.layout.num_slots])
         try:
             torch.ops.torchrec_pgas.rw_index_dist(
@@ -181,15 +176,11 @@ class DevicePipeline(PgasPipeline):
         args = (self.buf.local, self.pad.words, self._peers, self._features)
         try:
             self._bind_weights(tbes)
-            batch = kjt.stride()
-            out = (torch.empty(batch, self.layout.dim_sum, dtype=self._out_dtype, device=self.device)
-                   if self._fold else None)
             ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
-                          batch, self._max_dim, self._out_dtype, out)
+                          kjt.stride(), self._max_dim, self._out_dtype)
             profiling.mark("lookup")
-            if out is None:
-                out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
-                                      self._cfg, batch, self._out_dtype)
+            out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
+                                  self._cfg, kjt.stride(), self._out_dtype)
         except PgasError as e:  # peers wait for this rank's pooled rows: abort them
             raise self._fail(e)
         except RuntimeError as e:
@@ -248,11 +239,6 @@ class DevicePipeline(PgasPipeline):
             )
         if code == _ERR_ABORT:
             raise PgasPeerAbortError(f"rank {a} aborted the {self.kind} step (see its error)")
-        if b == 3:
-            raise PgasError(
-                f"{self.kind}: rank {a}'s lookup kernel runs another grid than rank {self.rank}'s (different "
-                "GPUs or builds); the fused reduction needs the same on every rank"
-            )
         raise PgasError(f"{self.kind}: corrupt data from rank {a} (kind {b})")
 
 
