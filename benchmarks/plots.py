@@ -133,9 +133,20 @@ def _crossover(rows: List[Row]) -> Optional[Tuple[float, float]]:
     return None
 
 
+def _by_bytes(rows: List[Row]) -> List[Row]:
+    return sorted((r for r in rows if r["nvlink_bytes"] > 0), key=lambda r: r["nvlink_bytes"])
+
+
+def crossovers(rows: List[Row]) -> Dict[int, Optional[float]]:
+    """Per world size, the NVLink bytes per GPU per step at which stock eager catches up (None: never)."""
+    worlds = sorted({r["world_size"] for r in rows})
+    found = {w: _crossover(_by_bytes([r for r in rows if r["world_size"] == w])) for w in worlds}
+    return {w: c[0] if c else None for w, c in found.items()}
+
+
 def crossover(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     """p50 against NVLink traffic: where (if anywhere) the fixed cost of stock stops dominating."""
-    rows = sorted((r for r in rows if r["nvlink_bytes"] > 0), key=lambda r: r["nvlink_bytes"])
+    rows = _by_bytes(rows)
     if not rows:
         return None
     cross = _crossover(rows)
@@ -380,8 +391,18 @@ def _validation(results_dir: str) -> List[Dict[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_dir", help="folder holding results.json; the PNGs are written there")
-    for path in make_plots(parser.parse_args().results_dir):
+    results_dir = parser.parse_args().results_dir
+    for path in make_plots(results_dir):
         print(path)
+    for path in sorted(glob.glob(os.path.join(results_dir, "results.json"))
+                       + glob.glob(os.path.join(results_dir, "*", "results.json"))):
+        with open(path) as f:
+            results = json.load(f)
+        for r in results["rows"]:
+            r.setdefault("world_size", results["meta"]["world_size"])
+        for world, at in crossovers(results["rows"]).items():
+            where = f"at {EngFormatter(unit='B', places=1)(at)} over NVLink per GPU" if at else "nowhere in this sweep"
+            print(f"{os.path.dirname(path)}: world size {world}, stock eager catches up {where}")
 
 
 if __name__ == "__main__":

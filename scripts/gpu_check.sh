@@ -6,7 +6,7 @@
 # STEPS is a comma list, or a name for one:
 #   tests      every GPU test (tests/ -m gpu) at PGAS_TEST_WORLD ranks; quick-tests: a few of them
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
-#   bench-tw   the same for table_wise vs pgas_table_wise
+#   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
 #   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs (issue: 4-GPU scaling)
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
@@ -127,8 +127,14 @@ fi
 
 [ $# -eq 0 ] && [ "$FULL" = 1 ] && set -- "${FULL_PRESETS[@]}"
 [ $# -eq 0 ] && set -- --preset quick
-has bench-rw && bench "$PGAS_TEST_WORLD" bench-rw --pair rw "$@"
-has bench-tw && bench "$PGAS_TEST_WORLD" bench-tw --pair tw "$@"
+# BENCH_WORLDS="8 4 2": the pairs at each of these world sizes (GPUs 0..n-1, largest first), into
+# bench-rw-w8, bench-rw-w4, ... (one results.json each); by default once, at every GPU.
+for n in ${BENCH_WORLDS:-$PGAS_TEST_WORLD}; do
+  suffix=""
+  [ -n "${BENCH_WORLDS:-}" ] && suffix="-w$n"
+  has bench-rw && bench "$n" "bench-rw$suffix" --pair rw "$@"
+  has bench-tw && bench "$n" "bench-tw$suffix" --pair tw "$@"
+done
 
 if has sanitizer; then
   log "compute-sanitizer memcheck, 2 ranks"

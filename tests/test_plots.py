@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks.plots import make_plots  # noqa: E402
+from benchmarks.plots import crossovers, make_plots  # noqa: E402
 
 META = {"device": "test GPU", "world_size": 2, "commit": "abc1234", "torch": "x", "date": "2026-01-01",
         "presets": ["s004", "s000-weak"], "steps": 10, "warmup": 2, "input_sets": 2,
@@ -57,6 +57,20 @@ def test_make_plots_writes_every_figure(tmp_path: Any) -> None:
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_crossover_per_world_size() -> None:
+    """Issue 9 reports where stock catches up at each world size: found per world, None where PGAS always wins."""
+    rows = []
+    for world, pgas_slope in ((2, 1 / 4), (8, 1 / 32)):
+        for t in (2, 8, 32):
+            row = _row("s004", t, 1024, 8, 2.0 + t / 8, 0.2 + pgas_slope * t)
+            row["world_size"] = world
+            rows.append(row)
+    found = crossovers(rows)
+    assert set(found) == {2, 8} and found[8] is None
+    # World 2: PGAS wins at 2 and 8 tables, loses at 32 (stock 6.0 ms, PGAS 8.2): the crossover lies between.
+    assert 8 * 1024 * 256 < found[2] < 32 * 1024 * 256
 
 
 def test_make_plots_skips_missing_data(tmp_path: Any) -> None:
