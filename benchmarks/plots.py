@@ -337,6 +337,15 @@ def comm_timeline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     return fig
 
 
+def _load(path: str) -> Dict[str, Any]:
+    """A results.json; older files name the world size in their meta only, so rows get it too."""
+    with open(path) as f:
+        results = json.load(f)
+    for r in results["rows"]:
+        r.setdefault("world_size", results["meta"]["world_size"])
+    return results
+
+
 def make_plots(results_dir: str) -> List[str]:
     """Write every figure the results support into ``results_dir``; returns their paths. A folder of one
     run per pair (``rw/``, ``tw/``, each with its results.json) gets each run's figures in its subfolder
@@ -354,11 +363,8 @@ def make_plots(results_dir: str) -> List[str]:
             paths.append(os.path.join(results_dir, "planner_scatter.png"))
             fig.savefig(paths[-1], dpi=120)
         return paths
-    with open(os.path.join(results_dir, "results.json")) as f:
-        results = json.load(f)
+    results = _load(os.path.join(results_dir, "results.json"))
     meta, rows = results["meta"], results["rows"]
-    for r in rows:  # older result files name the world size in their meta only
-        r.setdefault("world_size", meta["world_size"])
     validation = _validation(results_dir)
     figures = {
         "speedup_heatmap": speedup_heatmap(meta, rows),
@@ -396,11 +402,7 @@ def main() -> None:
         print(path)
     for path in sorted(glob.glob(os.path.join(results_dir, "results.json"))
                        + glob.glob(os.path.join(results_dir, "*", "results.json"))):
-        with open(path) as f:
-            results = json.load(f)
-        for r in results["rows"]:
-            r.setdefault("world_size", results["meta"]["world_size"])
-        for world, at in crossovers(results["rows"]).items():
+        for world, at in crossovers(_load(path)["rows"]).items():
             where = f"at {EngFormatter(unit='B', places=1)(at)} over NVLink per GPU" if at else "nowhere in this sweep"
             print(f"{os.path.dirname(path)}: world size {world}, stock eager catches up {where}")
 
