@@ -5,8 +5,11 @@
 //
 // Layout written: this rank's index block [slot][src = rank] in every owner's
 // buffer (see rw_pipeline.cuh). A warp takes a tile of T <= 32 consecutive
-// bags (lane i holds bag i's CSR span and feature fields), whose ids are one
-// contiguous range [begin, end) of the local KJT's values. It streams that
+// bags of one feature (lane i holds bag i's CSR span), whose ids are one
+// contiguous range [begin, end) of the local KJT's values. Feature f of the
+// sharding is feature `input_feature` of the KJT (TorchRec's module permutes
+// the KJT to the shardings' order otherwise: a full copy per step), so its
+// bags are read there and written, to the owners, at the sharding's (f, b). It streams that
 // range 32 ids at a time, one id per lane (coalesced, no lane idles on short
 // bags, two chunks of loads in flight), and places each id by its owner and
 // local row. In owner d's copy the tile's owner-d ids are packed in stream
@@ -16,7 +19,7 @@
 // bag i starts, how many owner-d ids precede it; those starts give offsets[fb]
 // and lengths[fb] (differences of consecutive starts), one T-lane store per
 // owner per tile. An id needs its bag (a binary search over the lanes' starts)
-// only where the tile crosses a feature or for a weight sum.
+// only for a weight sum.
 //
 // NVLink writes are whole 128-byte lines: each owner's ids gather in a
 // two-line ring in shared memory, indexed by position mod 64, and a line goes
@@ -108,15 +111,13 @@ __device__ __forceinline__ void cursor_add(int& lo, int& hi, int d, int n, int l
 // Streams the ids [begin, end) of a warp's tile into the owners' copies and
 // leaves each owner's total in its cursor; starts[d * 32 + i] gets, for every
 // bag i that starts before `end`, how many of the tile's owner-d ids precede it.
-// kOneFeature: every bag of the tile has feature fields `one` (the common case:
-// tiles cross a feature only where the batch is not a multiple of 32), so an
-// id needs its bag only for a weight sum. Otherwise `bags` holds each bag's fields.
-template <bool kOneFeature, bool kWeighted, bool kTrace, typename index_t, typename row_t>
+// `tb`: the tile's feature.
+template <bool kWeighted, bool kTrace, typename index_t, typename row_t>
 __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __restrict__ values,
                                             const float* __restrict__ weights, uint8_t* const* dst,
-                                            const TileBag& one, const TileBag* bags, float* div, int32_t* starts,
-                                            row_t* ring, float* wring, int begin, int end, int n_bags, int b,
-                                            bool valid, int d_lo, int d_hi, int& cur_lo, int& cur_hi) {
+                                            const TileBag& tb, float* div, int32_t* starts, row_t* ring,
+                                            float* wring, int begin, int end, int n_bags, int b, bool valid,
+                                            int d_lo, int d_hi, int& cur_lo, int& cur_hi) {
   const int lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;
   // Two chunks of loads in flight: chunk c's ids are placed while c + 32 and c + 64 load.
@@ -141,17 +142,16 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
       id_later = static_cast<int64_t>(values[q + 64]);
       if (kWeighted) w_later = weights[q + 64];
     }
-    // The id's bag (only for a weight sum or per-bag fields): the last bag of
-    // the tile that starts at or before q, a binary search over the lanes' starts.
+    // The id's bag (only for a weight sum): the last bag of the tile that
+    // starts at or before q, a binary search over the lanes' starts.
     int j = 0;
-    if (!kOneFeature || kWeighted) {
+    if (kWeighted) {
 #pragma unroll
       for (int s = 16; s > 0; s /= 2) {
         const int start = __shfl_sync(0xffffffffu, b, (j + s) & 31);
         if (j + s < n_bags && start <= q) j += s;
       }
     }
-    const TileBag& tb = kOneFeature ? one : bags[j];
     int owner = -1;
     int64_t row = 0;
     if (live) {
@@ -217,7 +217,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     rw_index_dist_kernel(RwParams p, const index_t* __restrict__ values, const int64_t* __restrict__ offsets,
                          const float* __restrict__ weights, int tile_bags) {
   extern __shared__ __align__(16) uint8_t s_warps[];  // [warps][warp_smem_bytes]
-  __shared__ TileBag s_bag[kMaxWarps][32];  // tiles that cross a feature
   __shared__ float s_div[kMaxWarps][32];  // weighted: the bag's weight sum
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
@@ -247,19 +246,27 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   const int nnz = static_cast<int>(p.nnz);
   float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
   const int T = tile_bags;
+  // Tiles never cross a feature: a feature's bags are contiguous in the KJT, its
+  // neighbour in the sharding's order need not be.
+  const int tiles_per_feature = (batch + T - 1) / T;
+  const int num_tiles = static_cast<int>(p.num_features) * tiles_per_feature;
   const int64_t total_warps = static_cast<int64_t>(gridDim.x) * warps;
 
-  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * warps + warp; tile * T < num_bags; tile += total_warps) {
-    const int t0 = static_cast<int>(tile * T);
-    const int n_bags = min(T, num_bags - t0);
-    const int bag = t0 + lane;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * warps + warp; tile < num_tiles; tile += total_warps) {
+    const int f = static_cast<int>(tile) / tiles_per_feature;  // warp-uniform
+    const int b0 = (static_cast<int>(tile) - f * tiles_per_feature) * T;
+    const int n_bags = min(T, batch - b0);
+    const int bag = f * batch + b0 + lane;  // the sharding's bag: where the owners read it
     const bool valid = lane < n_bags;
+    const RwFeature& feat = p.features[f];
+    // The KJT's bag (input_feature < F: checked on the host, DevicePipeline.read_input_order).
+    const int in_bag = static_cast<int>(feat.input_feature) * batch + b0 + lane;
     // The tile's spans. The local KJT's offsets decide addresses in the owners'
     // buffers: they must be a CSR inside [0, nnz], or the tile sends nothing.
     int64_t b64 = 0, e64 = 0;
     if (valid) {
-      b64 = offsets[bag];
-      e64 = offsets[bag + 1];
+      b64 = offsets[in_bag];
+      e64 = offsets[in_bag + 1];
     }
     const int64_t e_up = __shfl_up_sync(0xffffffffu, e64, 1);
     const bool span_ok = !valid || (b64 >= 0 && b64 <= e64 && e64 <= nnz && (lane == 0 || b64 == e_up));
@@ -270,32 +277,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     }
     const int begin = __shfl_sync(0xffffffffu, b, 0);
     const int end = __shfl_sync(0xffffffffu, e, n_bags - 1);
-    // Lane i's bag fields; the tile's owners [d_lo, d_hi) (all W for row-wise).
-    const int f = valid ? bag / batch : 0;
-    const RwFeature& feat = p.features[f];
-    const TileBag mine{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
-                       static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
-    const int o_lo = static_cast<int>(feat.owner_base), o_hi = o_lo + static_cast<int>(feat.owner_count);
-    const int d_lo = static_cast<int>(__reduce_min_sync(0xffffffffu, valid ? o_lo : kMaxWorld));
-    const int d_hi = static_cast<int>(__reduce_max_sync(0xffffffffu, valid ? o_hi : 0));
-    const int f0 = __shfl_sync(0xffffffffu, f, 0);  // every lane shuffles (full mask)
-    const bool one_feature = __all_sync(0xffffffffu, !valid || f == f0);
-    if (!one_feature && valid) s_bag[warp][lane] = mine;
+    // The tile's feature and its owners [d_lo, d_hi) (all W for row-wise).
+    const TileBag tb{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
+                     static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
+    const int d_lo = static_cast<int>(feat.owner_base), d_hi = d_lo + static_cast<int>(feat.owner_count);
     if (kWeighted) div[lane] = 0.f;
     __syncwarp();
     int cur_lo = 0, cur_hi = 0;
-    if (one_feature) {
-      const TileBag one{static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(mine.hash_size), 0)),
-                        static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(mine.block), 0)),
-                        static_cast<int64_t>(__shfl_sync(0xffffffffu, static_cast<long long>(mine.magic), 0)),
-                        __shfl_sync(0xffffffffu, mine.shift, 0), __shfl_sync(0xffffffffu, mine.feature, 0),
-                        __shfl_sync(0xffffffffu, mine.owners, 0)};
-      stream_tile<true, kWeighted, kTrace>(p, values, weights, s_dst, one, s_bag[warp], div, starts, ring, wring,
-                                           begin, end, n_bags, b, valid, d_lo, d_hi, cur_lo, cur_hi);
-    } else {
-      stream_tile<false, kWeighted, kTrace>(p, values, weights, s_dst, mine, s_bag[warp], div, starts, ring, wring,
-                                            begin, end, n_bags, b, valid, d_lo, d_hi, cur_lo, cur_hi);
-    }
+    stream_tile<kWeighted, kTrace>(p, values, weights, s_dst, tb, div, starts, ring, wring, begin, end, n_bags, b,
+                                   valid, d_lo, d_hi, cur_lo, cur_hi);
     __syncwarp();
 
     // Per owner: the partial last line of the tile's run, then the bags'
@@ -310,7 +300,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
       const int start = valid && b < end ? starts[d * 32 + lane] : total;
       const int next_up = __shfl_down_sync(0xffffffffu, start, 1);
       const int next = lane == 31 ? total : next_up;
-      if (valid && d >= o_lo && d < o_hi) {
+      if (valid) {
         reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[bag] = next - start;
         reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[bag] = begin + start;
         if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
@@ -342,7 +332,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* offsets,
                        const float* weights, cudaStream_t stream) {
-  const int64_t num_bags = p.num_features * p.batch;
   const auto kernel = rw_index_dist_kernel<index_t, row_t, kWeighted, kTrace>;
   // Warps per CTA: 8, fewer when the owners' rings would not fit (large W).
   const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), kWeighted);
@@ -358,12 +347,13 @@ void launch_index_dist(const RwParams& p, const index_t* values, const int64_t* 
     resident = resident_ctas(kernel, warps * 32, smem);
     resident_for_world = p.world;
   }
-  // Tiles of 32 bags, or fewer when the step is too small to fill the GPU with them.
+  // Tiles of 32 bags of one feature, or fewer when the step is too small to fill the GPU with them.
+  const auto ctas_for = [&](int64_t tile_bags) {
+    return (p.num_features * ((p.batch + tile_bags - 1) / tile_bags) + warps - 1) / warps;
+  };
   int tile_bags = 32;
-  while (tile_bags > 1 && (num_bags + warps * tile_bags - 1) / (warps * tile_bags) < resident) tile_bags /= 2;
-  const int64_t bags_per_cta = warps * tile_bags;
-  const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((num_bags + bags_per_cta - 1) / bags_per_cta, resident)));
+  while (tile_bags > 1 && ctas_for(tile_bags) < resident) tile_bags /= 2;
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas_for(tile_bags), resident)));
   kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags);
 }
 

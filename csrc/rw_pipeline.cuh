@@ -116,6 +116,7 @@ struct RwFeature {
   int64_t block_shift;  // (layout.py: divisor_magic)
   int64_t owner_base;  // row block k of the table lives on rank owner_base + k
   int64_t owner_count;  // W (row-wise) or 1 (table-wise)
+  int64_t input_feature;  // where the local KJT holds this feature's bags (its own index unless permuted)
 };
 constexpr int kFeatureWords = sizeof(RwFeature) / sizeof(int64_t);
 

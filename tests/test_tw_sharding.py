@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.embeddingbag import pgas_lookups
+from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, pgas_lookups
 from torchrec_pgas.testing import (
     all_tables,
     check_errors,
@@ -48,7 +48,13 @@ def _matches_stock(rank: int, world: int, device: str) -> Dict[str, Any]:
     cmp = compare_with_stock(model, types, sample_batches(model, rank), dist.group.WORLD, dev, SMALL, tol=0.0)
     pgas = shard(model, types, dist.group.WORLD, dev, SMALL)
     stock = shard(model, spread_tables(model, world, "table_wise"), dist.group.WORLD, dev, stock=True)
+    with torch.no_grad():
+        pgas(*_on(sample_batches(model, rank), dev)[0])
+    ebcs = [m for m in pgas.modules() if isinstance(m, PgasShardedEmbeddingBagCollection)]
     return {
+        # TW orders features rank by rank: the sharding reads the input order, TorchRec copies nothing.
+        "permutes": [m._has_features_permute for m in ebcs],
+        "input_orders": [m._embedding_shardings[0]._pipeline._input_order is not None for m in ebcs],
         "diffs": cmp.max_abs_diff,
         "lookups": len(list(pgas_lookups(pgas))),
         "same_state_dict": shard_metadata(pgas.state_dict()) == shard_metadata(stock.state_dict()),
@@ -64,6 +70,7 @@ def test_matches_stock_table_wise_bit_exact(device: str, world: int) -> None:
     for res in _run(_matches_stock, world, device):
         assert len(res["diffs"]) == 10 and max(res["diffs"].values()) == 0.0
         assert res["lookups"] == 2 and res["same_state_dict"]
+        assert res["permutes"] == [False, False] and any(res["input_orders"])
         assert res["optim_keys"] == res["stock_optim_keys"] and res["optim_keys"]
 
 

@@ -57,6 +57,19 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     config.feature_names
                 )
 
+    def _create_input_dist(self, input_feature_names: List[str]) -> None:
+        """Stock, except that a module holding one PGAS sharding (and no mean callback, which reads
+        the permuted KJT) gives the sharding its feature order instead of permuting a copy of the
+        whole KJT every step."""
+        super()._create_input_dist(input_feature_names)
+        if not self._has_features_permute or len(self._embedding_shardings) != 1 or self._has_mean_pooling_callback:
+            return
+        pipeline = getattr(self._embedding_shardings[0], "_pipeline", None)
+        if pipeline is not None:
+            pipeline.read_input_order(self._features_order)
+            self._has_features_permute = False
+            self._features_order = []  # a TensorDict input stays in input order too
+
     @classmethod
     def create_embedding_bag_sharding(
         cls,

@@ -117,6 +117,7 @@ class PgasPipeline:
         self.looked_up = 0  # lookups completed
         self._hash_sizes = torch.tensor(feature_hash_sizes, dtype=torch.int64, device=device)
         self._warned: set = set()
+        self._input_order: Optional[List[int]] = None  # read_input_order
 
     def _fail(self, err: PgasError) -> PgasError:
         """Abort the pad so peers waiting on this rank raise instead of hanging."""
@@ -237,6 +238,22 @@ class PgasPipeline:
             stride=batch,
         )
 
+    def read_input_order(self, order: Sequence[int]) -> None:
+        """Take the module's KJT in its input order: feature f of this sharding is input feature
+        ``order[f]`` (``ShardedEmbeddingBagCollection`` would otherwise permute a copy each step).
+        The host path permutes here, the kernels read through the order."""
+        self._check_input_order(order)
+        self._input_order = list(order)
+
+    def _check_input_order(self, order: Sequence[int]) -> None:
+        if sorted(order) != list(range(len(self.feature_names))):
+            raise PgasError(f"{self.kind}: input feature order {list(order)} is not a permutation of "
+                            f"the sharding's {len(self.feature_names)} features")
+
+    def in_sharding_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The local KJT in this sharding's feature order (what the index dist and lookup take)."""
+        return kjt if self._input_order is None else kjt.permute(self._input_order)
+
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         raise NotImplementedError
 
@@ -267,8 +284,10 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._kind = kind
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        _require(self._pipeline, self._kind).index_dist(sparse_features)
-        return NoWait(NoWait(sparse_features))
+        pipeline = _require(self._pipeline, self._kind)
+        features = pipeline.in_sharding_order(sparse_features)
+        pipeline.index_dist(features)
+        return NoWait(NoWait(features))
 
 
 class PgasPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):

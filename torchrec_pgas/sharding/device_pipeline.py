@@ -95,10 +95,10 @@ class DevicePipeline(PgasPipeline):
         out_cols = list(itertools.accumulate([0] + self.feature_dims[:-1]))
         self._feature_rows = [
             # RwFeature (csrc/rw_pipeline.cuh); weights, local_rows, dtype are filled
-            # from the TBEs at the first lookup
-            [0, 0, blk, n, d, c, 0, m, *divisor_magic(blk, n), base, owners.count]
-            for blk, n, d, c, m, base in zip(self.shard_rows, self.feature_hash_sizes, self.feature_dims, out_cols,
-                                             owners.mean, owners.base)
+            # from the TBEs at the first lookup, input_feature by read_input_order
+            [0, 0, blk, n, d, c, 0, m, *divisor_magic(blk, n), base, owners.count, f]
+            for f, (blk, n, d, c, m, base) in enumerate(zip(self.shard_rows, self.feature_hash_sizes,
+                                                            self.feature_dims, out_cols, owners.mean, owners.base))
         ]
         self._features = torch.tensor(self._feature_rows, dtype=torch.int64, device=dev)
         self._col_feature = torch.tensor(
@@ -117,6 +117,16 @@ class DevicePipeline(PgasPipeline):
         self._tbe_key: List[int] = [-1]
         # Recorded after each finalize, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
+
+    def read_input_order(self, order: Sequence[int]) -> None:
+        """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
+        self._check_input_order(order)
+        for row, f in zip(self._feature_rows, order):
+            row[12] = f
+        self._features.copy_(torch.tensor(self._feature_rows, dtype=torch.int64))
+
+    def in_sharding_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return kjt  # the kernels read through the order; the lookup only needs the batch
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         try:
