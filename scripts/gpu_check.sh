@@ -11,7 +11,7 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
-#   profile    ncu of the fused lookup and FBGEMM's TBE forward on one GPU
+#   profile    ncu of the fused lookup and FBGEMM's TBE forward on one GPU (NCU_* variables: what, where)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
 # A call brings back at most 8 files: the benchmark keeps results.json only (the CSV is
@@ -75,7 +75,7 @@ if has profile; then
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \
     --section SourceCounters --section InstructionStats -o "$OUT/lookup" \
     "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" -m benchmarks.embedding \
-    --preset "${NCU_PRESET:-profile}" --steps 3 \
+    --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
     --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out "$OUT/profile" > "$OUT/ncu_run.log" 2>&1
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import "$OUT/lookup.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1

@@ -242,13 +242,10 @@ class PgasPipeline:
         """Take the module's KJT in its input order: feature f of this sharding is input feature
         ``order[f]`` (``ShardedEmbeddingBagCollection`` would otherwise permute a copy each step).
         The host path permutes here, the kernels read through the order."""
-        self._check_input_order(order)
-        self._input_order = list(order)
-
-    def _check_input_order(self, order: Sequence[int]) -> None:
         if sorted(order) != list(range(len(self.feature_names))):
             raise PgasError(f"{self.kind}: input feature order {list(order)} is not a permutation of "
                             f"the sharding's {len(self.feature_names)} features")
+        self._input_order = list(order)
 
     def in_sharding_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The local KJT in this sharding's feature order (what the index dist and lookup take)."""

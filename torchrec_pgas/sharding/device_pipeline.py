@@ -120,7 +120,7 @@ class DevicePipeline(PgasPipeline):
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
-        self._check_input_order(order)
+        super().read_input_order(order)
         for row, f in zip(self._feature_rows, order):
             row[12] = f
         self._features.copy_(torch.tensor(self._feature_rows, dtype=torch.int64))
