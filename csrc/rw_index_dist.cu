@@ -11,7 +11,7 @@
 // the KJT to the shardings' order otherwise: a full copy per step), so its
 // bags are read there and written, to the owners, at the sharding's (f, b). It streams that
 // range 32 ids at a time, one id per lane (coalesced, no lane idles on short
-// bags, two chunks of loads in flight), and places each id by its owner and
+// bags, kAhead chunks of loads in flight), and places each id by its owner and
 // local row. In owner d's copy the tile's owner-d ids are packed in stream
 // order (so bag order) at the start of the tile's range: position begin +
 // (owner-d ids of the tile before it), from one ballot per owner of the tile
@@ -55,6 +55,7 @@ struct TileBag {
   int32_t owners;  // owner_base | owner_count << 16
 };
 
+constexpr int kAhead = 3;  // chunks of 32 ids a warp has loading while it places one (2: long_scoreboard-bound)
 constexpr int kRing = 64;  // write-combining slots per owner: two 128-byte lines of int32 rows
 
 // Dynamic shared memory of one warp, for W owners: the bags' starts per owner
@@ -64,12 +65,18 @@ __host__ __device__ constexpr int warp_smem_bytes(int world, int id_bytes, bool 
   return world * 32 * 4 + world * kRing * (id_bytes + (weighted ? 4 : 0));
 }
 
-// Owner and local row of a checked id in [0, N): a multiply-shift when N < 2^31
-// (a division is ~20 instructions on the integer and XU pipes, per id).
+// Owner (relative to the feature's first) and local row of a checked id in
+// [0, N): one 32x32->64-bit multiply-shift when N < 2^31 (a 64-bit division is
+// ~20 instructions on the integer and XU pipes, per id).
 __device__ __forceinline__ void locate(int64_t id, const TileBag& tb, int& owner, int64_t& row) {
-  owner = tb.magic != 0 ? static_cast<int>((static_cast<uint64_t>(id) * static_cast<uint64_t>(tb.magic)) >> tb.shift)
-                        : static_cast<int>(id / tb.block);
-  row = id - owner * tb.block;
+  if (tb.magic != 0) {
+    const uint32_t id32 = static_cast<uint32_t>(id);
+    owner = static_cast<int>((static_cast<uint64_t>(id32) * static_cast<uint32_t>(tb.magic)) >> tb.shift);
+    row = id32 - static_cast<uint32_t>(owner) * static_cast<uint32_t>(tb.block);
+  } else {
+    owner = static_cast<int>(id / tb.block);
+    row = id - owner * tb.block;
+  }
 }
 
 // Lanes [h, next head) of this lane's run of equal bags (j is non-decreasing
@@ -99,48 +106,78 @@ __device__ __forceinline__ void store_from_ring(const RwParams& p, uint8_t* dst,
   if (kWeighted) reinterpret_cast<float*>(dst + p.weights_off)[at] = wring[at & (kRing - 1)];
 }
 
-// One owner's cursor (ids of the tile so far that owner d holds) lives in lane
-// d % 32 of `lo` (d < 32) or `hi` (kMaxWorld = 64).
+// Lanes store, for each owner d whose bit is set in `full`, the line its run
+// completed: the one before the run's new end (`cursor` in lane d). `dst`,
+// `ring`, `wring`: from the owner of bit 0.
+template <bool kWeighted, typename row_t>
+__device__ __forceinline__ void store_full_lines(const RwParams& p, uint8_t* const* dst, const row_t* ring,
+                                                 const float* wring, int begin, unsigned full, int cursor) {
+  const int lane = threadIdx.x % 32;
+  while (full != 0) {
+    const int d = __ffs(full) - 1;
+    full &= full - 1;
+    const int at = ((begin + __shfl_sync(0xffffffffu, cursor, d)) & ~31) - 32 + lane;
+    // below begin: the previous tile's ids
+    if (at >= begin) store_from_ring<kWeighted>(p, dst[d], ring + d * kRing, wring + d * kRing, at);
+  }
+}
+
+// One owner's cursor (ids of the tile so far that owner d holds; d relative to
+// the feature's first owner) lives in lane d % 32 of `lo` (d < 32) or `hi`
+// (kMaxWorld = 64).
 __device__ __forceinline__ int cursor_of(int lo, int hi, int d) {
   return __shfl_sync(0xffffffffu, d < 32 ? lo : hi, d & 31);
 }
 __device__ __forceinline__ void cursor_add(int& lo, int& hi, int d, int n, int lane) {
-  if (lane == (d & 31)) (d < 32 ? lo : hi) += n;
+  lo += lane == d ? n : 0;  // branch-free: no divergence bookkeeping in the owner loop
+  hi += lane == d - 32 ? n : 0;
 }
 
 // Streams the ids [begin, end) of a warp's tile into the owners' copies and
 // leaves each owner's total in its cursor; starts[d * 32 + i] gets, for every
 // bag i that starts before `end`, how many of the tile's owner-d ids precede it.
-// `tb`: the tile's feature.
+// `tb`: the tile's feature, whose owners are tb.owners' base + [0, owners).
+//
+// Per chunk: one ballot per owner places every lane's id (its position in the
+// owner's run: cursor + lanes of the same owner below it) and notes the owners
+// whose run completed a 128-byte line; then each lane writes its id into the
+// ring once, and each completed line goes out as one 32-lane store. Ring
+// protocol: the lines read by a chunk's stores can be overwritten by the next
+// chunk's ids (two lines per owner), hence a __syncwarp on either side of them.
 template <bool kWeighted, bool kTrace, typename index_t, typename row_t>
 __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __restrict__ values,
                                             const float* __restrict__ weights, uint8_t* const* dst,
                                             const TileBag& tb, float* div, int32_t* starts, row_t* ring,
                                             float* wring, int begin, int end, int n_bags, int b, bool valid,
-                                            int d_lo, int d_hi, int& cur_lo, int& cur_hi) {
+                                            int owners, int& cur_lo, int& cur_hi) {
   const int lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;
-  // Two chunks of loads in flight: chunk c's ids are placed while c + 32 and c + 64 load.
-  int64_t id_next = 0, id_later = 0;
-  float w_next = 1.f, w_later = 1.f;
-  if (end - begin > lane) {
-    id_next = static_cast<int64_t>(values[begin + lane]);
-    if (kWeighted) w_next = weights[begin + lane];
-  }
-  if (end - begin > 32 + lane) {
-    id_later = static_cast<int64_t>(values[begin + 32 + lane]);
-    if (kWeighted) w_later = weights[begin + 32 + lane];
+  const int base = tb.owners & 0xffff;
+  // kAhead chunks of loads in flight: chunk c's ids are placed while the next kAhead load.
+  int64_t id_ahead[kAhead];
+  float w_ahead[kAhead];
+#pragma unroll
+  for (int k = 0; k < kAhead; ++k) {
+    id_ahead[k] = 0;
+    w_ahead[k] = 1.f;
+    if (end - begin > 32 * k + lane) {
+      id_ahead[k] = static_cast<int64_t>(values[begin + 32 * k + lane]);
+      if (kWeighted) w_ahead[k] = weights[begin + 32 * k + lane];
+    }
   }
   for (int c = begin; c < end; c += 32) {
     const int q = c + lane;
     const bool live = q < end;
-    int64_t id = id_next;
-    const float w = w_next;
-    id_next = id_later;
-    w_next = w_later;
-    if (end - q > 64) {
-      id_later = static_cast<int64_t>(values[q + 64]);
-      if (kWeighted) w_later = weights[q + 64];
+    int64_t id = id_ahead[0];
+    const float w = w_ahead[0];
+#pragma unroll
+    for (int k = 0; k + 1 < kAhead; ++k) {
+      id_ahead[k] = id_ahead[k + 1];
+      w_ahead[k] = w_ahead[k + 1];
+    }
+    if (end - q > 32 * kAhead) {
+      id_ahead[kAhead - 1] = static_cast<int64_t>(values[q + 32 * kAhead]);
+      if (kWeighted) w_ahead[kAhead - 1] = weights[q + 32 * kAhead];
     }
     // The id's bag (only for a weight sum): the last bag of the tile that
     // starts at or before q, a binary search over the lanes' starts.
@@ -152,10 +189,11 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
         if (j + s < n_bags && start <= q) j += s;
       }
     }
-    int owner = -1;
+    int owner = -1;  // relative; -1: no id (past the end, or a dropped bad id)
     int64_t row = 0;
     if (live) {
-      if (id < 0 || id >= tb.hash_size) {
+      // One unsigned compare: a negative id is >= 2^63.
+      if (static_cast<uint64_t>(id) >= static_cast<uint64_t>(tb.hash_size)) {
         if (p.bounds_mode == kBoundsFatal) {
           record_error(p, kErrBadId, tb.feature, id);
           id = -1;
@@ -164,12 +202,11 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
           id = 0;
         }
       }
-      if (id >= 0) {
-        locate(id, tb, owner, row);
-        owner += tb.owners & 0xffff;
-      }
+      if (id >= 0) locate(id, tb, owner, row);
     }
-    if constexpr (kTrace) trace_ids(p.state, p.rank, p.id_bytes + (kWeighted ? 4 : 0), owner);
+    if constexpr (kTrace) {
+      trace_ids(p.state, p.rank, p.id_bytes + (kWeighted ? 4 : 0), owner < 0 ? -1 : base + owner);
+    }
     if constexpr (kWeighted) {
       // The bag's weight sum, in position order: a segmented scan per chunk
       // (lanes past the end form their own run), added by the run's last lane
@@ -188,26 +225,31 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
     const bool starts_here = valid && static_cast<unsigned>(b - c) < 32u;
     const bool any_start = __any_sync(0xffffffffu, starts_here);
     const unsigned before_start = (1u << ((b - c) & 31)) - 1;
-    for (int d = d_lo; d < d_hi; ++d) {
+    int pos = 0;  // the id's position in its owner's run
+    const int was_lo = cur_lo, was_hi = cur_hi;
+    for (int d = 0; d < owners; ++d) {
       const unsigned m = __ballot_sync(0xffffffffu, owner == d);
       const int cur = cursor_of(cur_lo, cur_hi, d);
-      const int first = begin + cur;  // this chunk's owner-d ids go to [first, first + popc(m))
-      if (owner == d) {
-        const int pos = first + __popc(m & below);
-        ring[d * kRing + (pos & (kRing - 1))] = static_cast<row_t>(row);
-        if (kWeighted) wring[d * kRing + (pos & (kRing - 1))] = w;
-      }
+      const int n = __popc(m);
+      if (owner == d) pos = begin + cur + __popc(m & below);
       if (any_start && starts_here) starts[d * 32 + lane] = cur + __popc(m & before_start);
-      const int last = first + __popc(m);
-      if ((last & ~31) != (first & ~31)) {  // the line of `first` is complete: one 32-lane store
-        __syncwarp();
-        const int at = (first & ~31) + lane;
-        // below begin: the previous tile's ids
-        if (at >= begin) store_from_ring<kWeighted>(p, dst[d], ring + d * kRing, wring + d * kRing, at);
-        __syncwarp();
-      }
-      cursor_add(cur_lo, cur_hi, d, __popc(m), lane);
+      cursor_add(cur_lo, cur_hi, d, n, lane);
     }
+    // The owners whose run completed a line (n <= 32 ids: at most one per chunk),
+    // each from the lane that holds its cursor.
+    const unsigned full_lo = __ballot_sync(0xffffffffu, ((begin + was_lo) ^ (begin + cur_lo)) >= 32);
+    const unsigned full_hi =
+        owners > 32 ? __ballot_sync(0xffffffffu, ((begin + was_hi) ^ (begin + cur_hi)) >= 32) : 0u;
+    if (owner >= 0) {
+      ring[owner * kRing + (pos & (kRing - 1))] = static_cast<row_t>(row);
+      if (kWeighted) wring[owner * kRing + (pos & (kRing - 1))] = w;
+    }
+    __syncwarp();
+    store_full_lines<kWeighted>(p, dst + base, ring, wring, begin, full_lo, cur_lo);
+    if (full_hi != 0) {
+      store_full_lines<kWeighted>(p, dst + base + 32, ring + 32 * kRing, wring + 32 * kRing, begin, full_hi, cur_hi);
+    }
+    __syncwarp();
   }
 }
 
@@ -277,33 +319,34 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     }
     const int begin = __shfl_sync(0xffffffffu, b, 0);
     const int end = __shfl_sync(0xffffffffu, e, n_bags - 1);
-    // The tile's feature and its owners [d_lo, d_hi) (all W for row-wise).
+    // The tile's feature and its owners owner_base + [0, owners) (all W for row-wise).
     const TileBag tb{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
                      static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
-    const int d_lo = static_cast<int>(feat.owner_base), d_hi = d_lo + static_cast<int>(feat.owner_count);
+    const int base = static_cast<int>(feat.owner_base), owners = static_cast<int>(feat.owner_count);
     if (kWeighted) div[lane] = 0.f;
     __syncwarp();
     int cur_lo = 0, cur_hi = 0;
     stream_tile<kWeighted, kTrace>(p, values, weights, s_dst, tb, div, starts, ring, wring, begin, end, n_bags, b,
-                                   valid, d_lo, d_hi, cur_lo, cur_hi);
+                                   valid, owners, cur_lo, cur_hi);
     __syncwarp();
 
     // Per owner: the partial last line of the tile's run, then the bags'
     // lengths and starts, one T-lane store each.
     if (valid) bag_div[bag] = kWeighted ? div[lane] : static_cast<float>(e - b);
-    for (int d = d_lo; d < d_hi; ++d) {
+    for (int d = 0; d < owners; ++d) {
+      uint8_t* to = s_dst[base + d];
       const int total = cursor_of(cur_lo, cur_hi, d);
       const int run_end = begin + total;
       const int at = (run_end & ~31) + lane;
-      if (at >= begin && at < run_end) store_from_ring<kWeighted>(p, s_dst[d], ring + d * kRing, wring + d * kRing, at);
+      if (at >= begin && at < run_end) store_from_ring<kWeighted>(p, to, ring + d * kRing, wring + d * kRing, at);
       // A bag starting at the tile's end (empty) was never in a chunk: it starts after all.
       const int start = valid && b < end ? starts[d * 32 + lane] : total;
       const int next_up = __shfl_down_sync(0xffffffffu, start, 1);
       const int next = lane == 31 ? total : next_up;
       if (valid) {
-        reinterpret_cast<int32_t*>(s_dst[d] + p.lengths_off)[bag] = next - start;
-        reinterpret_cast<int64_t*>(s_dst[d] + p.offsets_off)[bag] = begin + start;
-        if (kTrace && d != p.rank) trace_remote_bytes(p.state, 12);
+        reinterpret_cast<int32_t*>(to + p.lengths_off)[bag] = next - start;
+        reinterpret_cast<int64_t*>(to + p.offsets_off)[bag] = begin + start;
+        if (kTrace && base + d != p.rank) trace_remote_bytes(p.state, 12);
       }
     }
     __syncwarp();

@@ -11,7 +11,8 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
-#   profile    ncu of the fused lookup and FBGEMM's TBE forward on one GPU (NCU_* variables: what, where)
+#   profile    ncu of the fused lookup and FBGEMM's TBE forward on one GPU (NCU_* variables: what, where),
+#              into $OUT/ncu (details, per-line source counters, run log; the report stays on the device)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
 # A call brings back at most 8 files: the benchmark keeps results.json only (the CSV is
@@ -68,20 +69,21 @@ bench() {
 if has profile; then
   # ncu on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  log "ncu: rw_lookup vs TBE forward"
+  log "ncu: ${NCU_KERNELS:-rw_} (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
+  mkdir -p "$OUT/ncu"
   # NCU_NPROC=2 profiles a kernel that needs no peer signal (the index dist) with real NVLink stores.
   timeout 400 "$NCU" --target-processes all -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \
     --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \
-    --section SourceCounters --section InstructionStats -o "$OUT/lookup" \
+    --section SourceCounters --section InstructionStats -o /tmp/ncu_report \
     "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" -m benchmarks.embedding \
     --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
-    --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out "$OUT/profile" > "$OUT/ncu_run.log" 2>&1
+    --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out /tmp/ncu_profile > "$OUT/ncu/ncu_run.log" 2>&1
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
-  "$NCU" --import "$OUT/lookup.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
-  "$NCU" --import "$OUT/lookup.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/ncu_source.csv" 2>&1
+  "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
+  "$NCU" --import /tmp/ncu_report.ncu-rep --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
   grep -E "rw_lookup_kernel|rw_index_dist|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
-    "$OUT/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
+    "$OUT/ncu/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
 fi
 
 if has tests || has quick-tests; then

@@ -49,15 +49,16 @@ def divisor_magic(divisor: int, hash_size: int) -> Tuple[int, int]:
     """``(magic, shift)`` with ``id // divisor == (id * magic) >> shift`` for every id in ``[0, 2^31)``.
 
     The index-dist kernel finds an id's owner with this multiply-shift instead of
-    an integer division. ``magic = ceil(2^k / divisor)`` with ``k = 32 + ceil(log2
-    divisor)`` errs by ``e < divisor <= 2^(k-32)``, and ``id * e < 2^k`` keeps the
-    floor exact. ``(0, 0)`` (the kernel divides) when ids can reach 2^31.
+    an integer division, as one 32x32->64-bit multiply: ``magic = ceil(2^k /
+    divisor) < 2^32`` with ``k = 31 + ceil(log2 divisor)`` errs by ``e < divisor
+    <= 2^(k-31)``, and ``id * e < 2^k`` keeps the floor exact. ``(0, 0)`` (the
+    kernel divides) when ids can reach 2^31.
     """
     if divisor < 1:
         raise ValueError(f"divisor_magic: divisor {divisor} (a table with no rows?)")
     if hash_size > 2**31 - 1:
         return 0, 0
-    shift = 32 + (divisor - 1).bit_length()
+    shift = 31 + (divisor - 1).bit_length()
     return -(-(1 << shift) // divisor), shift
 
 
