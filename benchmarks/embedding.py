@@ -142,6 +142,12 @@ def _quick(world: int) -> List[Workload]:
                Workload("quick", 24, 1_000_000, 64, 16384 // world, 32, "uniform")])
 
 
+def _l2_reuse(world: int) -> List[Workload]:
+    """s000-weak's ids over tables of 150K rows, whose 19 MB row blocks fit in L2 (50 MB): the gather rate
+    when repeated rows come from L2, next to s000-weak's (1M rows: a 128 MB block per table, few L2 hits)."""
+    return [Workload("l2-reuse", 64 * world, 150_000, 64, 16384 // world, 128, "uniform")]
+
+
 def _profile(world: int) -> List[Workload]:
     """One mid-size gather for ncu (scripts/gpu_check.sh profile)."""
     return [Workload("profile", 48, 1_000_000, 64, 8192, 32, "uniform")]
@@ -153,7 +159,7 @@ def _smoke(world: int) -> List[Workload]:
 
 PRESETS: Dict[str, Callable[[int], List[Workload]]] = {
     "s004": _s004, "s000-weak": _s000_weak, "s000-strong": _s000_strong, "skew": _skew, "quick": _quick,
-    "profile": _profile, "smoke": _smoke,
+    "l2-reuse": _l2_reuse, "profile": _profile, "smoke": _smoke,
 }
 # 1-GPU reference of the scaling presets (unsharded TBE): (tables, batch); weak keeps 64 tables per GPU.
 SINGLE_GPU: Dict[str, Tuple[int, int]] = {"s000-weak": (64, 16384), "s000-strong": (96, 16384)}

@@ -292,11 +292,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   // neighbour in the sharding's order need not be.
   const int tiles_per_feature = (batch + T - 1) / T;
   const int num_tiles = static_cast<int>(p.num_features) * tiles_per_feature;
-  const int64_t total_warps = static_cast<int64_t>(gridDim.x) * warps;
+  // A warp takes a contiguous block of tiles (not every total_warps-th tile): at
+  // any moment the grid then works on every feature at once, so a table-wise
+  // step's stores go to all owners throughout instead of owner by owner (its
+  // features are in rank order), and a warp's ids are one stream.
+  const int total_warps = static_cast<int>(gridDim.x) * warps;
+  const int per_warp = (num_tiles + total_warps - 1) / total_warps;
+  const int first_tile = (static_cast<int>(blockIdx.x) * warps + warp) * per_warp;
+  const int last_tile = min(num_tiles, first_tile + per_warp);
 
-  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * warps + warp; tile < num_tiles; tile += total_warps) {
-    const int f = static_cast<int>(tile) / tiles_per_feature;  // warp-uniform
-    const int b0 = (static_cast<int>(tile) - f * tiles_per_feature) * T;
+  for (int tile = first_tile; tile < last_tile; ++tile) {
+    const int f = tile / tiles_per_feature;  // warp-uniform
+    const int b0 = (tile - f * tiles_per_feature) * T;
     const int n_bags = min(T, batch - b0);
     const int bag = f * batch + b0 + lane;  // the sharding's bag: where the owners read it
     const bool valid = lane < n_bags;
