@@ -72,7 +72,7 @@ if has profile; then
   log "ncu: ${NCU_KERNELS:-rw_} (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
   mkdir -p "$OUT/ncu"
   # NCU_NPROC=2 profiles a kernel that needs no peer signal (the index dist) with real NVLink stores.
-  timeout 400 "$NCU" --target-processes all -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \
+  timeout 400 "$NCU" -f --target-processes all -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \
     --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \
     --section SourceCounters --section InstructionStats -o /tmp/ncu_report \
