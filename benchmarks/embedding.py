@@ -568,8 +568,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
-    parser.add_argument("--wait-timeout", type=float, default=PgasConfig.wait_timeout_s,
-                        help="PgasConfig.wait_timeout_s: longer under ncu, which replays one rank's kernel many times")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     presets = args.preset or ["quick"]
@@ -616,8 +614,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     with torch.no_grad():
         for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
             ws = list(group)
-            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
-                                wait_timeout_s=args.wait_timeout)
+            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key])
             stock = shard_ebc(ws[0], False, args.pair, config, device)
             pgas = shard_ebc(ws[0], True, args.pair, config, device)
             for w in ws:

@@ -71,16 +71,16 @@ if has profile; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   log "ncu: ${NCU_KERNELS:-rw_} (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
   mkdir -p "$OUT/ncu"
-  # NCU_NPROC=2 profiles a kernel that needs no peer signal (the index dist) with real NVLink stores; the
-  # peer waits while a rank's kernel is replayed, hence the long PGAS wait. NCU_EXTRA: more ncu arguments.
+  # NCU_NPROC=2 profiles a kernel that needs no peer signal (the index dist) with real NVLink stores. ncu
+  # serializes the ranks' kernels, so a rank's lookup spinning on its peer can block the peer's index dist
+  # until the PGAS wait times out (120 s): then only one launch comes back. NCU_EXTRA: more ncu arguments.
   timeout 400 "$NCU" -f --target-processes all -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \
     --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \
     --section SourceCounters --section InstructionStats ${NCU_EXTRA:-} -o /tmp/ncu_report \
     "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" -m benchmarks.embedding \
     --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
-    --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --wait-timeout 380 --out /tmp/ncu_profile \
-    > "$OUT/ncu/ncu_run.log" 2>&1
+    --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out /tmp/ncu_profile > "$OUT/ncu/ncu_run.log" 2>&1
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
   "$NCU" --import /tmp/ncu_report.ncu-rep --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
