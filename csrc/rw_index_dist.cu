@@ -45,14 +45,15 @@ namespace {
 
 constexpr int kMaxWarps = 8;
 
-// What the ids of one bag of a tile need (shared memory, written by the bag's lane).
+// What the ids of a tile need from its feature (registers, warp-uniform).
 struct TileBag {
   int64_t hash_size;
   int64_t block;
   int64_t magic;  // RwFeature::block_magic
   int32_t shift;
   int32_t feature;
-  int32_t owners;  // owner_base | owner_count << 16
+  int32_t owner_base;  // the feature's owners: owner_base + [0, owner_count)
+  int32_t owner_count;  // W (row-wise) or 1 (table-wise)
 };
 
 constexpr int kAhead = 3;  // chunks of 32 ids a warp has loading while it places one (2: long_scoreboard-bound)
@@ -136,7 +137,7 @@ __device__ __forceinline__ void cursor_add(int& lo, int& hi, int d, int n, int l
 // Streams the ids [begin, end) of a warp's tile into the owners' copies and
 // leaves each owner's total in its cursor; starts[d * 32 + i] gets, for every
 // bag i that starts before `end`, how many of the tile's owner-d ids precede it.
-// `tb`: the tile's feature, whose owners are tb.owners' base + [0, owners).
+// `tb`: the tile's feature; owner d is rank tb.owner_base + d.
 //
 // Per chunk: one ballot per owner places every lane's id (its position in the
 // owner's run: cursor + lanes of the same owner below it) and notes the owners
@@ -149,10 +150,10 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
                                             const float* __restrict__ weights, uint8_t* const* dst,
                                             const TileBag& tb, float* div, int32_t* starts, row_t* ring,
                                             float* wring, int begin, int end, int n_bags, int b, bool valid,
-                                            int owners, int& cur_lo, int& cur_hi) {
+                                            int& cur_lo, int& cur_hi) {
   const int lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;
-  const int base = tb.owners & 0xffff;
+  const int base = tb.owner_base, owners = tb.owner_count;
   // kAhead chunks of loads in flight: chunk c's ids are placed while the next kAhead load.
   int64_t id_ahead[kAhead];
   float w_ahead[kAhead];
@@ -326,22 +327,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     }
     const int begin = __shfl_sync(0xffffffffu, b, 0);
     const int end = __shfl_sync(0xffffffffu, e, n_bags - 1);
-    // The tile's feature and its owners owner_base + [0, owners) (all W for row-wise).
     const TileBag tb{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
-                     static_cast<int32_t>(feat.owner_base | feat.owner_count << 16)};
-    const int base = static_cast<int>(feat.owner_base), owners = static_cast<int>(feat.owner_count);
+                     static_cast<int32_t>(feat.owner_base), static_cast<int32_t>(feat.owner_count)};
     if (kWeighted) div[lane] = 0.f;
     __syncwarp();
     int cur_lo = 0, cur_hi = 0;
     stream_tile<kWeighted, kTrace>(p, values, weights, s_dst, tb, div, starts, ring, wring, begin, end, n_bags, b,
-                                   valid, owners, cur_lo, cur_hi);
+                                   valid, cur_lo, cur_hi);
     __syncwarp();
 
     // Per owner: the partial last line of the tile's run, then the bags'
     // lengths and starts, one T-lane store each.
     if (valid) bag_div[bag] = kWeighted ? div[lane] : static_cast<float>(e - b);
-    for (int d = 0; d < owners; ++d) {
-      uint8_t* to = s_dst[base + d];
+    for (int d = 0; d < tb.owner_count; ++d) {
+      uint8_t* to = s_dst[tb.owner_base + d];
       const int total = cursor_of(cur_lo, cur_hi, d);
       const int run_end = begin + total;
       const int at = (run_end & ~31) + lane;
@@ -353,7 +352,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
       if (valid) {
         reinterpret_cast<int32_t*>(to + p.lengths_off)[bag] = next - start;
         reinterpret_cast<int64_t*>(to + p.offsets_off)[bag] = begin + start;
-        if (kTrace && base + d != p.rank) trace_remote_bytes(p.state, 12);
+        if (kTrace && tb.owner_base + d != p.rank) trace_remote_bytes(p.state, 12);
       }
     }
     __syncwarp();

@@ -11,8 +11,9 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
-#   profile    ncu of the fused lookup and FBGEMM's TBE forward on one GPU (NCU_* variables: what, where),
-#              into $OUT/ncu (details, per-line source counters, run log; the report stays on the device)
+#   profile    ncu of the stage kernels (default: the fused lookup and FBGEMM's TBE forward on one GPU;
+#              NCU_* variables: what, where), into $OUT/ncu (details, per-line source counters, run log;
+#              the report stays on the device)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
 # A call brings back at most 8 files: the benchmark keeps results.json only (the CSV is
@@ -67,7 +68,7 @@ bench() {
 }
 
 if has profile; then
-  # ncu on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
+  # By default on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   log "ncu: ${NCU_KERNELS:-rw_} (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
   mkdir -p "$OUT/ncu"
