@@ -293,16 +293,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   // neighbour in the sharding's order need not be.
   const int tiles_per_feature = (batch + T - 1) / T;
   const int num_tiles = static_cast<int>(p.num_features) * tiles_per_feature;
-  // A warp takes a contiguous block of tiles (not every total_warps-th tile): at
-  // any moment the grid then works on every feature at once, so a table-wise
+  // Warps claim tiles from a counter, so an SM whose stores drain slower takes
+  // fewer of them instead of holding up the step's end (every CTA is resident:
+  // one wave). Claim k is tile (k % total_warps) * per_warp + k / total_warps:
+  // at any moment the grid works on every feature at once, so a table-wise
   // step's stores go to all owners throughout instead of owner by owner (its
-  // features are in rank order), and a warp's ids are one stream.
+  // features are in rank order).
   const int total_warps = static_cast<int>(gridDim.x) * warps;
   const int per_warp = (num_tiles + total_warps - 1) / total_warps;
-  const int first_tile = (static_cast<int>(blockIdx.x) * warps + warp) * per_warp;
-  const int last_tile = min(num_tiles, first_tile + per_warp);
-
-  for (int tile = first_tile; tile < last_tile; ++tile) {
+  const int claims = per_warp * total_warps;
+  unsigned long long* claim_ctr = reinterpret_cast<unsigned long long*>(p.state + kTileClaims);
+  int next = lane == 0 ? static_cast<int>(atomicAdd(claim_ctr, 1ull)) : 0;
+  for (int k = __shfl_sync(0xffffffffu, next, 0); k < claims; k = __shfl_sync(0xffffffffu, next, 0)) {
+    if (lane == 0) next = static_cast<int>(atomicAdd(claim_ctr, 1ull));  // in flight during this tile
+    const int tile = (k % total_warps) * per_warp + k / total_warps;
+    if (tile >= num_tiles) continue;
     const int f = tile / tiles_per_feature;  // warp-uniform
     const int b0 = (tile - f * tiles_per_feature) * T;
     const int n_bags = min(T, batch - b0);
@@ -360,6 +365,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
 
   __syncthreads();
   if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) {
+    p.state[kTileClaims] = 0;  // every warp has made its last claim
     for (int d = 0; d < p.world; ++d) {
       uint8_t* dst = reinterpret_cast<uint8_t*>(p.peer_bufs[d]) + my_block;
       int64_t* header = reinterpret_cast<int64_t*>(dst);

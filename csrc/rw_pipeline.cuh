@@ -87,6 +87,7 @@ enum ErrorCode : int64_t {
 enum StateWord : int {
   kCtrIndex = 0,
   kCtrLookup = 1,  // finalize uses the epoch of the lookup before it
+  kTileClaims = 2,  // index_dist: tiles claimed so far this step (reset by its last CTA)
   kDoneIndex = 3,
   kDoneLookup = 4,
   kDoneFinal = 5,

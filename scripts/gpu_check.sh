@@ -12,7 +12,7 @@
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
 #   profile    ncu of the stage kernels (default: the fused lookup and FBGEMM's TBE forward on one GPU;
-#              NCU_* variables: what, where), into $OUT/ncu (details, per-line source counters, run log;
+#              NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two), into $OUT/ncu (details, per-line source counters, run log;
 #              the report stays on the device)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
@@ -72,15 +72,20 @@ if has profile; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   log "ncu: ${NCU_KERNELS:-rw_} (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
   mkdir -p "$OUT/ncu"
-  # NCU_NPROC=2 profiles a kernel that needs no peer signal (the index dist) with real NVLink stores. ncu
-  # serializes the ranks' kernels, so a rank's lookup spinning on its peer can block the peer's index dist
-  # until the PGAS wait times out (120 s): then only one launch comes back. NCU_EXTRA: more ncu arguments.
-  timeout 400 "$NCU" -f --target-processes all -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \
-    --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \
-    --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \
-    --section SourceCounters --section InstructionStats ${NCU_EXTRA:-} -o /tmp/ncu_report \
-    "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" -m benchmarks.embedding \
-    --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
+  # NCU_NPROC=2 profiles rank 0 only, with real NVLink stores and a live peer: ncu attached to every rank
+  # serialized their kernels, and a rank's lookup spinning on its peer blocked the peer's index dist (one
+  # such run timed out, one hung). Replays of rank 0's kernels rewrite the same data and epochs into the
+  # peer. NCU_EXTRA: more ncu arguments (e.g. --metrics sm__cycles_active.min,sm__cycles_active.max).
+  cat > /tmp/ncu_rank0.sh <<NCUEOF
+#!/usr/bin/env bash
+[ "\${LOCAL_RANK:-0}" = 0 ] || exec "\$@"
+exec "$NCU" -f -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \\
+  --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \\
+  --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \\
+  --section SourceCounters --section InstructionStats ${NCU_EXTRA:-} -o /tmp/ncu_report "\$@"
+NCUEOF
+  timeout "${NCU_TIMEOUT:-400}" "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" --no-python bash /tmp/ncu_rank0.sh \
+    "$PY" -m benchmarks.embedding --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
     --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out /tmp/ncu_profile > "$OUT/ncu/ncu_run.log" 2>&1
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
