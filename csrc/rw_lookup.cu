@@ -13,7 +13,8 @@
 // up to a power of two (16 for dim 64), every lane owns 4 columns of the row
 // (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
 // (coalesced, bounds-checked once), the next chunk prefetched while this one
-// is pooled; each row index is then broadcast with a shuffle and kRowsInFlight
+// is pooled, and a group's next bag's first chunk while this bag is pooled
+// (its span two bags ahead); each row index is then broadcast with a shuffle and kRowsInFlight
 // row loads are issued before their sums, so a group keeps 8 rows (2 KiB at
 // dim 64) in flight without a dependent load between them. The pooled vector
 // is stored straight into the requester's output block [slot][owner = rank],
@@ -138,23 +139,33 @@ __device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_
   abort_peer(q, src);
 }
 
-// One chunk of a bag's ids: lane g holds id g of the chunk (or -1 past the end
-// or when out of the shard's rows) and, if weighted, its per-sample weight.
-// A row outside the shard (it came from a peer and decides a load address)
-// sets `bad`; the CTA reports it once, after its bags.
+// One chunk of a bag's ids: lane g loads id g of the chunk and, if weighted,
+// its per-sample weight (lanes past the end load nothing). Unchecked: a
+// prefetched chunk is checked where it is used (check_row), so that the load
+// stays in flight until then.
 template <typename row_t, bool kWeighted>
-__device__ __forceinline__ void load_ids(const row_t* ids, const float* weights, int left, int g_lane,
-                                         row_t local_rows, row_t& row, float& w, bool& bad) {
-  row = -1;
+__device__ __forceinline__ void load_ids(const row_t* ids, const float* weights, int left, int g_lane, row_t& row,
+                                         float& w) {
+  row = 0;
   w = 0.f;
   if (g_lane < left) {
     row = __ldcg(ids + g_lane);
     if (kWeighted) w = __ldcg(weights + g_lane);
-    if (row < 0 || row >= local_rows) {
-      bad = true;
-      row = -1;
-    }
   }
+}
+
+// A loaded row of a chunk of `cnt` ids, as the pool uses it: a row outside the
+// shard (it came from a peer and decides a load address) sets `bad` (the CTA
+// reports it once, after its bags) and, like a lane past the end, becomes
+// row 0 with weight 0.
+template <typename row_t, bool kWeighted>
+__device__ __forceinline__ void check_row(row_t row, float w, int cnt, int g_lane, row_t local_rows, row_t& my_row,
+                                          float& my_w, bool& bad) {
+  const bool live = g_lane < cnt;
+  const bool in_shard = row >= 0 && row < local_rows;
+  if (live && !in_shard) bad = true;
+  my_row = live && in_shard ? row : 0;
+  my_w = live && in_shard ? (kWeighted ? w : 1.f) : 0.f;
 }
 
 // The partial pool in the TBE's output dtype (a uniform branch, once per bag).
@@ -177,22 +188,21 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
 // of the table. (A predicated load measured 14% slower: the compiler merged
 // each loaded vector with zeros and so waited for a round's first row before
 // issuing its last ones.)
+// The bag's first chunk of ids (`next_row`, `next_w`) is loaded by the caller.
 template <typename w_t, typename row_t, bool kWeighted>
 __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
                                            const float* bag_w, int n, int G, int g_lane, unsigned gmask,
-                                           row_t local_rows, bool& bad) {
+                                           row_t local_rows, row_t next_row, float next_w, bool& bad) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  row_t next_row;
-  float next_w;
-  load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, local_rows, next_row, next_w, bad);
   for (int j0 = 0; j0 < n; j0 += G) {
-    const row_t my_row = next_row < 0 ? 0 : next_row;
-    const float my_w = next_row < 0 ? 0.f : (kWeighted ? next_w : 1.f);
+    const int cnt = min(G, n - j0);
+    row_t my_row;
+    float my_w;
+    check_row<row_t, kWeighted>(next_row, next_w, cnt, g_lane, local_rows, my_row, my_w, bad);
     if (j0 + G < n) {
       load_ids<row_t, kWeighted>(bag_ids + j0 + G, kWeighted ? bag_w + j0 + G : nullptr, n - j0 - G, g_lane,
-                                 local_rows, next_row, next_w, bad);
+                                 next_row, next_w);
     }
-    const int cnt = min(G, n - j0);
     for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
       float4 v[kRowsInFlight];
 #pragma unroll
@@ -267,43 +277,77 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const int bag_end = p.lookup_f_hi * batch;
     const bool remote = src != p.rank;
     bool bad = false, bad_span = false;
-    for (int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group; bag < bag_end;
-         bag += gridDim.x * groups_per_cta) {
+    // Bags are pipelined across a group's sequence (stride S): while bag k's rows
+    // load, bag k+1's first chunk of ids (a DRAM read: ids are written per step)
+    // and bag k+2's span (offsets/lengths: small, L2) are in flight, so a bag
+    // starts with its ids in registers instead of two dependent latencies. A span
+    // is checked when it arrives; a bad one reads nothing and writes no output.
+    const int S = gridDim.x * groups_per_cta;
+    const auto span_of = [&](int b, int64_t& begin, int& n) {
+      begin = 0;
+      n = 0;
+      if (b < bag_end) {
+        begin = __ldcg(offsets + b);
+        n = __ldcg(lengths + b);
+      }
+    };
+    const auto span_ok = [&](int64_t begin, int n) { return begin >= 0 && begin <= nnz && n >= 0 && n <= nnz - begin; };
+    // The first chunk of bag b (span checked; nothing past bag_end).
+    const auto first_chunk = [&](int b, int64_t begin, int n, row_t& row, float& w) {
+      const bool live = b < bag_end && span_ok(begin, n);
+      load_ids<row_t, kWeighted>(ids + (live ? begin : 0), kWeighted ? weights + (live ? begin : 0) : nullptr,
+                                 live ? n : 0, g_lane, row, w);
+    };
+    int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group;
+    int64_t begin, begin_1, begin_2;
+    int n, n_1, n_2;
+    row_t row_0, row_1;
+    float w_0, w_1;
+    span_of(bag, begin, n);
+    span_of(bag + S, begin_1, n_1);
+    first_chunk(bag, begin, n, row_0, w_0);
+    for (; bag < bag_end; bag += S) {
+      first_chunk(bag + S, begin_1, n_1, row_1, w_1);
+      span_of(bag + 2 * S, begin_2, n_2);
       const int f = bag / batch;
       const RwFeature& feat = p.features[f];
-      const int64_t begin = __ldcg(offsets + bag);
-      const int n = __ldcg(lengths + bag);
-      if (begin < 0 || begin > nnz || n < 0 || n > nnz - begin) {
+      if (!span_ok(begin, n)) {
         bad_span = true;  // this bag's output is not written
-        continue;
-      }
-      const row_t* bag_ids = ids + begin;
-      const float* bag_w = kWeighted ? weights + begin : nullptr;
-      const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
-      const bool f32 = feat.dtype == kF32;
-      const row_t local_rows = static_cast<row_t>(feat.local_rows);
-      const int dim = static_cast<int>(feat.dim);
-      const int row_bytes = dim * (f32 ? 4 : 2);
-      for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
-        const int col = col0 + 4 * g_lane;
-        const bool col_ok = col < dim;
-        const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
-        const float4 acc =
-            f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                    gmask, local_rows, bad)
-                : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G, g_lane,
-                                                     gmask, local_rows, bad);
-        float4 v = acc;
-        if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
-          const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
-          v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+      } else {
+        const row_t* bag_ids = ids + begin;
+        const float* bag_w = kWeighted ? weights + begin : nullptr;
+        const uint8_t* table = reinterpret_cast<const uint8_t*>(feat.weights);
+        const bool f32 = feat.dtype == kF32;
+        const row_t local_rows = static_cast<row_t>(feat.local_rows);
+        const int dim = static_cast<int>(feat.dim);
+        const int row_bytes = dim * (f32 ? 4 : 2);
+        for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
+          if (col0 > 0) load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, row_0, w_0);
+          const int col = col0 + 4 * g_lane;
+          const bool col_ok = col < dim;
+          const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
+          const float4 acc = f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G,
+                                                                     g_lane, gmask, local_rows, row_0, w_0, bad)
+                                 : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n,
+                                                                      G, g_lane, gmask, local_rows, row_0, w_0, bad);
+          float4 v = acc;
+          if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
+            const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
+            v = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+          }
+          const int b = bag - f * batch;
+          if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
         }
-        const int b = bag - f * batch;
-        if (col_ok) store_out(out, static_cast<int64_t>(b) * p.dim_sum + feat.out_col + col, out_kind, v);
+        if constexpr (kTrace) {
+          if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
+        }
       }
-      if constexpr (kTrace) {
-        if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
-      }
+      begin = begin_1;
+      n = n_1;
+      row_0 = row_1;
+      w_0 = w_1;
+      begin_1 = begin_2;
+      n_1 = n_2;
     }
     // Reported once per lane, before this CTA counts as done (so before the signal).
     if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
