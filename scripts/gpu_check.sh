@@ -11,6 +11,7 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
+#   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused lookup and FBGEMM's TBE forward on one GPU;
 #              NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two), into $OUT/ncu (details, per-line source counters, run log;
 #              the report stays on the device)
@@ -66,6 +67,14 @@ bench() {
   grep -E "Error|error" /tmp/bench.log | tail -5 | tee -a "$OUT/summary.txt"
   mkdir -p "$OUT/$name" && cp "/tmp/bench/$name/results.json" "$OUT/$name/" 2>/dev/null
 }
+
+if has ceiling; then
+  log "gather ceiling (GPU 0)"
+  nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/gather_ceiling.cu -o /tmp/gather_ceiling >> /tmp/setup.log 2>&1 \
+    && CUDA_VISIBLE_DEVICES=0 timeout 120 /tmp/gather_ceiling > "$OUT/gather_ceiling.txt" 2>&1
+  echo "gather ceiling exit $?" | tee -a "$OUT/summary.txt"
+  tee -a "$OUT/summary.txt" < "$OUT/gather_ceiling.txt"
+fi
 
 if has profile; then
   # By default on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
