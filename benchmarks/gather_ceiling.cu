@@ -8,7 +8,8 @@
 // keeps K row loads in flight before it adds them, and rows are uniform over a
 // table of `table_bytes`. Row ids come from a hash of (group, step) ("hash": no
 // id loads, the best case) or from an int32 array read G at a time and broadcast
-// by shuffles, as the lookup reads a bag's ids ("ids"). One float per thread is
+// by shuffles, as the lookup reads a bag's ids ("ids"), or so with K loads always
+// in flight ("roll"; "hroll": hashed ids). One float per thread is
 // written at the end, so the bytes moved are the rows read. Bandwidth = rows read
 // x row_bytes / time (mean of 5 launches after a warm-up).
 #include <cuda_runtime.h>
@@ -40,8 +41,10 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {
 }
 
 // Each group gathers `steps` x K rows. kIds: row ids from `ids` (group-major,
-// `steps * K` per group), else from the hash. `rows` < 2^32.
-template <int K, bool kIds>
+// `steps * K` per group), else from the hash. kRoll: row j + K's load issues as
+// soon as row j is added (K loads always in flight), else K loads issue in a
+// round and are all added before the next round (the lookup's scheme). `rows` < 2^32.
+template <int K, bool kIds, bool kRoll>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const uint8_t* table, uint32_t rows, int row_bytes,
                                                          const int32_t* ids, int steps, float* sink) {
   const int G = row_bytes / 16;
@@ -52,26 +55,40 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const uint8_t* table, 
   const int32_t* my_ids = kIds ? ids + group * steps * K : nullptr;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   int32_t id_chunk = 0;
-  for (int s = 0; s < steps; ++s) {
-    float4 v[K];
-#pragma unroll
-    for (int u = 0; u < K; ++u) {
-      const int j = s * K + u;
-      uint32_t r;
-      if (kIds) {
-        if (j % G == 0) id_chunk = __ldcg(my_ids + j + g_lane);
-        r = static_cast<uint32_t>(__shfl_sync(gmask, id_chunk, j % G, G));
-      } else {
-        r = static_cast<uint32_t>((static_cast<uint64_t>(hash32(group * 0x9e3779b97f4a7c15ULL + j)) * rows) >> 32);
-      }
-      v[u] = __ldg(reinterpret_cast<const float4*>(table + static_cast<uint64_t>(r) * row_bytes) + g_lane);
+  const auto row_of = [&](int j) -> uint32_t {
+    if (kIds) {
+      if (j % G == 0) id_chunk = __ldcg(my_ids + j + g_lane);
+      return static_cast<uint32_t>(__shfl_sync(gmask, id_chunk, j % G, G));
     }
+    return static_cast<uint32_t>((static_cast<uint64_t>(hash32(group * 0x9e3779b97f4a7c15ULL + j)) * rows) >> 32);
+  };
+  const auto load = [&](uint32_t r) {
+    return __ldg(reinterpret_cast<const float4*>(table + static_cast<uint64_t>(r) * row_bytes) + g_lane);
+  };
+  const auto add = [&](const float4& v) {
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
+  };
+  float4 v[K];
+  if (kRoll) {
 #pragma unroll
-    for (int u = 0; u < K; ++u) {
-      acc.x += v[u].x;
-      acc.y += v[u].y;
-      acc.z += v[u].z;
-      acc.w += v[u].w;
+    for (int u = 0; u < K; ++u) v[u] = load(row_of(u));
+  }
+  for (int s = 0; s < steps; ++s) {
+    if (kRoll) {
+      const bool more = s + 1 < steps;
+#pragma unroll
+      for (int u = 0; u < K; ++u) {
+        add(v[u]);
+        v[u] = load(more ? row_of((s + 1) * K + u) : 0u);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < K; ++u) v[u] = load(row_of(s * K + u));
+#pragma unroll
+      for (int u = 0; u < K; ++u) add(v[u]);
     }
   }
   sink[blockIdx.x * kThreads + threadIdx.x] = acc.x + acc.y + acc.z + acc.w;
@@ -124,10 +141,10 @@ struct Ctx {
 
 // GB/s of a random-row gather over the first `table_bytes` of the table, with
 // `per_sm` CTAs per SM (0: as many as fit; set to the number used).
-template <int K, bool kIds>
+template <int K, bool kIds, bool kRoll>
 double gather_gbps(const Ctx& c, uint64_t table_bytes, int row_bytes, int& per_sm, uint64_t read_bytes) {
   int max_per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_per_sm, gather_kernel<K, kIds>, kThreads, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_per_sm, gather_kernel<K, kIds, kRoll>, kThreads, 0));
   per_sm = per_sm > 0 ? std::min(per_sm, max_per_sm) : max_per_sm;
   const int ctas = c.sms * per_sm;
   const uint64_t groups = static_cast<uint64_t>(ctas) * kThreads / (row_bytes / 16);
@@ -135,7 +152,7 @@ double gather_gbps(const Ctx& c, uint64_t table_bytes, int row_bytes, int& per_s
   const uint32_t rows = static_cast<uint32_t>(table_bytes / row_bytes);
   if (kIds) fill_ids<<<c.sms * 8, 256>>>(c.ids, groups * steps * K, rows);
   const double ms = time_ms([&] {
-    gather_kernel<K, kIds><<<ctas, kThreads>>>(c.table, rows, row_bytes, c.ids, steps, c.sink);
+    gather_kernel<K, kIds, kRoll><<<ctas, kThreads>>>(c.table, rows, row_bytes, c.ids, steps, c.sink);
   });
   return static_cast<double>(groups) * steps * K * row_bytes / (ms * 1e6);
 }
@@ -143,10 +160,12 @@ double gather_gbps(const Ctx& c, uint64_t table_bytes, int row_bytes, int& per_s
 template <int K>
 void gather_row(const Ctx& c, const char* mode, uint64_t table_bytes, int row_bytes, int per_sm) {
   const uint64_t read_bytes = uint64_t{8} << 30;
-  const double gbps = std::string_view(mode) == "ids"
-                          ? gather_gbps<K, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
-                          : gather_gbps<K, false>(c, table_bytes, row_bytes, per_sm, read_bytes);
-  std::printf("gather  %-4s table %6.2f GiB  row %3d B  K %2d  ctas/SM %d  %7.0f GB/s\n", mode,
+  const std::string_view m(mode);
+  const double gbps = m == "ids"    ? gather_gbps<K, true, false>(c, table_bytes, row_bytes, per_sm, read_bytes)
+                      : m == "roll" ? gather_gbps<K, true, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
+                      : m == "hroll" ? gather_gbps<K, false, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
+                                    : gather_gbps<K, false, false>(c, table_bytes, row_bytes, per_sm, read_bytes);
+  std::printf("gather  %-5s table %6.2f GiB  row %3d B  K %2d  ctas/SM %d  %7.0f GB/s\n", mode,
               table_bytes / double(uint64_t{1} << 30), row_bytes, K, per_sm, gbps);
 }
 
@@ -197,5 +216,11 @@ int main() {
   gather_row<8>(c, "ids", big, 256, 0);
   gather_row<16>(c, "ids", big, 256, 0);
   gather_row<8>(c, "ids", big, 256, 2);
+  // Rolling (ids from memory, or hashed): K loads in flight at every add.
+  gather_row<8>(c, "hash", big, 256, 2);
+  gather_row<8>(c, "hroll", big, 256, 2);
+  gather_row<8>(c, "roll", big, 256, 2);
+  gather_row<8>(c, "roll", big, 256, 4);
+  gather_row<4>(c, "roll", big, 256, 4);
   return 0;
 }

@@ -9,7 +9,8 @@
 // so the remote sources' CTAs are scheduled first and the local source pads
 // the tail (communication-aware ordering: the bytes that must cross NVLink
 // leave first). Thread 0 waits for the source's index slot (acquire), checks
-// its header, then groups of G lanes pool one bag each: G = dim_max / 4 rounded
+// its header, then groups of G lanes pool one bag at a time, claiming units of
+// kClaimBags consecutive bags from the source's counter: G = dim_max / 4 rounded
 // up to a power of two (16 for dim 64), every lane owns 4 columns of the row
 // (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
 // (coalesced, bounds-checked once), the next chunk prefetched while this one
@@ -124,6 +125,7 @@ __device__ __forceinline__ float4 load4_nc<__half>(const uint8_t* p) {
 }
 
 constexpr int kRowsInFlight = 8;
+constexpr int kClaimBags = 8;  // bags per claim: ~0.1 claims per us per group (weak), an atomic in flight per unit
 // 16 warps per SM with 8 rows in flight each and no spills (3 blocks spilled and
 // measured no faster on s000, benchmarks/NOTES.md).
 constexpr int kMinBlocks = 2;
@@ -277,12 +279,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     const int bag_end = p.lookup_f_hi * batch;
     const bool remote = src != p.rank;
     bool bad = false, bad_span = false;
-    // Bags are pipelined across a group's sequence (stride S): while bag k's rows
+    // Bags are pipelined along a group's sequence (next_bag, below): while bag k's rows
     // load, bag k+1's first chunk of ids (a DRAM read: ids are written per step)
     // and bag k+2's span (offsets/lengths: small, L2) are in flight, so a bag
     // starts with its ids in registers instead of two dependent latencies. A span
     // is checked when it arrives; a bad one reads nothing and writes no output.
-    const int S = gridDim.x * groups_per_cta;
     const auto span_of = [&](int b, int64_t& begin, int& n) {
       begin = 0;
       n = 0;
@@ -298,17 +299,38 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
       load_ids<row_t, kWeighted>(ids + (live ? begin : 0), kWeighted ? weights + (live ? begin : 0) : nullptr,
                                  live ? n : 0, g_lane, row, w);
     };
-    int bag = p.lookup_f_lo * batch + blockIdx.x * groups_per_cta + group;
+    // The group's sequence: units of kClaimBags consecutive bags, claimed from the
+    // source's counter (increasing, so the first bag >= bag_end ends it). A group
+    // that drew short bags takes more of them and none holds up the source's end,
+    // as a static grid stride did (s000 lookup -2.5%, benchmarks/NOTES.md §20).
+    // The claim of the next unit is issued when a unit starts: its atomic is in
+    // flight while the unit's bags pool. The lookup's last CTA resets the counters.
+    constexpr int U = kClaimBags;
+    unsigned long long* claim_ctr = reinterpret_cast<unsigned long long*>(p.state + kBagClaims + k);
+    const int lo = p.lookup_f_lo * batch;
+    int seq_bag = 0, seq_pos = U - 1, pending = 0;
+    if (g_lane == 0) pending = static_cast<int>(atomicAdd(claim_ctr, 1ull));
+    const auto next_bag = [&]() -> int {
+      if (++seq_pos == U) {
+        seq_pos = 0;
+        seq_bag = lo + __shfl_sync(gmask, pending, 0, G) * U;
+        if (g_lane == 0) pending = static_cast<int>(atomicAdd(claim_ctr, 1ull));
+        return seq_bag;
+      }
+      return ++seq_bag;
+    };
+    int bag = next_bag(), bag_1 = next_bag();
     int64_t begin, begin_1, begin_2;
     int n, n_1, n_2;
     row_t row_0, row_1;
     float w_0, w_1;
     span_of(bag, begin, n);
-    span_of(bag + S, begin_1, n_1);
+    span_of(bag_1, begin_1, n_1);
     first_chunk(bag, begin, n, row_0, w_0);
-    for (; bag < bag_end; bag += S) {
-      first_chunk(bag + S, begin_1, n_1, row_1, w_1);
-      span_of(bag + 2 * S, begin_2, n_2);
+    while (bag < bag_end) {
+      first_chunk(bag_1, begin_1, n_1, row_1, w_1);
+      const int bag_2 = next_bag();
+      span_of(bag_2, begin_2, n_2);
       const int f = bag / batch;
       const RwFeature& feat = p.features[f];
       if (!span_ok(begin, n)) {
@@ -342,6 +364,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
           if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
         }
       }
+      bag = bag_1;
+      bag_1 = bag_2;
       begin = begin_1;
       n = n_1;
       row_0 = row_1;
@@ -360,6 +384,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
       st_release_sys(peer_pad + kPadHeaderWords + p.world + p.rank, epoch);
     }
     if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
+      for (int s = 0; s < static_cast<int>(gridDim.y); ++s) p.state[kBagClaims + s] = 0;  // every claim is made
       p.state[kCtrLookup] = epoch;
     }
   }

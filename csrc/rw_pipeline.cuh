@@ -100,7 +100,8 @@ enum StateWord : int {
   kTraceCap = 14,
   kTraceBytes = 15,
   kDoneSrc = 16,  // + k for the k-th source of the lookup grid
-  kStateWords = 16 + kMaxWorld,
+  kBagClaims = 16 + kMaxWorld,  // + k: lookup, units of bags of source k claimed so far (reset by its last CTA)
+  kStateWords = 16 + 2 * kMaxWorld,
 };
 
 // One row per feature of the sharding, in sharding feature order (int64[kFeatureWords]).

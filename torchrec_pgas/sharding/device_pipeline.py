@@ -31,7 +31,7 @@ from torchrec_pgas.types import (
 
 # Error codes of the device record (csrc/rw_pipeline.cuh, ErrorCode).
 _ERR_BAD_ID, _ERR_BATCH, _ERR_TIMEOUT, _ERR_ABORT, _ERR_CORRUPT, _ERR_BAD_ID_WARN = 1, 2, 3, 4, 5, 6
-_STATE_WORDS = 16 + 64  # kStateWords
+_STATE_WORDS = 16 + 2 * 64  # kStateWords
 TRACE_WORDS = (12, 13, 14, 15)  # kTraceBuf, kTraceStep, kTraceCap, kTraceBytes
 # FBGEMM 1.6's training TBE cannot hold bf16 weights (its cache_precision check).
 _WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1}
