@@ -54,10 +54,15 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const uint8_t* table, 
   const uint64_t group = (static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x) / G;
   const int32_t* my_ids = kIds ? ids + group * steps * K : nullptr;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  int32_t id_chunk = 0;
+  // Ids G at a time, one per lane, the next chunk loading while this one is used
+  // (the lookup's prefetch; the array has a chunk of slack past its end).
+  int32_t id_chunk = 0, id_next = kIds ? __ldcg(my_ids + g_lane) : 0;
   const auto row_of = [&](int j) -> uint32_t {
     if (kIds) {
-      if (j % G == 0) id_chunk = __ldcg(my_ids + j + g_lane);
+      if (j % G == 0) {
+        id_chunk = id_next;
+        id_next = __ldcg(my_ids + j + G + g_lane);
+      }
       return static_cast<uint32_t>(__shfl_sync(gmask, id_chunk, j % G, G));
     }
     return static_cast<uint32_t>((static_cast<uint64_t>(hash32(group * 0x9e3779b97f4a7c15ULL + j)) * rows) >> 32);
