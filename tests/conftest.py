@@ -1,5 +1,5 @@
 """GPU tests are marked ``gpu`` and skip cleanly where fewer GPUs exist than their world size (2, or
-``PGAS_TEST_WORLD``)."""
+``PGAS_TEST_WORLD``: 1 runs them on a one-GPU machine); those also marked ``peers`` need two ranks."""
 
 import os
 
@@ -13,10 +13,11 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    need = max(2, int(os.environ.get("PGAS_TEST_WORLD", "2")))  # tests/test_gpu.py's world size
-    if torch.cuda.device_count() >= need:
-        return
-    skip = pytest.mark.skip(reason=f"needs {need} GPUs, found {torch.cuda.device_count()}")
+    world = int(os.environ.get("PGAS_TEST_WORLD", "2"))  # the GPU tests' world size
+    have = torch.cuda.device_count()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" not in item.keywords:
+            continue
+        need = max(world, 2) if "peers" in item.keywords else world  # peers: at least two ranks
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs, found {have}"))

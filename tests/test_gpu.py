@@ -1,6 +1,7 @@
-"""GPU tests (2+ GPUs): the nvshmem backend and the fused kernels against stock TorchRec + NCCL.
+"""GPU tests: the nvshmem backend and the fused kernels against stock TorchRec + NCCL.
 
-World size 2 unless ``PGAS_TEST_WORLD`` says otherwise (the 4- and 8-GPU runs: one process per GPU).
+World size 2 unless ``PGAS_TEST_WORLD`` says otherwise (one process per GPU: 1 on a one-GPU machine, 4 and
+8 on the larger ones); tests marked ``peers`` run at least two ranks.
 """
 
 import os
@@ -41,6 +42,7 @@ from torchrec_pgas.types import (
 
 pytestmark = pytest.mark.gpu
 WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
+PEERS = max(WORLD, 2)  # tests of what a rank does to or sees of another one (marked peers)
 
 
 def _device(rank: int) -> torch.device:
@@ -272,9 +274,10 @@ def _bad_id(rank: int, world: int, kind: str) -> Dict[str, Any]:
     return result
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_out_of_range_id_raises_and_never_corrupts_the_peer(kind: str) -> None:
-    results = run_distributed(_bad_id, WORLD, kind, backend="nccl")
+    results = run_distributed(_bad_id, PEERS, kind, backend="nccl")
     r1 = results[1]
     assert r1["error"] == f"PgasInputError: {kind}: feature 'tf1' (table 't1') has id 10000 outside [0, 37)"
     assert all(r["error"] is None for i, r in enumerate(results) if i != 1)
@@ -299,8 +302,9 @@ def _batch_mismatch(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.peers
 def test_batch_mismatch_raises_on_both_ranks() -> None:
-    for msg in run_distributed(_batch_mismatch, WORLD, backend="nccl"):
+    for msg in run_distributed(_batch_mismatch, PEERS, backend="nccl"):
         assert "equal local batch sizes" in msg and "has 3" in msg and "has 4" in msg, msg
 
 
@@ -438,7 +442,8 @@ def _all_gather_range(r: Tuple[int, int], world: int) -> List[Tuple[int, int]]:
     return got
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_comm_timeline_counts_every_remote_byte(kind: str) -> None:
-    for res in run_distributed(_comm_trace, WORLD, kind, backend="nccl"):
+    for res in run_distributed(_comm_trace, PEERS, kind, backend="nccl"):
         assert res["counted"] == res["expected"] and res["monotone"] and res["records"] > 5, res

@@ -30,7 +30,9 @@ from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, Pgas
 CPU = torch.device("cpu")
 SMALL = PgasConfig(max_local_batch_size=16, wait_timeout_s=60)
 GPU_WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
-BACKENDS = [pytest.param("cpu", id="shm"), pytest.param("cuda", id="nvshmem", marks=pytest.mark.gpu)]
+# Two ranks on either backend (ranks named in the plans below).
+BACKENDS = [pytest.param("cpu", id="shm"),
+            pytest.param("cuda", id="nvshmem", marks=(pytest.mark.gpu, pytest.mark.peers))]
 
 
 def _device(kind: str, rank: int) -> torch.device:
