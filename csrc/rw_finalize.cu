@@ -10,7 +10,7 @@
 // bag_div[slot]; table-wise MEAN was pooled by the owner.
 //
 // Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
-// CTA streams 4-element vectors (grid-stride). The last CTA publishes the
+// CTA streams 4-element vectors (grid-stride, kVecs per thread at a time). The last CTA publishes the
 // step's error record to pinned host memory and clears it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -27,9 +27,10 @@ RwParams make_rw_params(const at::Tensor& buf, const at::Tensor& pad, const at::
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kVecs = 4;
 
 template <typename out_t>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, 3)
     rw_finalize_kernel(RwParams p, out_t* __restrict__ out, const int32_t* __restrict__ col_feature) {
   __shared__ int64_t s_epoch;
   __shared__ int s_ok;
@@ -48,31 +49,60 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
   __syncthreads();
 
-  const int64_t vecs_per_row = p.dim_sum / 4;
-  const int64_t num_vecs = p.batch * vecs_per_row;
+  // kVecs vectors per thread per pass, a grid stride apart: their feature records
+  // are read first, then the loads of every owner's partial issue for all of them
+  // before the sums, so each thread keeps kVecs x owners loads in flight instead of
+  // one dependent chain (column -> feature -> partial) at a time. 32-bit positions:
+  // rw_finalize checks B x D / 4 < 2^31.
+  const int vecs_per_row = static_cast<int>(p.dim_sum / 4);
+  const int num_vecs = static_cast<int>(p.batch) * vecs_per_row;
+  const int stride = static_cast<int>(gridDim.x) * kThreads;
   const float* bag_div = p.bag_div + slot * p.num_features * p.max_batch;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < num_vecs;
-       v += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t b = v / vecs_per_row;
-    const int64_t col = (v - b * vecs_per_row) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (s_ok) {
-      const RwFeature& feat = p.features[col_feature[col / 4]];
-      const int owner_end = static_cast<int>(feat.owner_base + feat.owner_count);
-      for (int owner = static_cast<int>(feat.owner_base); owner < owner_end; ++owner) {
-        const out_t* part = reinterpret_cast<const out_t*>(p.buf + output_block(p, slot, owner));
-        fma4(acc, 1.f, load4_cg(part + b * p.dim_sum + col));
+  const uint8_t* blocks = p.buf + output_block(p, slot, 0);
+  const int64_t block_bytes = p.output_block_bytes;
+  for (int v0 = static_cast<int>(blockIdx.x) * kThreads + threadIdx.x; v0 < num_vecs; v0 += kVecs * stride) {
+    int at[kVecs], f[kVecs], first[kVecs], count[kVecs];
+    int owners = 0;
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int v = v0 + u * stride;
+      const int b = v / vecs_per_row;
+      at[u] = v < num_vecs ? b * static_cast<int>(p.dim_sum) + (v - b * vecs_per_row) * 4 : 0;
+      f[u] = v < num_vecs && s_ok ? col_feature[v - b * vecs_per_row] : 0;
+      const RwFeature& feat = p.features[f[u]];
+      first[u] = static_cast<int>(feat.owner_base);
+      count[u] = v < num_vecs && s_ok ? static_cast<int>(feat.owner_count) : 0;
+      owners = max(owners, count[u]);
+    }
+    float4 acc[kVecs];
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int o = 0; o < owners; ++o) {  // rank order within each feature's owners
+      float4 x[kVecs];
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        if (o < count[u]) {
+          x[u] = load4_cg(reinterpret_cast<const out_t*>(blocks + (first[u] + o) * block_bytes) + at[u]);
+        }
       }
-      const int32_t f = col_feature[col / 4];
-      if (feat.is_mean == kMeanRequester) {
-        const float d = bag_div[f * p.batch + b] + kMeanEps;
-        acc.x /= d;
-        acc.y /= d;
-        acc.z /= d;
-        acc.w /= d;
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        if (o < count[u]) fma4(acc[u], 1.f, x[u]);
       }
     }
-    store4(out + b * p.dim_sum + col, acc);
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int v = v0 + u * stride;
+      if (v >= num_vecs) continue;
+      if (count[u] > 0 && p.features[f[u]].is_mean == kMeanRequester) {
+        const float d = bag_div[f[u] * p.batch + v / vecs_per_row] + kMeanEps;
+        acc[u].x /= d;
+        acc[u].y /= d;
+        acc[u].z /= d;
+        acc[u].w /= d;
+      }
+      store4(out + at[u], acc[u]);
+    }
   }
 
   __syncthreads();
@@ -92,7 +122,7 @@ void launch_finalize(const RwParams& p, out_t* out, const int32_t* col_feature) 
   static const int resident = resident_ctas(rw_finalize_kernel<out_t>, kThreads);
   const int64_t vecs = p.batch * p.dim_sum / 4;
   const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads, resident)));
+      std::max<int64_t>(1, std::min<int64_t>((vecs + kVecs * kThreads - 1) / (kVecs * kThreads), resident)));
   rw_finalize_kernel<out_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, out, col_feature);
 }
 
@@ -103,6 +133,8 @@ at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::T
                        const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                        at::IntArrayRef cfg, int64_t batch, at::ScalarType out_dtype) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
+  TORCH_CHECK(batch * p.dim_sum / 4 < (int64_t{1} << 31), "rw_finalize: ", batch, " x ", p.dim_sum,
+              " outputs exceed 2^31 vectors of 4");
   TORCH_CHECK(p.dim_sum % 4 == 0 && col_feature.numel() == p.dim_sum / 4 &&
                   col_feature.scalar_type() == at::kInt && col_feature.is_cuda(),
               "rw_finalize: col_feature must map every 4 columns to a feature");
