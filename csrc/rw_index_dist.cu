@@ -26,6 +26,10 @@
 // out with one 32-lane store once its last slot is filled (the first and the
 // last line of a tile's run go out partial).
 //
+// A tile of a feature with one owner (every table-wise tile, and row-wise at
+// world size 1) keeps every id at its position: it is copied, 32 ids per store,
+// with no ballots and no ring (copy_tile), unless weighted or traced.
+//
 // Bounds: an id outside [0, N) never produces a remote write. FATAL drops it and
 // records kErrBadId (raised on the host); WARNING/IGNORE read row 0 instead
 // (id := 0, as FBGEMM does), WARNING also records kErrBadIdWarn. Every write
@@ -77,6 +81,42 @@ __device__ __forceinline__ void locate(int64_t id, const TileBag& tb, int& owner
   } else {
     owner = static_cast<int>(id / tb.block);
     row = id - owner * tb.block;
+  }
+}
+
+// The id to place: an id outside [0, N) is dropped (-1) under FATAL, which
+// records kErrBadId, and becomes row 0 under WARNING (recorded) and IGNORE.
+// One unsigned compare: a negative id is >= 2^63.
+__device__ __forceinline__ int64_t checked_id(const RwParams& p, const TileBag& tb, int64_t id) {
+  if (static_cast<uint64_t>(id) < static_cast<uint64_t>(tb.hash_size)) return id;
+  if (p.bounds_mode == kBoundsFatal) {
+    record_error(p, kErrBadId, tb.feature, id);
+    return -1;
+  }
+  if (p.bounds_mode == kBoundsWarning) record_error(p, kErrBadIdWarn, tb.feature, id);
+  return 0;
+}
+
+// A tile whose feature has one owner (table-wise, or row-wise at world size 1):
+// owner 0 holds every row (row = id), so each id keeps its position and the
+// tile is a converted copy of [begin, end), every bag's span unchanged: no
+// ballots, no ring, kChunks chunks of 32 ids loading at once. A bad id under
+// FATAL becomes row 0 here instead of being dropped (the step raises either
+// way; the positions must stay the stream's). The last chunk's lanes past
+// `end` reload id end - 1 and store nothing.
+template <typename index_t, typename row_t>
+__device__ __forceinline__ void copy_tile(const RwParams& p, const index_t* __restrict__ values, uint8_t* dst,
+                                          const TileBag& tb, int begin, int end) {
+  constexpr int kChunks = 4;
+  row_t* out = reinterpret_cast<row_t*>(dst + p.ids_off);
+  for (int q0 = begin + static_cast<int>(threadIdx.x % 32); q0 < end; q0 += 32 * kChunks) {
+    int64_t id[kChunks];
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) id[k] = static_cast<int64_t>(values[min(q0 + 32 * k, end - 1)]);
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      if (q0 + 32 * k < end) out[q0 + 32 * k] = static_cast<row_t>(max(checked_id(p, tb, id[k]), int64_t{0}));
+    }
   }
 }
 
@@ -193,16 +233,7 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
     int owner = -1;  // relative; -1: no id (past the end, or a dropped bad id)
     int64_t row = 0;
     if (live) {
-      // One unsigned compare: a negative id is >= 2^63.
-      if (static_cast<uint64_t>(id) >= static_cast<uint64_t>(tb.hash_size)) {
-        if (p.bounds_mode == kBoundsFatal) {
-          record_error(p, kErrBadId, tb.feature, id);
-          id = -1;
-        } else {
-          if (p.bounds_mode == kBoundsWarning) record_error(p, kErrBadIdWarn, tb.feature, id);
-          id = 0;
-        }
-      }
+      id = checked_id(p, tb, id);
       if (id >= 0) locate(id, tb, owner, row);
     }
     if constexpr (kTrace) {
@@ -334,6 +365,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     const int end = __shfl_sync(0xffffffffu, e, n_bags - 1);
     const TileBag tb{feat.hash_size, feat.block, feat.block_magic, static_cast<int32_t>(feat.block_shift), f,
                      static_cast<int32_t>(feat.owner_base), static_cast<int32_t>(feat.owner_count)};
+    if (!kWeighted && !kTrace && tb.owner_count == 1) {  // warp-uniform
+      uint8_t* to = s_dst[tb.owner_base];
+      copy_tile<index_t, row_t>(p, values, to, tb, begin, end);
+      if (valid) {
+        bag_div[bag] = static_cast<float>(e - b);
+        reinterpret_cast<int32_t*>(to + p.lengths_off)[bag] = e - b;
+        reinterpret_cast<int64_t*>(to + p.offsets_off)[bag] = b;
+      }
+      continue;
+    }
     if (kWeighted) div[lane] = 0.f;
     __syncwarp();
     int cur_lo = 0, cur_hi = 0;
