@@ -182,13 +182,13 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
 }
 
 // One round: kRowsInFlight row loads issue unconditionally, then their sums.
-// Slot i = u0 + u holds the bag's row i (i < cnt). A slot past the bag's end
-// takes the next bag's row i - cnt (< fill_cnt, from its first chunk) and
+// Slot i = u0 + u holds the bag's row i (i < cnt). kFill: a slot past the bag's
+// end takes the next bag's row i - cnt (< fill_cnt, from its first chunk) and
 // sums it into fill_acc; any other slot past the end reloads the round's first
 // row, whose line is already on its way to L1, and is not added. (A predicated
 // load measured 14% slower: the compiler merged each loaded vector with zeros
 // and so waited for a round's first row before issuing its last ones.)
-template <typename w_t, typename row_t>
+template <bool kFill, typename w_t, typename row_t>
 __device__ __forceinline__ void pool_round(const uint8_t* table, int row_bytes, int col_off, int u0, int cnt,
                                            row_t my_row, float my_w, row_t fill_row, float fill_w, int fill_cnt,
                                            int G, unsigned gmask, float4& acc, float4& fill_acc) {
@@ -196,18 +196,22 @@ __device__ __forceinline__ void pool_round(const uint8_t* table, int row_bytes, 
 #pragma unroll
   for (int u = 0; u < kRowsInFlight; ++u) {
     const int i = u0 + u;
-    const row_t r_own = __shfl_sync(gmask, my_row, (i < cnt ? i : u0) & (G - 1), G);
-    const row_t r_fill = __shfl_sync(gmask, fill_row, (i - cnt) & (G - 1), G);
-    const row_t r = i >= cnt && i - cnt < fill_cnt ? r_fill : r_own;
+    row_t r = __shfl_sync(gmask, my_row, (i < cnt ? i : u0) & (G - 1), G);
+    if (kFill) {
+      const row_t rf = __shfl_sync(gmask, fill_row, (i - cnt) & (G - 1), G);
+      if (i >= cnt && i - cnt < fill_cnt) r = rf;
+    }
     v[u] = load4_nc<w_t>(table + static_cast<int64_t>(r) * row_bytes + col_off);
   }
 #pragma unroll
   for (int u = 0; u < kRowsInFlight; ++u) {
     const int i = u0 + u;
     const float w = __shfl_sync(gmask, my_w, i & (G - 1), G);
-    const float wf = __shfl_sync(gmask, fill_w, (i - cnt) & (G - 1), G);
     if (i < cnt) fma4(acc, w, v[u]);  // predicated adds: 0 * inf would be NaN
-    if (i >= cnt && i - cnt < fill_cnt) fma4(fill_acc, wf, v[u]);
+    if (kFill) {
+      const float wf = __shfl_sync(gmask, fill_w, (i - cnt) & (G - 1), G);
+      if (i >= cnt && i - cnt < fill_cnt) fma4(fill_acc, wf, v[u]);
+    }
   }
 }
 
@@ -229,9 +233,6 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
                                            int& filled) {
   fill_acc = make_float4(0.f, 0.f, 0.f, 0.f);
   filled = 0;
-  row_t f_row;
-  float f_w;
-  check_row<row_t, kWeighted>(fill_row, fill_w, fill_cnt, g_lane, local_rows, f_row, f_w, bad);
   for (int j0 = 0; j0 < n; j0 += G) {
     const int cnt = min(G, n - j0);
     row_t my_row;
@@ -242,12 +243,17 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
                                  next_row, next_w);
     }
     for (int u0 = j0 == 0 ? start : 0; u0 < cnt; u0 += kRowsInFlight) {
-      // Every round takes the fill path (no branch: the two groups of a warp must
-      // not diverge, or their rounds' latencies serialize); only the last has room.
-      const bool last = j0 + cnt == n && u0 + kRowsInFlight > cnt;
-      pool_round<w_t>(table, row_bytes, col_off, u0, cnt, my_row, my_w, f_row, f_w, last ? fill_cnt : 0, G, gmask,
-                      acc, fill_acc);
-      filled = last ? min(u0 + kRowsInFlight - cnt, fill_cnt) : filled;
+      if (fill_cnt > 0 && j0 + cnt == n && u0 + kRowsInFlight > cnt) {  // the last round has room
+        row_t f_row;
+        float f_w;
+        check_row<row_t, kWeighted>(fill_row, fill_w, fill_cnt, g_lane, local_rows, f_row, f_w, bad);
+        pool_round<true, w_t>(table, row_bytes, col_off, u0, cnt, my_row, my_w, f_row, f_w, fill_cnt, G, gmask,
+                              acc, fill_acc);
+        filled = min(u0 + kRowsInFlight - cnt, fill_cnt);
+      } else {
+        pool_round<false, w_t>(table, row_bytes, col_off, u0, cnt, my_row, my_w, my_row, my_w, 0, G, gmask, acc,
+                               fill_acc);
+      }
     }
   }
   return acc;
