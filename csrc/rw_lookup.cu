@@ -181,58 +181,21 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
   }
 }
 
-// One round: kRowsInFlight row loads issue unconditionally, then their sums.
-// Slot i = u0 + u holds the bag's row i (i < cnt). kFill: a slot past the bag's
-// end takes the next bag's row i - cnt (< fill_cnt, from its first chunk) and
-// sums it into fill_acc; any other slot past the end reloads the round's first
-// row, whose line is already on its way to L1, and is not added. (A predicated
-// load measured 14% slower: the compiler merged each loaded vector with zeros
-// and so waited for a round's first row before issuing its last ones.)
-template <bool kFill, typename w_t, typename row_t>
-__device__ __forceinline__ void pool_round(const uint8_t* table, int row_bytes, int col_off, int u0, int cnt,
-                                           row_t my_row, float my_w, row_t fill_row, float fill_w, int fill_cnt,
-                                           int G, unsigned gmask, float4& acc, float4& fill_acc) {
-  float4 v[kRowsInFlight];
-#pragma unroll
-  for (int u = 0; u < kRowsInFlight; ++u) {
-    const int i = u0 + u;
-    row_t r = __shfl_sync(gmask, my_row, (i < cnt ? i : u0) & (G - 1), G);
-    if (kFill) {
-      const row_t rf = __shfl_sync(gmask, fill_row, (i - cnt) & (G - 1), G);
-      if (i >= cnt && i - cnt < fill_cnt) r = rf;
-    }
-    v[u] = load4_nc<w_t>(table + static_cast<int64_t>(r) * row_bytes + col_off);
-  }
-#pragma unroll
-  for (int u = 0; u < kRowsInFlight; ++u) {
-    const int i = u0 + u;
-    const float w = __shfl_sync(gmask, my_w, i & (G - 1), G);
-    if (i < cnt) fma4(acc, w, v[u]);  // predicated adds: 0 * inf would be NaN
-    if (kFill) {
-      const float wf = __shfl_sync(gmask, fill_w, (i - cnt) & (G - 1), G);
-      if (i >= cnt && i - cnt < fill_cnt) fma4(fill_acc, wf, v[u]);
-    }
-  }
-}
-
-// Pools one bag (this lane's 4 columns at byte offset `col_off`) into `acc`,
-// which holds the sum of its first `start` rows (a previous round's fill).
-// Straight-line inner loop: an id out of the shard's rows becomes row 0 with
-// weight 0. The bag's first chunk of ids (`next_row`, `next_w`) is loaded by the
-// caller. fill_cnt > 0: the next bag (same table) has that many rows in its
-// first chunk (`fill_row`, `fill_w`, unchecked), and the slots of this bag's
-// last round past its end load them: `filled` of them, summed in order into
-// `fill_acc`. Short bags otherwise leave a fifth of their slots empty (3.5 of
-// 16.5 rows on s000-strong), and a group's rows in flight are what bound the
-// gather (benchmarks/NOTES.md §23).
+// Pools one bag (this lane's 4 columns at byte offset `col_off`). Straight-line
+// inner loop: an id out of the shard's rows becomes row 0 with weight 0, and
+// kRowsInFlight row loads issue unconditionally before their sums. A slot past
+// the bag's end (3.5 per bag on average, a fifth of a 16-row bag's loads)
+// reloads the round's first row, whose line is already on its way to L1, and
+// is not added; it used to load row 0, one L2 slice's line for every such slot
+// of the table. (A predicated load measured 14% slower: the compiler merged
+// each loaded vector with zeros and so waited for a round's first row before
+// issuing its last ones.)
+// The bag's first chunk of ids (`next_row`, `next_w`) is loaded by the caller.
 template <typename w_t, typename row_t, bool kWeighted>
 __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
-                                           const float* bag_w, int n, int start, float4 acc, int G, int g_lane,
-                                           unsigned gmask, row_t local_rows, row_t next_row, float next_w, bool& bad,
-                                           row_t fill_row, float fill_w, int fill_cnt, float4& fill_acc,
-                                           int& filled) {
-  fill_acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  filled = 0;
+                                           const float* bag_w, int n, int G, int g_lane, unsigned gmask,
+                                           row_t local_rows, row_t next_row, float next_w, bool& bad) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int j0 = 0; j0 < n; j0 += G) {
     const int cnt = min(G, n - j0);
     row_t my_row;
@@ -242,17 +205,17 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
       load_ids<row_t, kWeighted>(bag_ids + j0 + G, kWeighted ? bag_w + j0 + G : nullptr, n - j0 - G, g_lane,
                                  next_row, next_w);
     }
-    for (int u0 = j0 == 0 ? start : 0; u0 < cnt; u0 += kRowsInFlight) {
-      if (fill_cnt > 0 && j0 + cnt == n && u0 + kRowsInFlight > cnt) {  // the last round has room
-        row_t f_row;
-        float f_w;
-        check_row<row_t, kWeighted>(fill_row, fill_w, fill_cnt, g_lane, local_rows, f_row, f_w, bad);
-        pool_round<true, w_t>(table, row_bytes, col_off, u0, cnt, my_row, my_w, f_row, f_w, fill_cnt, G, gmask,
-                              acc, fill_acc);
-        filled = min(u0 + kRowsInFlight - cnt, fill_cnt);
-      } else {
-        pool_round<false, w_t>(table, row_bytes, col_off, u0, cnt, my_row, my_w, my_row, my_w, 0, G, gmask, acc,
-                               fill_acc);
+    for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
+      float4 v[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const row_t r = __shfl_sync(gmask, my_row, (u0 + u < cnt ? u0 + u : u0) & (G - 1), G);
+        v[u] = load4_nc<w_t>(table + static_cast<int64_t>(r) * row_bytes + col_off);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const float w = __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G);
+        if (u0 + u < cnt) fma4(acc, w, v[u]);  // predicated adds: 0 * inf would be NaN
       }
     }
   }
@@ -364,17 +327,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     span_of(bag, begin, n);
     span_of(bag_1, begin_1, n_1);
     first_chunk(bag, begin, n, row_0, w_0);
-    // The sum of bag's first `carry` rows, pooled in the previous bag's last round.
-    int carry = 0;
-    float4 carry_acc = make_float4(0.f, 0.f, 0.f, 0.f);
     while (bag < bag_end) {
       first_chunk(bag_1, begin_1, n_1, row_1, w_1);
       const int bag_2 = next_bag();
       span_of(bag_2, begin_2, n_2);
       const int f = bag / batch;
       const RwFeature& feat = p.features[f];
-      int filled = 0;
-      float4 fill_acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (!span_ok(begin, n)) {
         bad_span = true;  // this bag's output is not written
       } else {
@@ -385,21 +343,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
         const row_t local_rows = static_cast<row_t>(feat.local_rows);
         const int dim = static_cast<int>(feat.dim);
         const int row_bytes = dim * (f32 ? 4 : 2);
-        // The next bag's first rows may fill this bag's last round: same table, one pass.
-        const int fill_cnt = dim <= 4 * G && bag_1 < bag_end && bag_1 / batch == f && span_ok(begin_1, n_1)
-                                 ? min(G, n_1) : 0;
         for (int col0 = 0; col0 < dim; col0 += 4 * G) {  // once unless dim > 4 * 32
           if (col0 > 0) load_ids<row_t, kWeighted>(bag_ids, bag_w, n, g_lane, row_0, w_0);
           const int col = col0 + 4 * g_lane;
           const bool col_ok = col < dim;
           const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
-          const float4 acc =
-              f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, carry, carry_acc,
-                                                      G, g_lane, gmask, local_rows, row_0, w_0, bad, row_1, w_1,
-                                                      fill_cnt, fill_acc, filled)
-                  : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, carry,
-                                                       carry_acc, G, g_lane, gmask, local_rows, row_0, w_0, bad,
-                                                       row_1, w_1, fill_cnt, fill_acc, filled);
+          const float4 acc = f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G,
+                                                                     g_lane, gmask, local_rows, row_0, w_0, bad)
+                                 : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n,
+                                                                      G, g_lane, gmask, local_rows, row_0, w_0, bad);
           float4 v = acc;
           if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
             const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
@@ -412,8 +364,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
           if (remote && g_lane == 0) trace_remote_bytes(p.state, feat.dim * (out_kind == 0 ? 4 : 2));
         }
       }
-      carry = filled;
-      carry_acc = fill_acc;
       bag = bag_1;
       bag_1 = bag_2;
       begin = begin_1;
