@@ -163,15 +163,30 @@ double gather_gbps(const Ctx& c, uint64_t table_bytes, int row_bytes, int& per_s
 }
 
 template <int K>
-void gather_row(const Ctx& c, const char* mode, uint64_t table_bytes, int row_bytes, int per_sm) {
+double gather_mode(const Ctx& c, std::string_view mode, uint64_t table_bytes, int row_bytes, int& per_sm) {
   const uint64_t read_bytes = uint64_t{8} << 30;
-  const std::string_view m(mode);
-  const double gbps = m == "ids"    ? gather_gbps<K, true, false>(c, table_bytes, row_bytes, per_sm, read_bytes)
-                      : m == "roll" ? gather_gbps<K, true, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
-                      : m == "hroll" ? gather_gbps<K, false, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
-                                    : gather_gbps<K, false, false>(c, table_bytes, row_bytes, per_sm, read_bytes);
-  std::printf("gather  %-5s table %6.2f GiB  row %3d B  K %2d  ctas/SM %d  %7.0f GB/s\n", mode,
-              table_bytes / double(uint64_t{1} << 30), row_bytes, K, per_sm, gbps);
+  return mode == "ids"     ? gather_gbps<K, true, false>(c, table_bytes, row_bytes, per_sm, read_bytes)
+         : mode == "roll"  ? gather_gbps<K, true, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
+         : mode == "hroll" ? gather_gbps<K, false, true>(c, table_bytes, row_bytes, per_sm, read_bytes)
+                           : gather_gbps<K, false, false>(c, table_bytes, row_bytes, per_sm, read_bytes);
+}
+
+// One configuration of the sweep: ids ("hash", "ids", "roll", "hroll"), table
+// and row size, K rows in flight per group, CTAs per SM (0: as many as fit).
+struct Config {
+  const char* mode;
+  uint64_t table_bytes;
+  int row_bytes, k, per_sm;
+};
+
+void gather_row(const Ctx& c, const Config& cfg) {
+  int per_sm = cfg.per_sm;
+  const double gbps = cfg.k == 4    ? gather_mode<4>(c, cfg.mode, cfg.table_bytes, cfg.row_bytes, per_sm)
+                      : cfg.k == 8  ? gather_mode<8>(c, cfg.mode, cfg.table_bytes, cfg.row_bytes, per_sm)
+                      : cfg.k == 16 ? gather_mode<16>(c, cfg.mode, cfg.table_bytes, cfg.row_bytes, per_sm)
+                                    : gather_mode<32>(c, cfg.mode, cfg.table_bytes, cfg.row_bytes, per_sm);
+  std::printf("gather  %-5s table %6.2f GiB  row %3d B  K %2d  ctas/SM %d  %7.0f GB/s\n", cfg.mode,
+              cfg.table_bytes / double(uint64_t{1} << 30), cfg.row_bytes, cfg.k, per_sm, gbps);
 }
 
 int main() {
@@ -204,28 +219,22 @@ int main() {
   std::printf("copy (r+w)   %.2f GiB  %7.0f GB/s\n", half / double(uint64_t{1} << 30),
               2.0 * half / (copy_ms * 1e6));
 
-  // The lookup's shape (256-byte rows, K = 8, as many CTAs as fit) over table sizes:
-  // from L2-resident to the s000-weak owner's 16 GiB.
-  for (uint64_t t : {uint64_t{32} << 20, uint64_t{256} << 20, uint64_t{2} << 30, uint64_t{16} << 30}) {
-    gather_row<8>(c, "hash", t, 256, 0);
-  }
-  // At 16 GiB: rows in flight, row width, occupancy, and ids read from memory.
+  constexpr uint64_t GiB = uint64_t{1} << 30, MiB = uint64_t{1} << 20;
   const uint64_t big = c.table_cap;
-  gather_row<4>(c, "hash", big, 256, 0);
-  gather_row<16>(c, "hash", big, 256, 0);
-  gather_row<32>(c, "hash", big, 256, 0);
-  gather_row<8>(c, "hash", big, 128, 0);
-  gather_row<16>(c, "hash", big, 128, 0);
-  gather_row<8>(c, "hash", big, 512, 0);
-  for (int per_sm : {1, 2, 4}) gather_row<8>(c, "hash", big, 256, per_sm);
-  gather_row<8>(c, "ids", big, 256, 0);
-  gather_row<16>(c, "ids", big, 256, 0);
-  gather_row<8>(c, "ids", big, 256, 2);
-  // Rolling (ids from memory, or hashed): K loads in flight at every add.
-  gather_row<8>(c, "hash", big, 256, 2);
-  gather_row<8>(c, "hroll", big, 256, 2);
-  gather_row<8>(c, "roll", big, 256, 2);
-  gather_row<8>(c, "roll", big, 256, 4);
-  gather_row<4>(c, "roll", big, 256, 4);
+  const Config sweep[] = {
+      // The lookup's shape (256-byte rows, K = 8, as many CTAs as fit) over table sizes:
+      // from L2-resident to the s000-weak owner's 16 GiB.
+      {"hash", 32 * MiB, 256, 8, 0}, {"hash", 256 * MiB, 256, 8, 0}, {"hash", 2 * GiB, 256, 8, 0},
+      {"hash", big, 256, 8, 0},
+      // At 16 GiB: rows in flight, row width, occupancy, and ids read from memory.
+      {"hash", big, 256, 4, 0}, {"hash", big, 256, 16, 0}, {"hash", big, 256, 32, 0},
+      {"hash", big, 128, 8, 0}, {"hash", big, 128, 16, 0}, {"hash", big, 512, 8, 0},
+      {"hash", big, 256, 8, 1}, {"hash", big, 256, 8, 2}, {"hash", big, 256, 8, 4},
+      {"ids", big, 256, 8, 0}, {"ids", big, 256, 16, 0}, {"ids", big, 256, 8, 2},
+      // Rolling (ids from memory, or hashed): K loads in flight at every add.
+      {"hash", big, 256, 8, 2}, {"hroll", big, 256, 8, 2}, {"roll", big, 256, 8, 2},
+      {"roll", big, 256, 8, 4}, {"roll", big, 256, 4, 4},
+  };
+  for (const Config& cfg : sweep) gather_row(c, cfg);
   return 0;
 }
