@@ -10,8 +10,8 @@
 // bag_div[slot]; table-wise MEAN was pooled by the owner.
 //
 // Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
-// CTA streams 4-element vectors (grid-stride, kVecs per thread at a time). The last CTA publishes the
-// step's error record to pinned host memory and clears it.
+// CTA streams 4-element vectors (grid-stride, kVecs per thread at a time). The
+// last CTA publishes the step's error record to pinned host memory and clears it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
