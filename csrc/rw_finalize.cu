@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(kThreads, 3)
   // kVecs vectors per thread per pass, a grid stride apart: their feature records
   // are read first, then the loads of every owner's partial issue for all of them
   // before the sums, so each thread keeps kVecs x owners loads in flight instead of
-  // one dependent chain (column -> feature -> partial) at a time. 32-bit positions:
-  // rw_finalize checks B x D / 4 < 2^31.
+  // one dependent chain (column -> feature -> partial) at a time. 32-bit element
+  // positions: rw_finalize checks B x D < 2^31.
   const int vecs_per_row = static_cast<int>(p.dim_sum / 4);
   const int num_vecs = static_cast<int>(p.batch) * vecs_per_row;
   const int stride = static_cast<int>(gridDim.x) * kThreads;
@@ -133,8 +133,8 @@ at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::T
                        const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                        at::IntArrayRef cfg, int64_t batch, at::ScalarType out_dtype) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
-  TORCH_CHECK(batch * p.dim_sum / 4 < (int64_t{1} << 31), "rw_finalize: ", batch, " x ", p.dim_sum,
-              " outputs exceed 2^31 vectors of 4");
+  TORCH_CHECK(batch * p.dim_sum < (int64_t{1} << 31), "rw_finalize: ", batch, " x ", p.dim_sum,
+              " outputs exceed 2^31 elements (32-bit positions)");
   TORCH_CHECK(p.dim_sum % 4 == 0 && col_feature.numel() == p.dim_sum / 4 &&
                   col_feature.scalar_type() == at::kInt && col_feature.is_cuda(),
               "rw_finalize: col_feature must map every 4 columns to a feature");

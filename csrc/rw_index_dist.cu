@@ -33,9 +33,8 @@
 // Bounds: an id outside [0, N) never produces a remote write. FATAL drops it and
 // records kErrBadId (raised on the host; a one-owner copy stores row 0 in its
 // place); WARNING/IGNORE read row 0 instead (id := 0, as FBGEMM does), WARNING
-// also records kErrBadIdWarn. Every write
-// position lies in [begin, end) of a tile whose spans were checked to be a CSR
-// inside [0, nnz], nnz <= C.
+// also records kErrBadIdWarn. Every write position lies in [begin, end) of a
+// tile whose spans were checked to be a CSR inside [0, nnz], nnz <= C.
 //
 // Completion: fence + done counter; the last CTA writes the header, the final
 // offset and the epoch into every owner's index slot, then advances the stage
