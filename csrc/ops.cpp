@@ -28,7 +28,7 @@ void rw_index_dist(const at::Tensor& values, const at::Tensor& offsets,
 void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                const at::Tensor& status, at::IntArrayRef cfg, int64_t batch, int64_t max_dim,
-               at::ScalarType out_dtype);
+               at::ScalarType out_dtype, bool after_exit);
 at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                        const at::Tensor& features, const at::Tensor& col_feature,
                        const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
@@ -71,7 +71,8 @@ TORCH_LIBRARY(torchrec_pgas, m) {
       "int[] cfg, int batch) -> ()");
   m.def(
       "rw_lookup(Tensor(a!) buf, Tensor(b!) pad, Tensor peers, Tensor features, Tensor(c!) state, "
-      "Tensor bag_div, Tensor(d!) status, int[] cfg, int batch, int max_dim, ScalarType out_dtype) -> ()");
+      "Tensor bag_div, Tensor(d!) status, int[] cfg, int batch, int max_dim, ScalarType out_dtype, "
+      "bool after_exit) -> ()");
   m.def(
       "rw_finalize(Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor col_feature, "
       "Tensor(b!) state, Tensor bag_div, Tensor(c!) status, int[] cfg, int batch, ScalarType out_dtype) "

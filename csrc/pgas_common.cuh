@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -51,6 +54,36 @@ int resident_ctas(Kernel kernel, int threads, int dynamic_smem = 0) {
   PGAS_CUDA_CHECK(cudaGetDevice(&device));
   PGAS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms > 1 ? per_sm * sms : 1;
+}
+
+// Launches `kernel` so that its CTAs may start once every CTA of the kernel
+// before it on the stream has exited (programmatic dependent launch), instead
+// of after that grid completes. A grid completes only when its memory
+// operations have: for a stage kernel whose NVLink stores are still draining
+// into a peer, that is tens of microseconds with no CTA on any SM. Only for
+// kernels that read nothing of their predecessor's except through the acquire
+// of a signal it releases (the stage protocol of rw_pipeline.cuh); the next
+// plain launch on the stream still waits for both grids. Stream capture keeps
+// the relaxed edge in the graph. `allowed` false, or TORCHREC_PGAS_PDL=0:
+// launched in stream order.
+template <typename... Params, typename... Args>
+void launch_after_exit(bool allowed, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Args&&... args) {
+  static const bool relaxed = [] {
+    const char* v = std::getenv("TORCHREC_PGAS_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = allowed && relaxed ? 1 : 0;
+  PGAS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace torchrec_pgas

@@ -35,10 +35,11 @@ __global__ void __launch_bounds__(kThreads, 3)
   __shared__ int64_t s_epoch;
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
-    // The lookup of this step (just before on this stream) advanced its epoch;
-    // taking it from there keeps the two in step even if a finalize never ran.
-    s_epoch = p.state[kCtrLookup];
-    s_ok = 1;
+    // This step's lookup, just before on the stream, may still be running
+    // (launch_after_exit): its last CTA releases the epoch this finalize
+    // counts on its own, and with it the error record and the bag divisors.
+    s_epoch = p.state[kCtrFinal] + 1;
+    s_ok = wait_epoch(p, p.state + kCtrLookup, s_epoch, 2, p.rank) ? 1 : 0;
   }
   __syncthreads();
   const int64_t epoch = s_epoch;
@@ -107,6 +108,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   __syncthreads();
   if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneFinal, gridDim.x)) {
+    p.state[kCtrFinal] = epoch;
     // Publish this step's error record (single writer: plain stores to host).
     if (p.state[kErrCode] != kErrNone) {
       for (int i = 1; i < 4; ++i) p.status[i] = p.state[kErrCode + i];
@@ -123,7 +125,8 @@ void launch_finalize(const RwParams& p, out_t* out, const int32_t* col_feature) 
   const int64_t vecs = p.batch * p.dim_sum / 4;
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((vecs + kVecs * kThreads - 1) / (kVecs * kThreads), resident)));
-  rw_finalize_kernel<out_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, out, col_feature);
+  launch_after_exit(true, rw_finalize_kernel<out_t>, dim3(grid), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(), p,
+                    out, col_feature);
 }
 
 }  // namespace

@@ -385,13 +385,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     }
     if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
       for (int s = 0; s < static_cast<int>(gridDim.y); ++s) p.state[kBagClaims + s] = 0;  // every claim is made
-      p.state[kCtrLookup] = epoch;
+      // Released: the finalize (launched after exit) acquires it, and with it
+      // every CTA's error record and stores.
+      st_release_sys(p.state + kCtrLookup, epoch);
     }
   }
 }
 
 template <typename row_t, bool kWeighted, bool kTrace>
-void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, bool after_exit, cudaStream_t stream) {
   // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
   static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
@@ -400,13 +402,18 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_
   const int64_t ctas = std::max<int64_t>(
       1, std::min<int64_t>((bags + groups_per_cta - 1) / groups_per_cta, resident / p.world));
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.world));
-  rw_lookup_kernel<row_t, kWeighted, kTrace><<<grid, kThreads, 0, stream>>>(p, group_lanes, out_kind);
+  // Every source's ids arrive through its signal, the local one's too, so the
+  // lookup may start while the index dist's NVLink stores still drain. Its own
+  // counters must be settled: `after_exit` only when the host saw a plain
+  // launch (an index dist) since the previous step's finalize on this stream.
+  launch_after_exit(after_exit, rw_lookup_kernel<row_t, kWeighted, kTrace>, grid, dim3(kThreads), 0, stream, p,
+                    group_lanes, out_kind);
 }
 
 template <typename row_t, bool kWeighted>
-void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_t stream) {
-  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, stream)
-          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, stream);
+void launch_lookup(const RwParams& p, int group_lanes, int out_kind, bool after_exit, cudaStream_t stream) {
+  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, after_exit, stream)
+          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, after_exit, stream);
 }
 
 }  // namespace
@@ -414,7 +421,7 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, cudaStream_
 void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                const at::Tensor& status, at::IntArrayRef cfg, int64_t batch, int64_t max_dim,
-               at::ScalarType out_dtype) {
+               at::ScalarType out_dtype, bool after_exit) {
   const RwParams p = make_rw_params(buf, pad, peers, features, state, bag_div, status, cfg, batch, 0);
   TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "rw_lookup: dims must be multiples of 4, got ", max_dim);
   int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
@@ -424,11 +431,11 @@ void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& p
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, after_exit, stream)
+               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, after_exit, stream);
   } else {
-    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, stream)
-               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, stream);
+    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, after_exit, stream)
+               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, after_exit, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

@@ -38,12 +38,16 @@
 //     the bags and stores each partial vector into the requester's output
 //     block; the last CTA of the source fences and stores the epoch into the
 //     requester's output slot.
-//   finalize (requester): W threads spin on the W output slots, then the CTA
-//     sums the partials in rank order (and divides MEAN bags) into the output.
-// index_dist and lookup keep device-side epoch counters (state[kCtr*]), read
-// by every CTA at entry and advanced by the stage's last CTA; finalize reads
-// the lookup's. No host value changes between steps, so the three launches can
-// be captured in a CUDA graph. Waits give up after `timeout_ns` or when the
+//   finalize (requester): thread 0 waits for this rank's lookup to end (its
+//     last CTA releases state[kCtrLookup]), W threads spin on the W output
+//     slots, then the CTA sums the partials in rank order (and divides MEAN
+//     bags) into the output.
+// The lookup and the finalize are launched to start once the CTAs of the
+// kernel before them have exited, not once that grid has completed
+// (launch_after_exit): they read nothing of it except through these signals.
+// Each stage keeps a device-side epoch counter (state[kCtr*]), read by every
+// CTA at entry and advanced by the stage's last CTA. No host value changes
+// between steps, so the three launches can be captured in a CUDA graph. Waits give up after `timeout_ns` or when the
 // pad's abort word is set (checked again once the signal has arrived); errors
 // go to a device record that finalize copies to pinned host memory. A rank
 // that skips a source's data aborts that source before signalling it.
@@ -86,11 +90,12 @@ enum ErrorCode : int64_t {
 // record, then one done counter per source for the lookup.
 enum StateWord : int {
   kCtrIndex = 0,
-  kCtrLookup = 1,  // finalize uses the epoch of the lookup before it
+  kCtrLookup = 1,  // released by the lookup's last CTA: the finalize waits for it
   kTileClaims = 2,  // index_dist: tiles claimed so far this step (reset by its last CTA)
   kDoneIndex = 3,
   kDoneLookup = 4,
   kDoneFinal = 5,
+  kCtrFinal = 6,
   kErrCode = 8,  // kErrCode..kErrCode+3: code, a, b, c
   // Opt-in comm timeline (DevicePipeline.trace_comm, cfg `trace` selects the
   // kernels' kTrace builds): int64 [cap][2] records of (globaltimer ns,

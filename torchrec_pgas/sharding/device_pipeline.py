@@ -11,7 +11,7 @@ the number of tables: no host sync, graph capturable.
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -115,6 +115,8 @@ class DevicePipeline(PgasPipeline):
         self._max_dim = max(self.feature_dims[owners.lookup[0]:owners.lookup[1]], default=4)
         self._out_dtype = out_dtype
         self._tbe_key: List[int] = [-1]
+        # The stream of this pipeline's last index dist if no lookup was issued since (see lookup).
+        self._dist_stream: Optional[torch.cuda.Stream] = None
         # Recorded after each finalize, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
 
@@ -151,6 +153,7 @@ class DevicePipeline(PgasPipeline):
         except RuntimeError as e:
             raise self._fail(PgasError(f"{self.kind} index dist failed to launch: {e}")) from e
         self.issued += 1
+        self._dist_stream = stream
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -184,10 +187,17 @@ class DevicePipeline(PgasPipeline):
         epoch = self._next_lookup_epoch()
         ops = torch.ops.torchrec_pgas
         args = (self.buf.local, self.pad.words, self._peers, self._features)
+        # The lookup may start before the kernel ahead of it on the stream has
+        # completed (csrc/pgas_common.cuh: launch_after_exit) only if an index dist
+        # of this pipeline lies between it and the previous finalize on this stream:
+        # that plain launch began after the previous step's kernels had completed.
+        # Not so when a train pipeline distributes on its own stream.
+        after_exit = self._dist_stream == torch.cuda.current_stream(self.device)
+        self._dist_stream = None
         try:
             self._bind_weights(tbes)
             ops.rw_lookup(*args, self._state, self._bag_div, self._status, self._cfg,
-                          kjt.stride(), self._max_dim, self._out_dtype)
+                          kjt.stride(), self._max_dim, self._out_dtype, after_exit)
             profiling.mark("lookup")
             out = ops.rw_finalize(*args, self._col_feature, self._state, self._bag_div, self._status,
                                   self._cfg, kjt.stride(), self._out_dtype)
