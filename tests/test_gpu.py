@@ -267,8 +267,8 @@ def _pipelined(rank: int, world: int, steps: int) -> int:
                 ahead = input_dist(i + 1)
             main.wait_stream(side)
             got: Dict[str, torch.Tensor] = {}
-            for e, c, d in zip(ebcs, ctxs, dists):
-                got.update(e.compute_and_output_dist(c, d).wait().to_dict())
+            for prefix, e, c, d in zip(("", "w:"), ebcs, ctxs, dists):  # TwoEbcModel's keys
+                got.update({prefix + k: v for k, v in e.compute_and_output_dist(c, d).wait().to_dict().items()})
             outs.append(got)
         check_errors(pgas)
         for i, got in enumerate(outs):
