@@ -24,7 +24,9 @@
 // NVLink writes are whole 128-byte lines: each owner's ids gather in a
 // two-line ring in shared memory, indexed by position mod 64, and a line goes
 // out with one 32-lane store once its last slot is filled (the first and the
-// last line of a tile's run go out partial).
+// last line of a tile's run go out partial). Owner d's cursor lives in lane d;
+// a row-wise feature on two GPUs keeps both cursors in every lane instead
+// (stream_tile<2>: about a third fewer instructions per chunk of 32 ids).
 //
 // A tile of a feature with one owner (every table-wise tile, and row-wise at
 // world size 1) keeps every id at its position: it is copied, 32 ids per store,
@@ -185,7 +187,12 @@ __device__ __forceinline__ void cursor_add(int& lo, int& hi, int d, int n, int l
 // ring once, and each completed line goes out as one 32-lane store. Ring
 // protocol: the lines read by a chunk's stores can be overwritten by the next
 // chunk's ids (two lines per owner), hence a __syncwarp on either side of them.
-template <bool kWeighted, bool kTrace, typename index_t, typename row_t>
+//
+// kOwners > 0: the feature has exactly that many owners, and every lane keeps
+// all their cursors (warp-uniform registers, the owner loop unrolled): no
+// shuffle per owner, no ballot for the completed lines. They go back into the
+// lanes at the end. kOwners = 0: any count up to kMaxWorld, cursor d in lane d.
+template <int kOwners, bool kWeighted, bool kTrace, typename index_t, typename row_t>
 __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __restrict__ values,
                                             const float* __restrict__ weights, uint8_t* const* dst,
                                             const TileBag& tb, float* div, int32_t* starts, row_t* ring,
@@ -194,6 +201,7 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
   const int lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;
   const int base = tb.owner_base, owners = tb.owner_count;
+  int cur[kOwners > 0 ? kOwners : 1] = {};  // kOwners > 0: every owner's cursor, in every lane
   // kAhead chunks of loads in flight: chunk c's ids are placed while the next kAhead load.
   int64_t id_ahead[kAhead];
   float w_ahead[kAhead];
@@ -258,30 +266,59 @@ __device__ __forceinline__ void stream_tile(const RwParams& p, const index_t* __
     const bool any_start = __any_sync(0xffffffffu, starts_here);
     const unsigned before_start = (1u << ((b - c) & 31)) - 1;
     int pos = 0;  // the id's position in its owner's run
-    const int was_lo = cur_lo, was_hi = cur_hi;
-    for (int d = 0; d < owners; ++d) {
-      const unsigned m = __ballot_sync(0xffffffffu, owner == d);
-      const int cur = cursor_of(cur_lo, cur_hi, d);
-      const int n = __popc(m);
-      if (owner == d) pos = begin + cur + __popc(m & below);
-      if (any_start && starts_here) starts[d * 32 + lane] = cur + __popc(m & before_start);
-      cursor_add(cur_lo, cur_hi, d, n, lane);
-    }
-    // The owners whose run completed a line (n <= 32 ids: at most one per chunk),
-    // each from the lane that holds its cursor.
-    const unsigned full_lo = __ballot_sync(0xffffffffu, ((begin + was_lo) ^ (begin + cur_lo)) >= 32);
-    const unsigned full_hi =
-        owners > 32 ? __ballot_sync(0xffffffffu, ((begin + was_hi) ^ (begin + cur_hi)) >= 32) : 0u;
-    if (owner >= 0) {
-      ring[owner * kRing + (pos & (kRing - 1))] = static_cast<row_t>(row);
-      if (kWeighted) wring[owner * kRing + (pos & (kRing - 1))] = w;
+    if constexpr (kOwners > 0) {
+      unsigned full = 0;  // warp-uniform: the owners whose run completed a line
+#pragma unroll
+      for (int d = 0; d < kOwners; ++d) {
+        const unsigned m = __ballot_sync(0xffffffffu, owner == d);
+        if (owner == d) pos = begin + cur[d] + __popc(m & below);
+        if (any_start && starts_here) starts[d * 32 + lane] = cur[d] + __popc(m & before_start);
+        const int was = cur[d];
+        cur[d] += __popc(m);
+        full |= static_cast<unsigned>(((begin + was) ^ (begin + cur[d])) >= 32) << d;
+      }
+      if (owner >= 0) ring[owner * kRing + (pos & (kRing - 1))] = static_cast<row_t>(row);
+      if (kWeighted && owner >= 0) wring[owner * kRing + (pos & (kRing - 1))] = w;
+      __syncwarp();
+#pragma unroll
+      for (int d = 0; d < kOwners; ++d) {
+        const int at = ((begin + cur[d]) & ~31) - 32 + lane;
+        // below begin: the previous tile's ids
+        if ((full >> d & 1u) && at >= begin) {
+          store_from_ring<kWeighted>(p, dst[base + d], ring + d * kRing, wring + d * kRing, at);
+        }
+      }
+    } else {
+      const int was_lo = cur_lo, was_hi = cur_hi;
+      for (int d = 0; d < owners; ++d) {
+        const unsigned m = __ballot_sync(0xffffffffu, owner == d);
+        const int cur_d = cursor_of(cur_lo, cur_hi, d);
+        const int n = __popc(m);
+        if (owner == d) pos = begin + cur_d + __popc(m & below);
+        if (any_start && starts_here) starts[d * 32 + lane] = cur_d + __popc(m & before_start);
+        cursor_add(cur_lo, cur_hi, d, n, lane);
+      }
+      // The owners whose run completed a line (n <= 32 ids: at most one per chunk),
+      // each from the lane that holds its cursor.
+      const unsigned full_lo = __ballot_sync(0xffffffffu, ((begin + was_lo) ^ (begin + cur_lo)) >= 32);
+      const unsigned full_hi =
+          owners > 32 ? __ballot_sync(0xffffffffu, ((begin + was_hi) ^ (begin + cur_hi)) >= 32) : 0u;
+      if (owner >= 0) {
+        ring[owner * kRing + (pos & (kRing - 1))] = static_cast<row_t>(row);
+        if (kWeighted) wring[owner * kRing + (pos & (kRing - 1))] = w;
+      }
+      __syncwarp();
+      store_full_lines<kWeighted>(p, dst + base, ring, wring, begin, full_lo, cur_lo);
+      if (full_hi != 0) {
+        store_full_lines<kWeighted>(p, dst + base + 32, ring + 32 * kRing, wring + 32 * kRing, begin, full_hi,
+                                    cur_hi);
+      }
     }
     __syncwarp();
-    store_full_lines<kWeighted>(p, dst + base, ring, wring, begin, full_lo, cur_lo);
-    if (full_hi != 0) {
-      store_full_lines<kWeighted>(p, dst + base + 32, ring + 32 * kRing, wring + 32 * kRing, begin, full_hi, cur_hi);
-    }
-    __syncwarp();
+  }
+  if constexpr (kOwners > 0) {  // cursor d into lane d
+#pragma unroll
+    for (int d = 0; d < kOwners; ++d) cur_lo = lane == d ? cur[d] : cur_lo;
   }
 }
 
@@ -378,8 +415,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     if (kWeighted) div[lane] = 0.f;
     __syncwarp();
     int cur_lo = 0, cur_hi = 0;
-    stream_tile<kWeighted, kTrace>(p, values, weights, s_dst, tb, div, starts, ring, wring, begin, end, n_bags, b,
-                                   valid, cur_lo, cur_hi);
+    if (!kWeighted && !kTrace && tb.owner_count == 2) {  // row-wise on two GPUs (warp-uniform)
+      stream_tile<2, kWeighted, kTrace>(p, values, weights, s_dst, tb, div, starts, ring, wring, begin, end, n_bags,
+                                        b, valid, cur_lo, cur_hi);
+    } else {
+      stream_tile<0, kWeighted, kTrace>(p, values, weights, s_dst, tb, div, starts, ring, wring, begin, end, n_bags,
+                                        b, valid, cur_lo, cur_hi);
+    }
     __syncwarp();
 
     // Per owner: the partial last line of the tile's run, then the bags'
