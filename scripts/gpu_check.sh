@@ -11,6 +11,9 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
+#   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
+#              GPU (VIRTUAL_ARGS, default s000-weak and s000-strong at W = 1 and 2, both pairs); with
+#              AB_VARIANTS="dir ...", again after rebuilding with each dir's csrc/ files copied over the tree's
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused lookup and FBGEMM's TBE forward on one GPU;
 #              NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two), into $OUT/ncu (details, per-line source counters, run log;
@@ -76,6 +79,29 @@ if has ceiling; then
   tee -a "$OUT/summary.txt" < "$OUT/gather_ceiling.txt"
 fi
 
+if has virtual; then
+  # One results.json and log per variant (the tree's first), under $OUT/virtual[-variant].
+  read -r -a VARGS <<< "${VIRTUAL_ARGS:---preset s000-weak --preset s000-strong --world 1 --world 2 --pair rw --pair tw}"
+  cp -r csrc /tmp/csrc_tree
+  for variant in tree ${AB_VARIANTS:-}; do
+    name=virtual
+    if [ "$variant" != tree ]; then
+      name=virtual-$(basename "$variant")
+      cp "$variant"/csrc/* csrc/ && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
+        || { echo "build of $variant failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; continue; }
+    fi
+    log "virtual ranks ($variant): ${VARGS[*]}"
+    mkdir -p "$OUT/$name"
+    CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" "$PY" -m benchmarks.virtual_ranks "${VARGS[@]}" \
+      --out "$OUT/$name" > "$OUT/$name/virtual.log" 2>&1
+    echo "virtual $variant exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "^W=|Error" "$OUT/$name/virtual.log" | tee -a "$OUT/summary.txt"
+  done
+  if [ -n "${AB_VARIANTS:-}" ]; then  # the later steps test the tree
+    rm -rf csrc && cp -r /tmp/csrc_tree csrc && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1
+  fi
+fi
+
 if has profile; then
   # By default on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -104,7 +130,7 @@ NCUEOF
 fi
 
 if has tests || has quick-tests; then
-  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py -m gpu)
+  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py -m gpu)
   has quick-tests && TESTS+=(-k "out_of_range or mismatch or ignore or graph or bit_exact or comm")
   [ -n "${TEST_K:-}" ] && TESTS+=(-k "$TEST_K")  # e.g. TEST_K="table_wise or comm"
   log "GPU tests at world size $PGAS_TEST_WORLD"

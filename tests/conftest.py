@@ -1,5 +1,6 @@
 """GPU tests are marked ``gpu`` and skip cleanly where fewer GPUs exist than their world size (2, or
-``PGAS_TEST_WORLD``: 1 runs them on a one-GPU machine); those also marked ``peers`` need two ranks."""
+``PGAS_TEST_WORLD``: 1 runs them on a one-GPU machine); those also marked ``peers`` need two ranks, those
+marked ``one_gpu`` one GPU."""
 
 import os
 
@@ -18,6 +19,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
         if "gpu" not in item.keywords:
             continue
-        need = max(world, 2) if "peers" in item.keywords else world  # peers: at least two ranks
+        # peers: at least two ranks; one_gpu: every rank on one GPU, whatever the world size
+        need = 1 if "one_gpu" in item.keywords else max(world, 2) if "peers" in item.keywords else world
         if have < need:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs, found {have}"))

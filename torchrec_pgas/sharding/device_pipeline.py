@@ -31,11 +31,11 @@ from torchrec_pgas.types import (
 
 # Error codes of the device record (csrc/rw_pipeline.cuh, ErrorCode).
 _ERR_BAD_ID, _ERR_BATCH, _ERR_TIMEOUT, _ERR_ABORT, _ERR_CORRUPT, _ERR_BAD_ID_WARN = 1, 2, 3, 4, 5, 6
-_STATE_WORDS = 16 + 2 * 64  # kStateWords
+STATE_WORDS = 16 + 2 * 64  # kStateWords
 TRACE_WORDS = (12, 13, 14, 15)  # kTraceBuf, kTraceStep, kTraceCap, kTraceBytes
 # FBGEMM 1.6's training TBE cannot hold bf16 weights (its cache_precision check).
 _WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1}
-_BOUNDS_MODES = {BoundsCheckMode.FATAL: 0, BoundsCheckMode.WARNING: 1, BoundsCheckMode.IGNORE: 2}
+BOUNDS_MODES = {BoundsCheckMode.FATAL: 0, BoundsCheckMode.WARNING: 1, BoundsCheckMode.IGNORE: 2}
 MEAN_NONE, MEAN_REQUESTER, MEAN_OWNER = 0, 1, 2  # MeanMode
 
 
@@ -54,6 +54,23 @@ class FeatureOwners:
     lookup: Tuple[int, int]
     variable_batch: bool
 
+    @classmethod
+    def row_wise(cls, world: int, feature_is_mean: Sequence[bool]) -> "FeatureOwners":
+        """Block k of every table on rank k; every rank serves every feature; MEAN on the requester."""
+        return cls(base=[0] * len(feature_is_mean), count=world,
+                   mean=[MEAN_REQUESTER if m else MEAN_NONE for m in feature_is_mean],
+                   lookup=(0, len(feature_is_mean)), variable_batch=False)
+
+    @classmethod
+    def table_wise(cls, features_per_rank: Sequence[int], rank: int,
+                   feature_is_mean: Sequence[bool]) -> "FeatureOwners":
+        """Rank d owns the next ``features_per_rank[d]`` features' whole tables; MEAN on the owner (the TBE's
+        arithmetic); each source's batch from its header."""
+        first = list(itertools.accumulate([0, *features_per_rank]))
+        return cls(base=[d for d, n in enumerate(features_per_rank) for _ in range(n)], count=1,
+                   mean=[MEAN_OWNER if m else MEAN_NONE for m in feature_is_mean],
+                   lookup=(first[rank], first[rank + 1]), variable_batch=True)
+
     def check(self, world: int, rank: int) -> None:
         """The kernels index peer buffers by owner: every block must land on a rank, and this rank's
         lookup must serve exactly the features whose rows it holds."""
@@ -65,6 +82,28 @@ class FeatureOwners:
                 f"inconsistent feature owners for rank {rank} of {world}: blocks of features {bad} outside "
                 f"the ranks, rows of features {held} held here, lookup range {self.lookup}"
             )
+
+
+def feature_rows(shard_rows: Sequence[int], hash_sizes: Sequence[int], dims: Sequence[int],
+                 owners: FeatureOwners) -> List[List[int]]:
+    """The kernels' feature table: one ``RwFeature`` row (csrc/rw_pipeline.cuh) per feature, each
+    reading its own KJT feature, with no weights bound yet (``bind_weights``)."""
+    out_cols = itertools.accumulate([0] + list(dims[:-1]))
+    return [
+        [0, 0, blk, n, d, c, 0, m, *divisor_magic(blk, n), base, owners.count, f]
+        for f, (blk, n, d, c, m, base) in enumerate(zip(shard_rows, hash_sizes, dims, out_cols, owners.mean,
+                                                        owners.base))
+    ]
+
+
+def bind_weights(row: List[int], weights: torch.Tensor) -> None:
+    """Point a feature row at this rank's ``[local_rows, dim]`` row-major shard (kept alive by the caller)."""
+    row[0], row[1], row[6] = weights.data_ptr(), weights.size(0), _WEIGHT_DTYPES[weights.dtype]
+
+
+def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The feature of every 4-column vector of the ``[B, sum(dims)]`` output (the finalize's map)."""
+    return torch.tensor([f for f, d in enumerate(dims) for _ in range(d // 4)], dtype=torch.int32, device=device)
 
 
 class DevicePipeline(PgasPipeline):
@@ -92,24 +131,17 @@ class DevicePipeline(PgasPipeline):
                 f"({self.kind} on GPUs needs one NVLink domain for now)"
             )
         self._peers = torch.tensor(peers, dtype=torch.int64, device=dev)
-        out_cols = list(itertools.accumulate([0] + self.feature_dims[:-1]))
-        self._feature_rows = [
-            # RwFeature (csrc/rw_pipeline.cuh); weights, local_rows, dtype are filled
-            # from the TBEs at the first lookup, input_feature by read_input_order
-            [0, 0, blk, n, d, c, 0, m, *divisor_magic(blk, n), base, owners.count, f]
-            for f, (blk, n, d, c, m, base) in enumerate(zip(self.shard_rows, self.feature_hash_sizes,
-                                                            self.feature_dims, out_cols, owners.mean, owners.base))
-        ]
+        # weights, local_rows, dtype are filled from the TBEs at the first lookup,
+        # input_feature by read_input_order
+        self._feature_rows = feature_rows(self.shard_rows, self.feature_hash_sizes, self.feature_dims, owners)
         self._features = torch.tensor(self._feature_rows, dtype=torch.int64, device=dev)
-        self._col_feature = torch.tensor(
-            [f for f, d in enumerate(self.feature_dims) for _ in range(d // 4)], dtype=torch.int32, device=dev
-        )
-        self._state = torch.zeros(_STATE_WORDS, dtype=torch.int64, device=dev)
+        self._col_feature = column_features(self.feature_dims, dev)
+        self._state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=dev)
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=dev)
         self._status = torch.zeros(4, dtype=torch.int64).pin_memory()
         self._lookup = owners.lookup
         self._cfg = lay.kernel_config(
-            int(self.config.wait_timeout_s * 1e9), self.rank, _BOUNDS_MODES[self.bounds_check_mode],
+            int(self.config.wait_timeout_s * 1e9), self.rank, BOUNDS_MODES[self.bounds_check_mode],
             lookup_features=owners.lookup, variable_batch=owners.variable_batch,
         )
         self._max_dim = max(self.feature_dims[owners.lookup[0]:owners.lookup[1]], default=4)
@@ -178,8 +210,7 @@ class DevicePipeline(PgasPipeline):
                     f"{self.kind}: feature '{self.feature_names[f]}' has weights of dtype "
                     f"{w.dtype} on {w.device}; the GPU lookup reads row-major fp32/fp16 HBM"
                 )
-            row = self._feature_rows[f]
-            row[0], row[1], row[6] = w.data_ptr(), w.size(0), _WEIGHT_DTYPES[w.dtype]
+            bind_weights(self._feature_rows[f], w)
         self._features.copy_(torch.tensor(self._feature_rows, dtype=torch.int64))
         self._tbe_key = key
 

@@ -20,12 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.common import PgasPipeline, PoolFn, no_backward
-from torchrec_pgas.sharding.device_pipeline import (
-    MEAN_NONE,
-    MEAN_REQUESTER,
-    DevicePipeline,
-    FeatureOwners,
-)
+from torchrec_pgas.sharding.device_pipeline import DevicePipeline, FeatureOwners
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasInputError
 
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
@@ -138,12 +133,5 @@ def make_rw_pipeline(device: torch.device, env: ShardingEnv, feature_hash_sizes:
                   block_dim_sum=sum(feature_dims), **kwargs)
     if device.type != "cuda":
         return HostRwPipeline(**common)
-    num_features = len(feature_dims)
-    owners = FeatureOwners(
-        base=[0] * num_features,  # block k on rank k
-        count=env.world_size,
-        mean=[MEAN_REQUESTER if m else MEAN_NONE for m in feature_is_mean],
-        lookup=(0, num_features),
-        variable_batch=False,
-    )
+    owners = FeatureOwners.row_wise(env.world_size, feature_is_mean)
     return DevicePipeline(owners=owners, out_dtype=out_dtype, **common)

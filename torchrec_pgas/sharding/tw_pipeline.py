@@ -33,7 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.common import PgasPipeline, PoolFn, no_backward
-from torchrec_pgas.sharding.device_pipeline import MEAN_NONE, MEAN_OWNER, DevicePipeline, FeatureOwners
+from torchrec_pgas.sharding.device_pipeline import DevicePipeline, FeatureOwners
 from torchrec_pgas.types import PGAS_TABLE_WISE
 
 
@@ -110,12 +110,5 @@ def make_tw_pipeline(device: torch.device, env: ShardingEnv, feature_hash_sizes:
     if device.type != "cuda":
         return HostTwPipeline(features_per_rank=features_per_rank, dim_sum_per_rank=dim_sum_per_rank,
                               block_dim_sum=max(dim_sum_per_rank, default=0), **common)
-    first = list(itertools.accumulate([0] + features_per_rank))
-    owners = FeatureOwners(
-        base=[d for d, n in enumerate(features_per_rank) for _ in range(n)],
-        count=1,
-        mean=[MEAN_OWNER if m else MEAN_NONE for m in feature_is_mean],
-        lookup=(first[env.rank], first[env.rank + 1]),
-        variable_batch=True,
-    )
+    owners = FeatureOwners.table_wise(features_per_rank, env.rank, feature_is_mean)
     return DevicePipeline(owners=owners, block_dim_sum=sum(feature_dims), **common)

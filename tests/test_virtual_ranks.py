@@ -1,0 +1,108 @@
+"""The fused kernels of W ranks on one GPU (``torchrec_pgas.virtual_ranks``) against a float64 reference.
+
+World sizes a machine lacks (3, 4; 2 on a one-GPU machine) run here, each rank's path as it runs on W GPUs:
+the row-wise index dist's owner paths (two owners, and the general one), a lookup serving W sources, a
+finalize summing W partials, table-wise owners with their own batches. Several steps per case, so both
+buffer slots and the device epochs are exercised.
+"""
+
+import random
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu]
+
+_ERR_BAD_ID, _ERR_BAD_ID_WARN = 1, 6  # csrc/rw_pipeline.cuh ErrorCode
+_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _inputs(rnd: random.Random, hash_sizes: List[int], batch: int, weighted: bool,
+            dev: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
+    """One rank's step: bags of 0..12 ids (empty ones included), uniform or all in one corner of the table."""
+    lengths, values = [], []
+    for n in hash_sizes:
+        hot = rnd.random() < 0.3  # every id in the first or last few rows: one owner gets them all
+        for _ in range(batch):
+            k = rnd.choice([0, rnd.randint(1, 12)])
+            lengths.append(k)
+            lo, hi = (0, min(n, 3)) if hot and rnd.random() < 0.5 else (max(0, n - 3), n) if hot else (0, n)
+            values += [rnd.randrange(lo, hi) for _ in range(k)]
+    offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    weights = torch.tensor([rnd.uniform(0.5, 1.5) for _ in values]) if weighted else None
+    ids = torch.tensor(values, dtype=rnd.choice([torch.int64, torch.int32]))
+    return ids.to(dev), offsets.to(dev), weights.to(dev) if weighted else None, batch
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("table_wise", [False, True], ids=["rw", "tw"])
+def test_virtual_ranks_match_reference(world: int, table_wise: bool) -> None:
+    from torchrec_pgas.virtual_ranks import VirtualRanks, reference_pool
+
+    dev = torch.device("cuda", 0)
+    for seed in range(12):
+        rnd = random.Random(1000 * world + 10 * seed + table_wise)
+        num = rnd.randint(1, 5)
+        # Tables smaller than W (empty row blocks), W*W, W+1, and a few thousand rows.
+        hash_sizes = [rnd.choice([max(1, world - 1), world * world, world + 1, rnd.randint(10, 5000)])
+                      for _ in range(num)]
+        w_dtype = rnd.choice([torch.float32, torch.float16])
+        out_dtype = rnd.choice([torch.float32, torch.float16, torch.bfloat16])
+        tables = [torch.randn(n, 4 * rnd.randint(1, 48), device=dev).mul_(0.1).to(w_dtype) for n in hash_sizes]
+        is_mean = [rnd.random() < 0.4 for _ in tables]
+        weighted = rnd.random() < 0.4
+        owners = sorted(rnd.randrange(world) for _ in tables) if table_wise else None
+        vr = VirtualRanks(tables, world, max_batch=40, ids_capacity=40 * 12 * num, owners=owners,
+                          is_mean=is_mean, weighted=weighted, out_dtype=out_dtype)
+        same_batch = rnd.randint(1, 40)
+        for step in range(3):
+            inputs = [_inputs(rnd, hash_sizes, rnd.randint(1, 40) if table_wise else same_batch, weighted, dev)
+                      for _ in range(world)]
+            outs = vr.step(inputs)
+            vr.check()
+            for r, (out, inp) in enumerate(zip(outs, inputs)):
+                ref = reference_pool(tables, inp, is_mean, table_wise)
+                tol = _TOL[out_dtype]
+                assert out.dtype == out_dtype and out.shape == ref.shape, (seed, step, r)
+                torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol,
+                                           msg=lambda m: f"seed {seed} step {step} rank {r}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", [BoundsCheckMode.FATAL, BoundsCheckMode.WARNING], ids=["fatal", "warning"])
+def test_virtual_ranks_bad_id(world: int, mode: BoundsCheckMode) -> None:
+    """An id past its table on rank 1: recorded there with the feature and the id; FATAL drops it (no rank
+    receives it), WARNING reads row 0. Every other bag of every rank is exact."""
+    from torchrec_pgas.virtual_ranks import VirtualRanks, reference_pool
+
+    dev = torch.device("cuda", 0)
+    rnd = random.Random(world)
+    hash_sizes = [1000, 37]
+    tables = [torch.randn(n, 16, device=dev) for n in hash_sizes]
+    vr = VirtualRanks(tables, world, max_batch=8, ids_capacity=8 * 12 * 2, bounds_mode=mode)
+    inputs = [_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)]
+    values, offsets, _, batch = inputs[1]
+    bag = batch + 3  # feature 1 (37 rows), bag 3: give it one more id, 37
+    values = torch.cat([values[:offsets[bag + 1]], torch.tensor([37], dtype=values.dtype, device=dev),
+                        values[offsets[bag + 1]:]])
+    offsets = offsets + (torch.arange(offsets.numel(), device=dev) > bag)
+    inputs[1] = (values, offsets, None, batch)
+    outs = vr.step(inputs)
+    errors = vr.errors()
+    assert errors[1][:3] == (_ERR_BAD_ID if mode == BoundsCheckMode.FATAL else _ERR_BAD_ID_WARN, 1, 37), errors
+    assert all(e[0] == 0 for r, e in enumerate(errors) if r != 1), errors
+    row0 = values.clone()
+    row0[offsets[bag + 1] - 1] = 0
+    for r, (out, inp) in enumerate(zip(outs, inputs)):
+        ref = reference_pool(tables, (row0, offsets, None, batch) if r == 1 else inp, [False, False], False)
+        if r == 1 and mode == BoundsCheckMode.FATAL:  # the dropped id's bag lacks only that id's row
+            ref[3, 16:] -= tables[1][0].double()
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The next step is clean on every rank: nothing of the bad step is left in a buffer or counter.
+    inputs = [_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)]
+    for out, inp in zip(vr.step(inputs), inputs):
+        torch.testing.assert_close(out.double(), reference_pool(tables, inp, [False, False], False),
+                                   atol=1e-5, rtol=1e-5)
+    vr.check()

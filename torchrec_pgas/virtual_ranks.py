@@ -1,0 +1,182 @@
+"""W ranks of the fused GPU kernels on one GPU: a test and profiling harness, not a backend.
+
+The ``nvshmem`` backend runs one rank per GPU. Here every rank's symmetric buffer, signal pad, device state
+and table shards are plain allocations on one GPU, and the peer-address table the kernels index points at
+them, so the three stage kernels of ``csrc/rw_*.cu`` run the protocol of W ranks, unchanged, on a one-GPU
+machine: the GPU tests check them against a reference at world sizes a machine does not have, and
+``benchmarks.virtual_ranks`` times each rank's stages (the owner-dependent paths of the index dist, a lookup
+serving W sources, a finalize summing W partials).
+
+A step launches every rank's index dist, then every rank's lookup, then every rank's finalize, on the current
+stream. Each wait of a kernel is for a signal that a kernel earlier on the stream stored, so none spins on a
+kernel that cannot start. What it lacks: NVLink (a store into a "peer" lands in this GPU's HBM) and ranks
+running at the same time, so its times are each stage's work without the wire.
+"""
+
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+import torchrec_pgas._C  # noqa: F401  (registers torch.ops.torchrec_pgas)
+from torchrec_pgas.layout import RwLayout, id_bytes_for
+from torchrec_pgas.runtime import PAD_HEADER_WORDS
+from torchrec_pgas.sharding.device_pipeline import (
+    BOUNDS_MODES,
+    STATE_WORDS,
+    FeatureOwners,
+    bind_weights,
+    column_features,
+    feature_rows,
+)
+from torchrec_pgas.types import PgasError
+
+# One rank's input of a step: KJT values, int64 offsets [F * B + 1] in [f][b] order, per-sample weights, B.
+RankInput = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]
+STAGES = ("index_dist", "lookup", "finalize")
+
+
+class VirtualRanks:
+    """``world`` ranks of one ``pgas_row_wise`` or ``pgas_table_wise`` sharding on the current GPU.
+
+    ``tables``: each feature's whole table ``[N, D]`` (fp32 or fp16, row-major); a rank's shard is a view of
+    it. ``owners``: table-wise, the rank owning each table (non-decreasing: a rank serves one contiguous
+    feature range); ``None``: row-wise, ``ceil(N / W)`` rows per rank.
+    """
+
+    def __init__(self, tables: Sequence[torch.Tensor], world: int, max_batch: int, ids_capacity: int,
+                 owners: Optional[Sequence[int]] = None, is_mean: Optional[Sequence[bool]] = None,
+                 weighted: bool = False, out_dtype: torch.dtype = torch.float32,
+                 bounds_mode: BoundsCheckMode = BoundsCheckMode.FATAL, timeout_s: float = 20.0) -> None:
+        if owners is not None and list(owners) != sorted(owners):
+            raise ValueError(f"table-wise owners {list(owners)} must be non-decreasing")
+        self.world = world
+        self.tables = list(tables)
+        device = self.tables[0].device
+        hash_sizes = [t.size(0) for t in self.tables]
+        dims = [t.size(1) for t in self.tables]
+        mean = list(is_mean) if is_mean is not None else [False] * len(self.tables)
+        if owners is None:
+            shard_rows = [(n + world - 1) // world for n in hash_sizes]
+            per_rank = [FeatureOwners.row_wise(world, mean)] * world
+        else:
+            shard_rows = hash_sizes
+            counts = [list(owners).count(d) for d in range(world)]
+            per_rank = [FeatureOwners.table_wise(counts, r, mean) for r in range(world)]
+        self.layout = RwLayout(world_size=world, num_features=len(self.tables), max_batch=max_batch,
+                               ids_capacity=ids_capacity, dim_sum=sum(dims), weighted=weighted,
+                               id_bytes=id_bytes_for(shard_rows))
+        self.out_dtype = out_dtype
+        self._col_feature = column_features(dims, device)
+        self._ranks: List[Dict[str, torch.Tensor]] = []
+        self._cfgs: List[List[int]] = []
+        self._max_dims: List[int] = []
+        for r, own in enumerate(per_rank):
+            own.check(world, r)
+            rows = feature_rows(shard_rows, hash_sizes, dims, own)
+            f_lo, f_hi = own.lookup
+            for f in range(f_lo, f_hi):
+                lo = r * shard_rows[f] if owners is None else 0
+                bind_weights(rows[f], self.tables[f][min(lo, hash_sizes[f]):lo + shard_rows[f]])
+            self._ranks.append(dict(
+                buf=torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device),
+                pad=torch.zeros(PAD_HEADER_WORDS + self.layout.num_signal_slots, dtype=torch.int64, device=device),
+                features=torch.tensor(rows, dtype=torch.int64, device=device),
+                state=torch.zeros(STATE_WORDS, dtype=torch.int64, device=device),
+                bag_div=torch.zeros(self.layout.num_slots, self.layout.num_features * max_batch, device=device),
+                status=torch.zeros(4, dtype=torch.int64).pin_memory(),
+            ))
+            self._cfgs.append(self.layout.kernel_config(int(timeout_s * 1e9), r, BOUNDS_MODES[bounds_mode],
+                                                        lookup_features=own.lookup,
+                                                        variable_batch=own.variable_batch))
+            self._max_dims.append(max(dims[f_lo:f_hi], default=4))
+        self._peers = torch.tensor([[s["buf"].data_ptr() for s in self._ranks],
+                                    [s["pad"].data_ptr() for s in self._ranks]], dtype=torch.int64, device=device)
+
+    def step(self, inputs: Sequence[RankInput],
+             events: Optional[Dict[str, List[torch.cuda.Event]]] = None) -> List[torch.Tensor]:
+        """One step of every rank; each rank's pooled ``[B, sum(D)]`` output. ``events``: per stage, W + 1
+        timing events recorded around that stage's launches (an event between two kernels also makes the
+        second wait for the first to complete)."""
+        if len(inputs) != self.world:
+            raise ValueError(f"{len(inputs)} inputs for {self.world} ranks")
+        ops = torch.ops.torchrec_pgas
+
+        def mark(stage: str, r: int) -> None:
+            if events is not None:
+                events[stage][r].record()
+
+        for r, ((values, offsets, weights, batch), s) in enumerate(zip(inputs, self._ranks)):
+            mark("index_dist", r)
+            ops.rw_index_dist(values, offsets, weights, s["buf"], s["pad"], self._peers, s["features"], s["state"],
+                              s["bag_div"], s["status"], self._cfgs[r], batch)
+        mark("index_dist", self.world)
+        for r, (inp, s) in enumerate(zip(inputs, self._ranks)):
+            mark("lookup", r)
+            # After exit: an index dist (a plain launch) lies between this and the rank's previous finalize.
+            ops.rw_lookup(s["buf"], s["pad"], self._peers, s["features"], s["state"], s["bag_div"], s["status"],
+                          self._cfgs[r], inp[3], self._max_dims[r], self.out_dtype, True)
+        mark("lookup", self.world)
+        outs = []
+        for r, (inp, s) in enumerate(zip(inputs, self._ranks)):
+            mark("finalize", r)
+            outs.append(ops.rw_finalize(s["buf"], s["pad"], self._peers, s["features"], self._col_feature,
+                                        s["state"], s["bag_div"], s["status"], self._cfgs[r], inp[3],
+                                        self.out_dtype))
+        mark("finalize", self.world)
+        return outs
+
+    def errors(self) -> List[Tuple[int, int, int, int]]:
+        """Every rank's device error record of the last finished step (code, a, b, c; code 0: none),
+        after a sync; reading clears them."""
+        torch.cuda.current_stream().synchronize()
+        out = [tuple(s["status"].tolist()) for s in self._ranks]
+        for s in self._ranks:
+            s["status"].zero_()
+        return out  # type: ignore[return-value]
+
+    def check(self) -> None:
+        bad = [(r, e) for r, e in enumerate(self.errors()) if e[0] != 0]
+        if bad:
+            raise PgasError(f"virtual ranks: device error records (rank, (code, a, b, c)): {bad}")
+
+    def stage_times(self, inputs: Sequence[Sequence[RankInput]], steps: int, warmup: int = 3) -> Dict[str, List[List[float]]]:
+        """Per stage and rank, the ms of each of ``steps`` steps (cycling over the input sets)."""
+        for i in range(warmup):
+            self.step(inputs[i % len(inputs)])
+        times: Dict[str, List[List[float]]] = {st: [[] for _ in range(self.world)] for st in STAGES}
+        for i in range(steps):
+            events = {st: [torch.cuda.Event(enable_timing=True) for _ in range(self.world + 1)] for st in STAGES}
+            self.step(inputs[i % len(inputs)], events)
+            torch.cuda.current_stream().synchronize()
+            for st, ev in events.items():
+                for r, (a, b) in enumerate(itertools.pairwise(ev)):
+                    times[st][r].append(a.elapsed_time(b))
+        self.check()
+        return times
+
+
+def reference_pool(tables: Sequence[torch.Tensor], inp: RankInput, is_mean: Sequence[bool],
+                   table_wise: bool) -> torch.Tensor:
+    """One rank's pooled output from the whole tables, in float64: the sum of each bag's (weighted) rows;
+    MEAN as the sharding defines it (row-wise: / (length or weight sum + 1e-6), TorchRec RW; table-wise:
+    * (1 / L), the TBE's, 1 for an empty bag)."""
+    values, offsets, weights, batch = inp
+    cols = []
+    for f, (t, mean) in enumerate(zip(tables, is_mean)):
+        off = offsets[f * batch:(f + 1) * batch + 1]
+        ids = values[off[0]:off[-1]].long()
+        w = weights[off[0]:off[-1]].double() if weights is not None else None
+        pooled = torch.nn.functional.embedding_bag(ids, t.double(), off[:-1] - off[0], mode="sum",
+                                                   per_sample_weights=w, include_last_offset=False)
+        if mean:
+            lengths = (off[1:] - off[:-1]).double()
+            if table_wise:
+                pooled = pooled * torch.where(lengths > 0, 1.0 / lengths.clamp(min=1), 1.0)[:, None]
+            else:
+                div = lengths if w is None else torch.zeros(batch, dtype=torch.float64, device=ids.device).index_add_(
+                    0, torch.repeat_interleave(torch.arange(batch, device=ids.device), off[1:] - off[:-1]), w)
+                pooled = pooled / (div + 1e-6)[:, None]
+        cols.append(pooled)
+    return torch.cat(cols, dim=1)
