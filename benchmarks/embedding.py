@@ -153,13 +153,18 @@ def _profile(world: int) -> List[Workload]:
     return [Workload("profile", 48, 1_000_000, 64, 8192, 32, "uniform")]
 
 
+def _index(world: int) -> List[Workload]:
+    """s000-weak's ids over rows of dim 4: the index dist's work in 1/16 of the table memory (ncu's replays)."""
+    return [Workload("index", 64 * world, 1_000_000, 4, 16384 // world, 128, "uniform")]
+
+
 def _smoke(world: int) -> List[Workload]:
     return [Workload("smoke", 3, 1000, 16, 32, 4), Workload("smoke", 3, 1000, 16, 64, 8, "uniform", "zipf1.2")]
 
 
 PRESETS: Dict[str, Callable[[int], List[Workload]]] = {
     "s004": _s004, "s000-weak": _s000_weak, "s000-strong": _s000_strong, "skew": _skew, "quick": _quick,
-    "l2-reuse": _l2_reuse, "profile": _profile, "smoke": _smoke,
+    "l2-reuse": _l2_reuse, "profile": _profile, "index": _index, "smoke": _smoke,
 }
 # 1-GPU reference of the scaling presets (unsharded TBE): (tables, batch); weak keeps 64 tables per GPU.
 SINGLE_GPU: Dict[str, Tuple[int, int]] = {"s000-weak": (64, 16384), "s000-strong": (96, 16384)}

@@ -16,7 +16,7 @@
 #              AB_VARIANTS="dir ...", again after rebuilding with each dir's csrc/ files copied over the tree's
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused lookup and FBGEMM's TBE forward on one GPU;
-#              NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two), into $OUT/ncu (details, per-line source counters, run log;
+#              NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual ranks), into $OUT/ncu (details, per-line source counters, run log;
 #              the report stays on the device)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
@@ -119,9 +119,16 @@ exec "$NCU" -f -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \\
   --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \\
   --section SourceCounters --section InstructionStats ${NCU_EXTRA:-} -o /tmp/ncu_report "\$@"
 NCUEOF
-  timeout "${NCU_TIMEOUT:-400}" "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" --no-python bash /tmp/ncu_rank0.sh \
-    "$PY" -m benchmarks.embedding --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
-    --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out /tmp/ncu_profile > "$OUT/ncu/ncu_run.log" 2>&1
+  if [ -n "${NCU_VIRTUAL:-}" ]; then
+    # NCU_VIRTUAL="--world 2 ...": benchmarks.virtual_ranks (one step after 3 warm-ups; ranks launch in
+    # order, so NCU_SKIP = 3 * W + r picks rank r's kernel of the timed step).
+    CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" bash /tmp/ncu_rank0.sh "$PY" -m benchmarks.virtual_ranks \
+      --preset "${NCU_PRESET:-profile}" --pair "${NCU_PAIR:-rw}" --steps 1 --sets 1 $NCU_VIRTUAL > "$OUT/ncu/ncu_run.log" 2>&1
+  else
+    timeout "${NCU_TIMEOUT:-400}" "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" --no-python bash /tmp/ncu_rank0.sh \
+      "$PY" -m benchmarks.embedding --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
+      --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out /tmp/ncu_profile > "$OUT/ncu/ncu_run.log" 2>&1
+  fi
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
   "$NCU" --import /tmp/ncu_report.ncu-rep --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
