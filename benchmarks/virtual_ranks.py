@@ -39,9 +39,12 @@ def run(w: Workload, world: int, pair: str, steps: int, sets: int, device: torch
     vr = VirtualRanks(tables, world, max_batch=w.batch_per_gpu, ids_capacity=nnz, owners=owners)
     times = vr.stage_times(inputs, steps)
     p50 = {st: [statistics.median(t) for t in per_rank] for st, per_rank in times.items()}
+    p90 = {st: [statistics.quantiles(t, n=10)[-1] if len(t) > 1 else t[0] for t in per_rank]
+           for st, per_rank in times.items()}
     return dict(name=w.name, preset=w.preset, pair=pair, world=world, tables=w.tables, rows=w.rows, dim=w.dim,
-                batch_per_rank=w.batch_per_gpu, nnz_per_rank=nnz, steps=steps, p50_ms=p50,
-                rank_step_ms=[sum(p50[st][r] for st in STAGES) for r in range(world)])
+                batch_per_rank=w.batch_per_gpu, nnz_per_rank=nnz, steps=steps, p50_ms=p50, p90_ms=p90,
+                rank_step_ms=[sum(p50[st][r] for st in STAGES) for r in range(world)],
+                steps_ms={st: [[round(x, 4) for x in t] for t in per_rank] for st, per_rank in times.items()})
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -49,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default quick")
     parser.add_argument("--world", type=int, action="append", help="virtual world sizes (repeatable; default 2)")
     parser.add_argument("--pair", choices=("rw", "tw"), action="append", help="repeatable; default rw")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sets", type=int, default=4, help="input sets the steps cycle over")
     parser.add_argument("--out", default=None, help="results.json goes here")
     args = parser.parse_args(argv)
@@ -61,8 +64,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for pair in args.pair or ["rw"]:
                     row = run(w, world, pair, args.steps, args.sets, device)
                     rows.append(row)
-                    stages = "  ".join(f"{st} {max(row['p50_ms'][st]):.3f}" for st in STAGES)
-                    print(f"W={world} {pair} {preset}/{w.name}: {stages}  (max over ranks, ms); "
+                    stages = "  ".join(f"{st} {max(row['p50_ms'][st]):.3f} ({max(row['p90_ms'][st]):.3f})"
+                                       for st in STAGES)
+                    print(f"W={world} {pair} {preset}/{w.name}: {stages}  (p50 (p90), max over ranks, ms); "
                           f"rank steps {' '.join(f'{t:.3f}' for t in row['rank_step_ms'])}", flush=True)
                     torch.cuda.empty_cache()
     if args.out:
