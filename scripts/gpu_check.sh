@@ -80,7 +80,7 @@ if has ceiling; then
 fi
 
 if has virtual; then
-  # One results.json and log per variant (the tree's first), under $OUT/virtual[-variant].
+  # One results.json per variant (the tree's first) under $OUT/virtual[-variant], their logs in virtual.log.
   read -r -a VARGS <<< "${VIRTUAL_ARGS:---preset s000-weak --preset s000-strong --world 1 --world 2 --pair rw --pair tw}"
   cp -r csrc /tmp/csrc_tree
   for variant in tree ${AB_VARIANTS:-}; do
@@ -93,9 +93,10 @@ if has virtual; then
     log "virtual ranks ($variant): ${VARGS[*]}"
     mkdir -p "$OUT/$name"
     CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" "$PY" -m benchmarks.virtual_ranks "${VARGS[@]}" \
-      --out "$OUT/$name" > "$OUT/$name/virtual.log" 2>&1
+      --out "$OUT/$name" > /tmp/virtual.log 2>&1
     echo "virtual $variant exit $?" | tee -a "$OUT/summary.txt"
-    grep -E "^W=|Error" "$OUT/$name/virtual.log" | tee -a "$OUT/summary.txt"
+    { echo "### $variant"; cat /tmp/virtual.log; } >> "$OUT/virtual.log"
+    grep -E "^W=|Error" /tmp/virtual.log | tee -a "$OUT/summary.txt"
   done
   if [ -n "${AB_VARIANTS:-}" ]; then  # the later steps test the tree
     rm -rf csrc && cp -r /tmp/csrc_tree csrc && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1
