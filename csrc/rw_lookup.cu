@@ -110,20 +110,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// 4 consecutive elements of a row of this rank's shard, widened to fp32
-// (read-only for the whole kernel: the non-coherent path is fine). fp16 is the
-// other weight dtype (FBGEMM 1.6's training TBE rejects bf16 weights).
-template <typename w_t>
-__device__ __forceinline__ float4 load4_nc(const uint8_t* p);
-template <>
-__device__ __forceinline__ float4 load4_nc<float>(const uint8_t* p) {
-  return __ldg(reinterpret_cast<const float4*>(p));
-}
-template <>
-__device__ __forceinline__ float4 load4_nc<__half>(const uint8_t* p) {
-  return half4_to_float4(__ldg(reinterpret_cast<const uint2*>(p)));
-}
-
 constexpr int kRowsInFlight = 8;
 constexpr int kClaimBags = 8;  // bags per claim: ~0.1 claims per us per group (weak), an atomic in flight per unit
 // 16 warps per SM with 8 rows in flight each and no spills (3 blocks spilled and
@@ -181,21 +167,68 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
   }
 }
 
-// Pools one bag (this lane's 4 columns at byte offset `col_off`). Straight-line
-// inner loop: an id out of the shard's rows becomes row 0 with weight 0, and
-// kRowsInFlight row loads issue unconditionally before their sums. A slot past
-// the bag's end (3.5 per bag on average, a fifth of a 16-row bag's loads)
-// reloads the round's first row, whose line is already on its way to L1, and
-// is not added; it used to load row 0, one L2 slice's line for every such slot
-// of the table. (A predicated load measured 14% slower: the compiler merged
-// each loaded vector with zeros and so waited for a round's first row before
-// issuing its last ones.)
-// The bag's first chunk of ids (`next_row`, `next_w`) is loaded by the caller.
+// Rows in flight go through shared memory (cp.async), not registers: a group
+// keeps kStages rounds of kRowsInFlight rows loading while it sums the oldest,
+// where register-held rows capped it at one round (128 registers at 2 CTAs/SM).
+// Each lane copies and later reads only its own 16 bytes (4 columns) of each
+// row, so a lane's own cp.async.wait_group orders its reads: no barrier.
+// Stage layout (dynamic shared memory, kStageBytes per CTA):
+// [stage][slot u][thread] 16-byte cells, consecutive threads in consecutive
+// cells (conflict-free 16-byte accesses).
+constexpr int kStages = 2;
+constexpr int kStageBytes = kStages * kRowsInFlight * kThreads * 16;
+
+template <typename w_t>
+__device__ __forceinline__ void copy_async(uint32_t cell, const uint8_t* src);
+template <>
+__device__ __forceinline__ void copy_async<float>(uint32_t cell, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(cell), "l"(src) : "memory");
+}
+template <>
+__device__ __forceinline__ void copy_async<__half>(uint32_t cell, const uint8_t* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(cell), "l"(src) : "memory");
+}
+
+template <typename w_t>
+__device__ __forceinline__ float4 load_cell(uint32_t cell);
+template <>
+__device__ __forceinline__ float4 load_cell<float>(uint32_t cell) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(cell));
+  return v;
+}
+template <>
+__device__ __forceinline__ float4 load_cell<__half>(uint32_t cell) {
+  uint2 raw;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(raw.x), "=r"(raw.y) : "r"(cell));
+  return half4_to_float4(raw);
+}
+
+// Adds the `cnt` live slots of a landed round in slot order (the TBE's order:
+// bit-exact sums), each with its weight (0 for a row outside the shard).
+template <typename w_t>
+__device__ __forceinline__ void sum_round(float4& acc, uint32_t stage, const float (&w)[kRowsInFlight], int cnt) {
+#pragma unroll
+  for (int u = 0; u < kRowsInFlight; ++u) {
+    if (u < cnt) fma4(acc, w[u], load_cell<w_t>(stage + u * kThreads * 16));  // dead slots: never added
+  }
+}
+
+// Pools one bag (this lane's 4 columns at byte offset `col_off`) in rounds of
+// kRowsInFlight rows: round i's copies are issued, then round i - 1 is waited
+// for and summed, so two rounds are in flight while one is added. A slot past
+// the bag's end copies nothing and is not added. `cell`: this thread's cell of
+// stage 0, slot 0. The bag's first chunk of ids (`next_row`, `next_w`) is
+// loaded by the caller.
 template <typename w_t, typename row_t, bool kWeighted>
 __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
                                            const float* bag_w, int n, int G, int g_lane, unsigned gmask,
-                                           row_t local_rows, row_t next_row, float next_w, bool& bad) {
+                                           row_t local_rows, row_t next_row, float next_w, bool& bad,
+                                           uint32_t cell) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float w_wait[kRowsInFlight];  // the round in flight before this one: its weights and live slots
+  int cnt_wait = 0;
+  int round = 0;
   for (int j0 = 0; j0 < n; j0 += G) {
     const int cnt = min(G, n - j0);
     row_t my_row;
@@ -206,18 +239,28 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
                                  next_row, next_w);
     }
     for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
-      float4 v[kRowsInFlight];
+      const uint32_t stage = cell + (round % kStages) * (kRowsInFlight * kThreads * 16);
+      float w_new[kRowsInFlight];
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) {
-        const row_t r = __shfl_sync(gmask, my_row, (u0 + u < cnt ? u0 + u : u0) & (G - 1), G);
-        v[u] = load4_nc<w_t>(table + static_cast<int64_t>(r) * row_bytes + col_off);
+        const row_t r = __shfl_sync(gmask, my_row, (u0 + u) & (G - 1), G);
+        w_new[u] = __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G);
+        if (u0 + u < cnt) copy_async<w_t>(stage + u * kThreads * 16, table + static_cast<int64_t>(r) * row_bytes + col_off);
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      if (round > 0) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        sum_round<w_t>(acc, cell + ((round - 1) % kStages) * (kRowsInFlight * kThreads * 16), w_wait, cnt_wait);
       }
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const float w = __shfl_sync(gmask, my_w, (u0 + u) & (G - 1), G);
-        if (u0 + u < cnt) fma4(acc, w, v[u]);  // predicated adds: 0 * inf would be NaN
-      }
+      for (int u = 0; u < kRowsInFlight; ++u) w_wait[u] = w_new[u];
+      cnt_wait = cnt - u0;
+      ++round;
     }
+  }
+  if (round > 0) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    sum_round<w_t>(acc, cell + ((round - 1) % kStages) * (kRowsInFlight * kThreads * 16), w_wait, cnt_wait);
   }
   return acc;
 }
@@ -230,6 +273,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
                                                                          int out_kind) {
   __shared__ int64_t s_epoch, s_nnz, s_batch;
   __shared__ int s_ok;
+  extern __shared__ __align__(16) uint8_t s_stage[];  // [kStages][kRowsInFlight][kThreads] 16-byte cells
   const int k = blockIdx.y;
   const int src = (p.rank + 1 + k) % p.world;
   if (threadIdx.x == 0) {
@@ -267,9 +311,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
     uint8_t* out = reinterpret_cast<uint8_t*>(p.peer_bufs[src]) + output_block(p, slot, p.rank);
 
     const int G = group_lanes;
-    const int groups_per_cta = kThreads / G;
-    const int group = threadIdx.x / G;
     const int g_lane = threadIdx.x % G;
+    const uint32_t cell = static_cast<uint32_t>(__cvta_generic_to_shared(s_stage)) + threadIdx.x * 16;
     // The group's lanes within the warp (shuffles stay inside the group).
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << (threadIdx.x % 32 / G * G);
     // 32-bit bag and id positions (make_rw_params checks F * Bmax, C <= 2^30).
@@ -349,9 +392,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
           const bool col_ok = col < dim;
           const int col_off = (col_ok ? col : 0) * (f32 ? 4 : 2);  // idle lanes read column 0
           const float4 acc = f32 ? pool_bag<float, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n, G,
-                                                                     g_lane, gmask, local_rows, row_0, w_0, bad)
+                                                                     g_lane, gmask, local_rows, row_0, w_0, bad, cell)
                                  : pool_bag<__half, row_t, kWeighted>(table, row_bytes, col_off, bag_ids, bag_w, n,
-                                                                      G, g_lane, gmask, local_rows, row_0, w_0, bad);
+                                                                      G, g_lane, gmask, local_rows, row_0, w_0, bad,
+                                                                      cell);
           float4 v = acc;
           if (feat.is_mean == kMeanOwner) {  // FBGEMM TBE: acc * (1.f / L), 1 for an empty bag
             const float inv_l = n != 0 ? 1.f / static_cast<float>(n) : 1.f;
@@ -396,7 +440,11 @@ template <typename row_t, bool kWeighted, bool kTrace>
 void launch_lookup(const RwParams& p, int group_lanes, int out_kind, bool after_exit, cudaStream_t stream) {
   // One wave: W sources share the resident CTAs (one device per process, so the
   // occupancy is computed once).
-  static const int resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads);
+  static const int resident = [] {
+    PGAS_CUDA_CHECK(cudaFuncSetAttribute(rw_lookup_kernel<row_t, kWeighted, kTrace>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kStageBytes));
+    return resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads, kStageBytes);
+  }();
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(
@@ -406,7 +454,7 @@ void launch_lookup(const RwParams& p, int group_lanes, int out_kind, bool after_
   // lookup may start while the index dist's NVLink stores still drain. Its own
   // counters must be settled: `after_exit` only when the host saw a plain
   // launch (an index dist) since the previous step's finalize on this stream.
-  launch_after_exit(after_exit, rw_lookup_kernel<row_t, kWeighted, kTrace>, grid, dim3(kThreads), 0, stream, p,
+  launch_after_exit(after_exit, rw_lookup_kernel<row_t, kWeighted, kTrace>, grid, dim3(kThreads), kStageBytes, stream, p,
                     group_lanes, out_kind);
 }
 
