@@ -215,20 +215,23 @@ __device__ __forceinline__ void sum_round(float4& acc, uint32_t stage, const flo
 }
 
 // Pools one bag (this lane's 4 columns at byte offset `col_off`) in rounds of
-// kRowsInFlight rows: round i's copies are issued, then round i - 1 is waited
-// for and summed, so two rounds are in flight while one is added. A slot past
-// the bag's end copies nothing and is not added. `cell`: this thread's cell of
-// stage 0, slot 0. The bag's first chunk of ids (`next_row`, `next_w`) is
-// loaded by the caller.
+// kRowsInFlight rows: round i's copies are issued, then the oldest round still
+// loading (i - kStages + 1) is waited for and summed, so kStages rounds are in
+// flight while one is added; the queue's last rounds are summed at the bag's
+// end. A slot past the bag's end copies nothing and is not added. `cell`: this
+// thread's cell of stage 0, slot 0. The bag's first chunk of ids (`next_row`,
+// `next_w`) is loaded by the caller.
 template <typename w_t, typename row_t, bool kWeighted>
 __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, int col_off, const row_t* bag_ids,
                                            const float* bag_w, int n, int G, int g_lane, unsigned gmask,
                                            row_t local_rows, row_t next_row, float next_w, bool& bad,
                                            uint32_t cell) {
+  constexpr int kQueue = kStages - 1;  // rounds loading behind the newest one
+  constexpr uint32_t kStageStride = kRowsInFlight * kThreads * 16;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float w_wait[kRowsInFlight];  // the round in flight before this one: its weights and live slots
-  int cnt_wait = 0;
-  int round = 0;
+  float w_q[kQueue][kRowsInFlight];  // the queued rounds, oldest first: slot weights
+  int cnt_q[kQueue];  // and live slots
+  int queued = 0, round = 0;
   for (int j0 = 0; j0 < n; j0 += G) {
     const int cnt = min(G, n - j0);
     row_t my_row;
@@ -239,7 +242,7 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
                                  next_row, next_w);
     }
     for (int u0 = 0; u0 < cnt; u0 += kRowsInFlight) {
-      const uint32_t stage = cell + (round % kStages) * (kRowsInFlight * kThreads * 16);
+      const uint32_t stage = cell + (round % kStages) * kStageStride;
       float w_new[kRowsInFlight];
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) {
@@ -248,19 +251,33 @@ __device__ __forceinline__ float4 pool_bag(const uint8_t* table, int row_bytes, 
         if (u0 + u < cnt) copy_async<w_t>(stage + u * kThreads * 16, table + static_cast<int64_t>(r) * row_bytes + col_off);
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
-      if (round > 0) {
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-        sum_round<w_t>(acc, cell + ((round - 1) % kStages) * (kRowsInFlight * kThreads * 16), w_wait, cnt_wait);
+      if (queued == kQueue) {  // the oldest round must land (and be summed) before its cells are reused
+        asm volatile("cp.async.wait_group %0;" ::"n"(kQueue) : "memory");
+        sum_round<w_t>(acc, cell + ((round - kQueue) % kStages) * kStageStride, w_q[0], cnt_q[0]);
+#pragma unroll
+        for (int q = 0; q + 1 < kQueue; ++q) {
+          cnt_q[q] = cnt_q[q + 1];
+#pragma unroll
+          for (int u = 0; u < kRowsInFlight; ++u) w_q[q][u] = w_q[q + 1][u];
+        }
+        --queued;
       }
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) w_wait[u] = w_new[u];
-      cnt_wait = cnt - u0;
+      for (int q = 0; q < kQueue; ++q) {  // append (compile-time indices: the queue stays in registers)
+        if (q == queued) {
+          cnt_q[q] = cnt - u0;
+#pragma unroll
+          for (int u = 0; u < kRowsInFlight; ++u) w_q[q][u] = w_new[u];
+        }
+      }
+      ++queued;
       ++round;
     }
   }
-  if (round > 0) {
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    sum_round<w_t>(acc, cell + ((round - 1) % kStages) * (kRowsInFlight * kThreads * 16), w_wait, cnt_wait);
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+#pragma unroll
+  for (int q = 0; q < kQueue; ++q) {
+    if (q < queued) sum_round<w_t>(acc, cell + ((round - queued + q) % kStages) * kStageStride, w_q[q], cnt_q[q]);
   }
   return acc;
 }
