@@ -15,9 +15,10 @@
 // (16 bytes for fp32). The ids of a bag are read G at a time, one per lane
 // (coalesced, bounds-checked once), the next chunk prefetched while this one
 // is pooled, and a group's next bag's first chunk while this bag is pooled
-// (its span two bags ahead); each row index is then broadcast with a shuffle and kRowsInFlight
-// row loads are issued before their sums, so a group keeps 8 rows (2 KiB at
-// dim 64) in flight without a dependent load between them. The pooled vector
+// (its span two bags ahead); each row index is then broadcast with a shuffle.
+// Rows are copied into shared memory (cp.async) in rounds of kRowsInFlight,
+// kStages rounds in flight per group (4 KiB at dim 64) while the oldest is
+// summed; registers held one round when rows were loaded into them. The pooled vector
 // is stored straight into the requester's output block [slot][owner = rank],
 // at row b and the feature's column: its final layout, no unpack.
 //
@@ -112,8 +113,8 @@ constexpr int kThreads = 256;
 
 constexpr int kRowsInFlight = 8;
 constexpr int kClaimBags = 8;  // bags per claim: ~0.1 claims per us per group (weak), an atomic in flight per unit
-// 16 warps per SM with 8 rows in flight each and no spills (3 blocks spilled and
-// measured no faster on s000, benchmarks/NOTES.md).
+// 16 warps per SM, no spills (3 blocks spilled and measured no faster on s000,
+// benchmarks/NOTES.md), 2 x kStageBytes (128 KiB) of row stages.
 constexpr int kMinBlocks = 2;
 
 // Out of line: the error path must not cost the hot loop registers.
@@ -175,7 +176,7 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
 // Stage layout (dynamic shared memory, kStageBytes per CTA):
 // [stage][slot u][thread] 16-byte cells, consecutive threads in consecutive
 // cells (conflict-free 16-byte accesses).
-constexpr int kStages = 2;
+constexpr int kStages = 2;  // 3 measured 1.5% slower on s000-weak (benchmarks/NOTES.md §25)
 constexpr int kStageBytes = kStages * kRowsInFlight * kThreads * 16;
 
 template <typename w_t>

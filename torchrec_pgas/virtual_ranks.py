@@ -131,10 +131,12 @@ class VirtualRanks:
         """Every rank's device error record of the last finished step (code, a, b, c; code 0: none),
         after a sync; reading clears them."""
         torch.cuda.current_stream().synchronize()
-        out = [tuple(s["status"].tolist()) for s in self._ranks]
+        out = []
         for s in self._ranks:
+            code, a, b, c = s["status"].tolist()
+            out.append((code, a, b, c))
             s["status"].zero_()
-        return out  # type: ignore[return-value]
+        return out
 
     def check(self) -> None:
         bad = [(r, e) for r, e in enumerate(self.errors()) if e[0] != 0]
