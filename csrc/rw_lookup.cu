@@ -456,13 +456,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) rw_lookup_kernel(RwParam
 
 template <typename row_t, bool kWeighted, bool kTrace>
 void launch_lookup(const RwParams& p, int group_lanes, int out_kind, bool after_exit, cudaStream_t stream) {
-  // One wave: W sources share the resident CTAs (one device per process, so the
-  // occupancy is computed once).
-  static const int resident = [] {
+  // One wave: W sources share the resident CTAs. The stages' shared-memory limit
+  // is a per-device attribute: set (and the occupancy computed) again when this
+  // process launches on another device.
+  static int resident_device = -1, resident = 0;
+  int device = 0;
+  PGAS_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != resident_device) {
     PGAS_CUDA_CHECK(cudaFuncSetAttribute(rw_lookup_kernel<row_t, kWeighted, kTrace>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kStageBytes));
-    return resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads, kStageBytes);
-  }();
+    resident = resident_ctas(rw_lookup_kernel<row_t, kWeighted, kTrace>, kThreads, kStageBytes);
+    resident_device = device;
+  }
   const int64_t bags = std::max<int64_t>(1, (p.lookup_f_hi - p.lookup_f_lo) * p.batch);
   const int64_t groups_per_cta = kThreads / group_lanes;
   const int64_t ctas = std::max<int64_t>(

@@ -82,12 +82,12 @@ fi
 if has virtual; then
   # One results.json per variant (the tree's first) under $OUT/virtual[-variant], their logs in virtual.log.
   read -r -a VARGS <<< "${VIRTUAL_ARGS:---preset s000-weak --preset s000-strong --world 1 --world 2 --pair rw --pair tw}"
-  cp -r csrc /tmp/csrc_tree
+  rm -rf /tmp/csrc_tree && cp -r csrc /tmp/csrc_tree  # the tree's sources: each variant starts from them
   for variant in tree ${AB_VARIANTS:-}; do
     name=virtual
     if [ "$variant" != tree ]; then
       name=virtual-$(basename "$variant")
-      cp "$variant"/csrc/* csrc/ && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
+      rm -rf csrc && cp -r /tmp/csrc_tree csrc && cp "$variant"/csrc/* csrc/ && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
         || { echo "build of $variant failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; continue; }
     fi
     log "virtual ranks ($variant): ${VARGS[*]}"
@@ -99,7 +99,8 @@ if has virtual; then
     grep -E "^W=|Error" /tmp/virtual.log | tee -a "$OUT/summary.txt"
   done
   if [ -n "${AB_VARIANTS:-}" ]; then  # the later steps test the tree
-    rm -rf csrc && cp -r /tmp/csrc_tree csrc && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1
+    rm -rf csrc && cp -r /tmp/csrc_tree csrc && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
+      || { echo "rebuild of the tree failed" | tee -a "$OUT/summary.txt"; exit 1; }
   fi
 fi
 
@@ -122,7 +123,8 @@ exec "$NCU" -f -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \\
 NCUEOF
   if [ -n "${NCU_VIRTUAL:-}" ]; then
     # NCU_VIRTUAL="--world 2 ...": benchmarks.virtual_ranks (one step after 3 warm-ups; ranks launch in
-    # order, so NCU_SKIP = 3 * W + r picks rank r's kernel of the timed step).
+    # order: with NCU_KERNELS naming one stage, NCU_SKIP = 3 * W + r picks rank r's kernel of the timed step;
+    # the default rw_ matches all three stages, 3 W kernels a step).
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" bash /tmp/ncu_rank0.sh "$PY" -m benchmarks.virtual_ranks \
       --preset "${NCU_PRESET:-profile}" --pair "${NCU_PAIR:-rw}" --steps 1 --sets 1 $NCU_VIRTUAL > "$OUT/ncu/ncu_run.log" 2>&1
   else

@@ -17,16 +17,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu]
 
 _ERR_BAD_ID, _ERR_BAD_ID_WARN = 1, 6  # csrc/rw_pipeline.cuh ErrorCode
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+_MAX_LEN = 40  # ids per bag
 
 
 def _inputs(rnd: random.Random, hash_sizes: List[int], batch: int, weighted: bool,
             dev: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
-    """One rank's step: bags of 0..12 ids (empty ones included), uniform or all in one corner of the table."""
+    """One rank's step: bags of 0..40 ids (empty ones included; long ones fill a group's row stages more than
+    once), uniform or all in one corner of the table."""
     lengths, values = [], []
     for n in hash_sizes:
         hot = rnd.random() < 0.3  # every id in the first or last few rows: one owner gets them all
         for _ in range(batch):
-            k = rnd.choice([0, rnd.randint(1, 12)])
+            k = rnd.choice([0, rnd.randint(1, 12), rnd.randint(1, 12), rnd.randint(13, _MAX_LEN)])
             lengths.append(k)
             lo, hi = (0, min(n, 3)) if hot and rnd.random() < 0.5 else (max(0, n - 3), n) if hot else (0, n)
             values += [rnd.randrange(lo, hi) for _ in range(k)]
@@ -54,7 +56,7 @@ def test_virtual_ranks_match_reference(world: int, table_wise: bool) -> None:
         is_mean = [rnd.random() < 0.4 for _ in tables]
         weighted = rnd.random() < 0.4
         owners = sorted(rnd.randrange(world) for _ in tables) if table_wise else None
-        vr = VirtualRanks(tables, world, max_batch=40, ids_capacity=40 * 12 * num, owners=owners,
+        vr = VirtualRanks(tables, world, max_batch=40, ids_capacity=40 * _MAX_LEN * num, owners=owners,
                           is_mean=is_mean, weighted=weighted, out_dtype=out_dtype)
         same_batch = rnd.randint(1, 40)
         for step in range(3):
@@ -81,7 +83,7 @@ def test_virtual_ranks_bad_id(world: int, mode: BoundsCheckMode) -> None:
     rnd = random.Random(world)
     hash_sizes = [1000, 37]
     tables = [torch.randn(n, 16, device=dev) for n in hash_sizes]
-    vr = VirtualRanks(tables, world, max_batch=8, ids_capacity=8 * 12 * 2, bounds_mode=mode)
+    vr = VirtualRanks(tables, world, max_batch=8, ids_capacity=8 * _MAX_LEN * 2 + 1, bounds_mode=mode)
     inputs = [_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)]
     values, offsets, _, batch = inputs[1]
     bag = batch + 3  # feature 1 (37 rows), bag 3: give it one more id, 37
