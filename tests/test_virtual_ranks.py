@@ -16,7 +16,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu]
 
 _ERR_BAD_ID, _ERR_BAD_ID_WARN = 1, 6  # csrc/rw_pipeline.cuh ErrorCode
-_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# Unit roundoff of the 16-bit output dtypes: row-wise partials are stored in the output dtype, so each owner's
+# partial is rounded before the requester sums them (as stock RW's reduce-scatter does).
+_UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 _MAX_LEN = 40  # ids per bag
 
 
@@ -38,10 +40,28 @@ def _inputs(rnd: random.Random, hash_sizes: List[int], batch: int, weighted: boo
     return ids.to(dev), offsets.to(dev), weights.to(dev) if weighted else None, batch
 
 
+def _check_pooled(out: torch.Tensor, tables: List[torch.Tensor], inp: Tuple, is_mean: List[bool],
+                  table_wise: bool, where: str) -> None:
+    """fp32: within 1e-5 of the float64 reference. 16-bit outputs: within two roundings of every partial and
+    of the result, 2u (sum |w x| + |ref|), where sum |w x| (the pool of |rows|, weights > 0) bounds each
+    partial's magnitude; a missing or extra row is far outside that."""
+    from torchrec_pgas.virtual_ranks import reference_pool
+
+    ref = reference_pool(tables, inp, is_mean, table_wise)
+    assert out.shape == ref.shape, (where, out.shape, ref.shape)
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{where}: {m}")
+        return
+    bound = reference_pool([t.abs() for t in tables], inp, is_mean, table_wise)
+    allowed = 2 * _UNIT[out.dtype] * (bound + ref.abs()) + 1e-6
+    excess = (out.double() - ref).abs() / allowed
+    assert float(excess.max()) <= 1.0, f"{where}: {int((excess > 1).sum())} elements off by up to {float(excess.max()):.2f}x the bound"
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("table_wise", [False, True], ids=["rw", "tw"])
 def test_virtual_ranks_match_reference(world: int, table_wise: bool) -> None:
-    from torchrec_pgas.virtual_ranks import VirtualRanks, reference_pool
+    from torchrec_pgas.virtual_ranks import VirtualRanks
 
     dev = torch.device("cuda", 0)
     for seed in range(12):
@@ -65,11 +85,8 @@ def test_virtual_ranks_match_reference(world: int, table_wise: bool) -> None:
             outs = vr.step(inputs)
             vr.check()
             for r, (out, inp) in enumerate(zip(outs, inputs)):
-                ref = reference_pool(tables, inp, is_mean, table_wise)
-                tol = _TOL[out_dtype]
-                assert out.dtype == out_dtype and out.shape == ref.shape, (seed, step, r)
-                torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol,
-                                           msg=lambda m: f"seed {seed} step {step} rank {r}: {m}")
+                assert out.dtype == out_dtype, (seed, step, r, out.dtype)
+                _check_pooled(out, tables, inp, is_mean, table_wise, f"seed {seed} step {step} rank {r}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
