@@ -14,13 +14,12 @@ table-wise puts consecutive tables on each rank. Prints the p50 per stage and ra
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchmarks.embedding import PRESETS, Workload, _commit, make_inputs
+from benchmarks.embedding import PRESETS, Workload, _commit, make_inputs, p50, p90
 from torchrec_pgas.virtual_ranks import STAGES, RankInput, VirtualRanks
 
 
@@ -38,12 +37,11 @@ def run(w: Workload, world: int, pair: str, steps: int, sets: int, device: torch
     nnz = max(int(x[0].numel()) for step in inputs for x in step)
     vr = VirtualRanks(tables, world, max_batch=w.batch_per_gpu, ids_capacity=nnz, owners=owners)
     times = vr.stage_times(inputs, steps)
-    p50 = {st: [statistics.median(t) for t in per_rank] for st, per_rank in times.items()}
-    p90 = {st: [statistics.quantiles(t, n=10)[-1] if len(t) > 1 else t[0] for t in per_rank]
-           for st, per_rank in times.items()}
+    mid = {st: [p50(t) for t in per_rank] for st, per_rank in times.items()}
+    high = {st: [p90(t) for t in per_rank] for st, per_rank in times.items()}
     return dict(name=w.name, preset=w.preset, pair=pair, world=world, tables=w.tables, rows=w.rows, dim=w.dim,
-                batch_per_rank=w.batch_per_gpu, nnz_per_rank=nnz, steps=steps, p50_ms=p50, p90_ms=p90,
-                rank_step_ms=[sum(p50[st][r] for st in STAGES) for r in range(world)],
+                batch_per_rank=w.batch_per_gpu, nnz_per_rank=nnz, steps=steps, p50_ms=mid, p90_ms=high,
+                rank_step_ms=[sum(mid[st][r] for st in STAGES) for r in range(world)],
                 steps_ms={st: [[round(x, 4) for x in t] for t in per_rank] for st, per_rank in times.items()})
 
 

@@ -52,9 +52,10 @@ log "install devbundle"
 bash .devbundle/install_on_device.sh /tmp/site > /tmp/setup.log 2>&1 || { cp /tmp/setup.log "$OUT/"; exit 1; }
 export PYTHONPATH=/tmp/site
 
+# Builds the extension from csrc/ as it is now (again after the virtual step swaps files in).
+build() { "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1; }
 log "build extension"
-"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
-  || { cp /tmp/setup.log "$OUT/"; tail -30 /tmp/setup.log | tee -a "$OUT/summary.txt"; exit 1; }
+build || { cp /tmp/setup.log "$OUT/"; tail -30 /tmp/setup.log | tee -a "$OUT/summary.txt"; exit 1; }
 "$PY" -c "import torchrec_pgas._C, torch; print('ops:', len([o for o in dir(torch.ops.torchrec_pgas)]))" | tee -a "$OUT/summary.txt"
 
 # benchmarks.embedding on $1 GPUs into $OUT/$2 (results.json kept), logged to $OUT/bench.log.
@@ -87,7 +88,7 @@ if has virtual; then
     name=virtual
     if [ "$variant" != tree ]; then
       name=virtual-$(basename "$variant")
-      rm -rf csrc && cp -r /tmp/csrc_tree csrc && cp "$variant"/csrc/* csrc/ && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
+      rm -rf csrc && cp -r /tmp/csrc_tree csrc && cp "$variant"/csrc/* csrc/ && build \
         || { echo "build of $variant failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; continue; }
     fi
     log "virtual ranks ($variant): ${VARGS[*]}"
@@ -99,7 +100,7 @@ if has virtual; then
     grep -E "^W=|Error" /tmp/virtual.log | tee -a "$OUT/summary.txt"
   done
   if [ -n "${AB_VARIANTS:-}" ]; then  # the later steps test the tree
-    rm -rf csrc && cp -r /tmp/csrc_tree csrc && "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1 \
+    rm -rf csrc && cp -r /tmp/csrc_tree csrc && build \
       || { echo "rebuild of the tree failed" | tee -a "$OUT/summary.txt"; exit 1; }
   fi
 fi

@@ -170,15 +170,15 @@ def reference_pool(tables: Sequence[torch.Tensor], inp: RankInput, is_mean: Sequ
         off = offsets[f * batch:(f + 1) * batch + 1]
         ids = values[off[0]:off[-1]].long()
         w = weights[off[0]:off[-1]].double() if weights is not None else None
-        pooled = torch.nn.functional.embedding_bag(ids, t.double(), off[:-1] - off[0], mode="sum",
-                                                   per_sample_weights=w, include_last_offset=False)
+        starts = off[:-1] - off[0]
+        pooled = torch.nn.functional.embedding_bag(ids, t.double(), starts, mode="sum", per_sample_weights=w)
         if mean:
             lengths = (off[1:] - off[:-1]).double()
             if table_wise:
                 pooled = pooled * torch.where(lengths > 0, 1.0 / lengths.clamp(min=1), 1.0)[:, None]
-            else:
-                div = lengths if w is None else torch.zeros(batch, dtype=torch.float64, device=ids.device).index_add_(
-                    0, torch.repeat_interleave(torch.arange(batch, device=ids.device), off[1:] - off[:-1]), w)
+            else:  # the bag's length, or its weight sum: the same pool over a column of ones
+                ones = torch.ones(t.size(0), 1, dtype=torch.float64, device=ids.device)
+                div = torch.nn.functional.embedding_bag(ids, ones, starts, mode="sum", per_sample_weights=w)[:, 0]
                 pooled = pooled / (div + 1e-6)[:, None]
         cols.append(pooled)
     return torch.cat(cols, dim=1)
