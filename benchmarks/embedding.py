@@ -17,8 +17,8 @@ per-rank inputs and must agree before anything is timed. Then:
   would). Stock TorchRec cannot be captured: its input dist reads the splits
   all-to-all's result on the host (a sync), so only its eager time exists;
 * stages: a separate pass with events at the ShardedModule stage boundaries
-  (input dist awaitables, compute, output dist) and inside the PGAS pipeline
-  (between the fused lookup and the finalize), see ``torchrec_pgas.profiling``;
+  (input dist awaitables, compute, output dist) and inside the PGAS step
+  (between the pooled lookup and the combine), see ``torchrec_pgas.profiling``;
 * roofline: floor = max over ranks of max(HBM bytes gathered / HBM bandwidth,
   bytes this rank sends over NVLink / P2P bandwidth), both bandwidths measured
   in the same run (device copy; concurrent peer copies to the next rank);
@@ -65,8 +65,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling
-from torchrec_pgas.embeddingbag import pgas_lookups
-from torchrec_pgas.layout import RwLayout
+from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
+from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import fill_embeddings_
 
@@ -80,13 +80,13 @@ class Pair:
     stock_plan: Callable[[int, int], Any]
     pgas_plan: Callable[[int, int], Any]
     stock_stages: Tuple[str, ...]
-    pgas_stages: Tuple[str, ...] = ("index_dist", "index_dist", "index_dist", "finalize", "output_dist")
+    pgas_stages: Tuple[str, ...] = ("index_dist", "index_dist", "index_dist", "combine", "output_dist")
 
 
 # Stock boundaries: input_dist() (RW: bucketize + splits a2a launch; TW: splits a2a launch), the first
 # wait (splits a2a, a host sync, + values a2a launch), the second wait, compute (TBE), the output dist
 # (RW: reduce-scatter; TW: all-to-all). PGAS: host checks + index-dist kernel, nothing, nothing, the
-# lookup (its "lookup" mark) + finalize, nothing. Table-wise tables go round-robin over the ranks.
+# lookup (its "lookup" mark) + combine, nothing. Table-wise tables go round-robin over the ranks.
 PAIRS: Dict[str, Pair] = {
     "rw": Pair("row_wise", "pgas_row_wise", lambda i, w: row_wise(compute_kernel="fused"),
                lambda i, w: pgas_row_wise(), ("bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist")),
@@ -262,8 +262,8 @@ def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Di
     total = 0
     for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
         ws = list(group)
-        total += RwLayout(world_size=world, num_features=key[0], max_batch=max(w.batch_per_gpu for w in ws),
-                          ids_capacity=capacity[key], dim_sum=key[0] * key[2], weighted=False).nbytes
+        total += StepLayout(world_size=world, num_features=key[0], max_batch=max(w.batch_per_gpu for w in ws),
+                            ids_capacity=capacity[key], dim_sum=key[0] * key[2], weighted=False).nbytes
     return total
 
 
@@ -346,11 +346,11 @@ def comm_timeline(dmp: DistributedModelParallel, x: KeyedJaggedTensor, expected_
                   records: int = 4096) -> List[Tuple[float, int]]:
     """(ms since the step's index dist started, bytes this rank has stored into peers) of one traced
     PGAS step, a record each ~1/500 of the expected bytes."""
-    (pipeline,) = [lookup._pipeline for lookup in pgas_lookups(dmp)]  # the benchmark's EBC: one type
-    trace = pipeline.trace_comm(records, max(64, expected_bytes // 500))
+    (trace,) = trace_comm(dmp, records, max(64, expected_bytes // 500)).values()  # the benchmark's EBC: one type
     dmp(x)
     torch.cuda.synchronize()
-    pipeline.stop_trace()
+    for step in pgas_steps(dmp):
+        step.stop_trace()
     t = trace.cpu().tolist()
     return [(0.0, 0)] + [((ns - t[0][0]) / 1e6, b) for ns, b in t[1:] if ns > 0]
 

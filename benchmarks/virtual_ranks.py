@@ -4,7 +4,7 @@
 
 What a W-GPU step's kernels cost without the wire, on a machine with one GPU: each rank's index dist takes
 its owner-dependent path (bucketize by owner for row-wise at W >= 2), its lookup serves W sources from its
-row blocks, its finalize sums W partials. Stores into "peers" land in this GPU's HBM, and ranks run one after
+row blocks, its combine sums W partials. Stores into "peers" land in this GPU's HBM, and ranks run one after
 another, so a stage's time here is its work alone; the W-GPU step adds NVLink and its drain. The workloads
 are ``benchmarks.embedding``'s presets at world size W (the same tables, batch per rank and ids);
 table-wise puts consecutive tables on each rank. Prints the p50 per stage and rank and writes

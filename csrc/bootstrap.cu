@@ -24,9 +24,7 @@ at::Tensor pgas_unique_id() {
   return out;
 }
 
-int64_t pgas_init_status() { return nvshmemx_init_status(); }
-
-int64_t pgas_init(const at::Tensor& uid, int64_t rank, int64_t world_size) {
+void pgas_init(const at::Tensor& uid, int64_t rank, int64_t world_size) {
   TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte &&
                   uid.numel() == static_cast<int64_t>(sizeof(nvshmemx_uniqueid_t)),
               "pgas_init: uid must be the CPU uint8 tensor of pgas_unique_id()");
@@ -42,7 +40,6 @@ int64_t pgas_init(const at::Tensor& uid, int64_t rank, int64_t world_size) {
               "NVSHMEM world (pe ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
               ") differs from the process group (rank ", rank, " of ", world_size,
               "): torchrec-pgas needs the global world, as torch's symmetric memory uses");
-  return nvshmemx_init_status();
 }
 
 void pgas_finalize() { nvshmem_finalize(); }

@@ -5,11 +5,12 @@
 #include <torch/library.h>
 #include <torch/extension.h>
 
+#include "step_abi.h"
+
 namespace torchrec_pgas {
 
 at::Tensor pgas_unique_id();
-int64_t pgas_init_status();
-int64_t pgas_init(const at::Tensor& uid, int64_t rank, int64_t world_size);
+void pgas_init(const at::Tensor& uid, int64_t rank, int64_t world_size);
 void pgas_finalize();
 at::Tensor pgas_alloc(int64_t nbytes);
 void pgas_free(const at::Tensor& buf);
@@ -20,24 +21,22 @@ void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer);
 void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, int64_t timeout_ns,
                const at::Tensor& status);
 
-void rw_index_dist(const at::Tensor& values, const at::Tensor& offsets,
-                   const c10::optional<at::Tensor>& weights, const at::Tensor& buf,
-                   const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
+void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
+                const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
+                const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
+                const at::Tensor& config, int64_t batch);
+void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                    const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                   at::IntArrayRef cfg, int64_t batch);
-void rw_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-               const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
-               const at::Tensor& status, at::IntArrayRef cfg, int64_t batch, int64_t max_dim,
-               at::ScalarType out_dtype, bool after_exit);
-at::Tensor rw_finalize(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-                       const at::Tensor& features, const at::Tensor& col_feature,
-                       const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                       at::IntArrayRef cfg, int64_t batch, at::ScalarType out_dtype);
-at::Tensor rw_finalize_meta(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-                            const at::Tensor& features, const at::Tensor& col_feature,
-                            const at::Tensor& state, const at::Tensor& bag_div,
-                            const at::Tensor& status, at::IntArrayRef cfg, int64_t batch,
-                            at::ScalarType out_dtype);
+                   const at::Tensor& config, int64_t batch, int64_t max_dim, at::ScalarType out_dtype,
+                   bool after_exit);
+at::Tensor combine_partials(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                            const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+                            const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
+                            int64_t batch, at::ScalarType out_dtype);
+at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                                 const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+                                 const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
+                                 int64_t batch, at::ScalarType out_dtype);
 
 namespace {
 at::Tensor alloc_meta(int64_t nbytes) {
@@ -48,34 +47,35 @@ at::Tensor alloc_meta(int64_t nbytes) {
 }  // namespace torchrec_pgas
 
 TORCH_LIBRARY(torchrec_pgas, m) {
+  // The Python <-> CUDA contract this build was compiled with (step_abi.h).
+  m.def("step_abi() -> str", [] { return torchrec_pgas::describe_step_abi(); });
   // Bootstrap and allocation: host-side, no tensor dispatch key.
   m.def("unique_id() -> Tensor", &torchrec_pgas::pgas_unique_id);
-  m.def("init_status() -> int", &torchrec_pgas::pgas_init_status);
-  m.def("init(Tensor uid, int rank, int world_size) -> int", &torchrec_pgas::pgas_init);
+  m.def("init(Tensor uid, int rank, int world_size) -> ()", &torchrec_pgas::pgas_init);
   m.def("finalize() -> ()", &torchrec_pgas::pgas_finalize);
   m.def("barrier_all() -> ()", &torchrec_pgas::pgas_barrier_all);
   m.def("alloc(int nbytes) -> Tensor");
   m.def("free(Tensor buf) -> ()");
   m.def("peer_ptr(Tensor local, int pe) -> int");
-  // One-sided data movement on the current stream.
+  // The runtime's reference put/signal/wait on the current stream (put_signal.cu).
   m.def("put(Tensor(a!) dst, Tensor src, int peer) -> ()");
   m.def("signal(Tensor(a!) word, int value, int peer) -> ()");
   m.def("wait(Tensor pad, Tensor slots, int epoch, int timeout_ns, Tensor(a!) status) -> ()");
-  // pgas_row_wise and pgas_table_wise, one op per stage (see rw_pipeline.cuh for the protocol).
-  // buf/pad: this rank's symmetric buffer and signal pad; peers: int64[2, W]
-  // peer addresses; features: int64[F, kFeatureWords] RwFeature rows; state: device
-  // scratch; bag_div: MEAN divisors; status: pinned error record; cfg: layout.
+  // The three stages of a pgas_row_wise / pgas_table_wise step (step_protocol.cuh).
+  // buf/pad: this rank's symmetric buffer and signal pad; peers: int64[2, W] peer
+  // addresses; features: FeatureDesc[F] (int64 words); state: StateWord[kStateWords];
+  // bag_div: MEAN divisors; status: pinned ErrorRecord; config: the bytes of a
+  // StepConfig (CPU uint8).
   m.def(
-      "rw_index_dist(Tensor values, Tensor offsets, Tensor? weights, Tensor(a!) buf, Tensor(b!) pad, "
-      "Tensor peers, Tensor features, Tensor(c!) state, Tensor(d!) bag_div, Tensor(e!) status, "
-      "int[] cfg, int batch) -> ()");
+      "index_dist(Tensor values, Tensor offsets, Tensor? weights, Tensor(a!) buf, Tensor(b!) pad, Tensor peers, "
+      "Tensor features, Tensor(c!) state, Tensor(d!) bag_div, Tensor(e!) status, Tensor config, int batch) -> ()");
   m.def(
-      "rw_lookup(Tensor(a!) buf, Tensor(b!) pad, Tensor peers, Tensor features, Tensor(c!) state, "
-      "Tensor bag_div, Tensor(d!) status, int[] cfg, int batch, int max_dim, ScalarType out_dtype, "
+      "pooled_lookup(Tensor(a!) buf, Tensor(b!) pad, Tensor peers, Tensor features, Tensor(c!) state, "
+      "Tensor bag_div, Tensor(d!) status, Tensor config, int batch, int max_dim, ScalarType out_dtype, "
       "bool after_exit) -> ()");
   m.def(
-      "rw_finalize(Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor col_feature, "
-      "Tensor(b!) state, Tensor bag_div, Tensor(c!) status, int[] cfg, int batch, ScalarType out_dtype) "
+      "combine_partials(Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor(b!) state, "
+      "Tensor bag_div, Tensor(c!) status, Tensor config, Tensor col_feature, int batch, ScalarType out_dtype) "
       "-> Tensor");
 }
 
@@ -85,7 +85,7 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, Meta, m) {
   m.impl("alloc", &torchrec_pgas::alloc_meta);
-  m.impl("rw_finalize", &torchrec_pgas::rw_finalize_meta);
+  m.impl("combine_partials", &torchrec_pgas::combine_partials_meta);
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
@@ -94,9 +94,9 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
   m.impl("put", &torchrec_pgas::pgas_put);
   m.impl("signal", &torchrec_pgas::pgas_signal);
   m.impl("wait", &torchrec_pgas::pgas_wait);
-  m.impl("rw_index_dist", &torchrec_pgas::rw_index_dist);
-  m.impl("rw_lookup", &torchrec_pgas::rw_lookup);
-  m.impl("rw_finalize", &torchrec_pgas::rw_finalize);
+  m.impl("index_dist", &torchrec_pgas::index_dist);
+  m.impl("pooled_lookup", &torchrec_pgas::pooled_lookup);
+  m.impl("combine_partials", &torchrec_pgas::combine_partials);
 }
 
 // Importing torchrec_pgas._C registers the ops above.

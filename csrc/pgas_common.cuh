@@ -18,14 +18,6 @@
 
 namespace torchrec_pgas {
 
-// Status words the device writes into pinned host memory; the host reads them
-// after the stream is synchronized (see PgasRuntime.check()).
-enum DeviceStatus : int64_t {
-  kStatusOk = 0,
-  kStatusTimeout = 1,  // a waited-for signal did not arrive in time
-  kStatusPeerAbort = 2,  // a peer set the abort word of the pad
-};
-
 // Acquire load at system scope: a peer's signal store is followed by reads of
 // the data it published, so the data loads must not be hoisted above it.
 __device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* p) {
@@ -62,7 +54,7 @@ int resident_ctas(Kernel kernel, int threads, int dynamic_smem = 0) {
 // operations have: for a stage kernel whose NVLink stores are still draining
 // into a peer, that is tens of microseconds with no CTA on any SM. Only for
 // kernels that read nothing of their predecessor's except through the acquire
-// of a signal it releases (the stage protocol of rw_pipeline.cuh); the next
+// of a signal it releases (the stage protocol of step_protocol.cuh); the next
 // plain launch on the stream still waits for both grids. Stream capture keeps
 // the relaxed edge in the graph. `allowed` false, or TORCHREC_PGAS_PDL=0:
 // launched in stream order.

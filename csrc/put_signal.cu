@@ -1,7 +1,9 @@
-// Host-API data movement of the PGAS runtime: put, signal, wait (torch.ops.torchrec_pgas).
-//
-// These are the generic building blocks behind PgasRuntime.put/signal/wait on
-// the nvshmem backend; the fused row-wise kernels do the same inside one launch.
+// The reference path of the PGAS runtime on GPUs: put, signal, wait
+// (torch.ops.torchrec_pgas), behind PgasRuntime.put/signal/wait of the nvshmem
+// backend. The fused stage kernels do not use them (they store into peers
+// through NVLink pointers inside one launch); the runtime's abort is built on
+// put + signal, and the tests check the runtime API here. They are the path
+// for peers that are not load/store reachable.
 //
 // Memory layout: every buffer is symmetric (nvshmem_align), so a *local*
 // address names the same offset on every PE. A signal pad is an int64 array:
@@ -22,6 +24,7 @@
 #include <nvshmemx.h>
 
 #include "pgas_common.cuh"
+#include "step_abi.h"
 
 namespace torchrec_pgas {
 namespace {
@@ -50,11 +53,11 @@ __global__ void wait_kernel(const int64_t* pad, const int64_t* slots, int num_sl
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(word) < epoch) {
     if (ld_volatile(pad) != 0) {
-      status[0] = kStatusPeerAbort;
+      status[0] = static_cast<int64_t>(DeviceStatus::kPeerAbort);
       return;
     }
     if (global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-      status[0] = kStatusTimeout;
+      status[0] = static_cast<int64_t>(DeviceStatus::kTimeout);
       status[1] = slots[i];
       return;
     }

@@ -13,7 +13,7 @@ import torch
 from benchmarks.embedding import PRESETS, make_inputs
 
 STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"]
-PGAS_STAGES = ["index_dist", "lookup", "finalize", "output_dist"]  # "lookup" is the pipeline's own mark
+PGAS_STAGES = ["index_dist", "lookup", "combine", "output_dist"]  # "lookup" is the step's own mark
 
 
 def _run(tmp: str, world: int, *extra: str) -> Dict[str, Any]:

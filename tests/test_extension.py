@@ -9,7 +9,8 @@ import pathlib
 import pytest
 import torch
 
-from torchrec_pgas.layout import RwLayout
+from torchrec_pgas.layout import StepLayout
+from torchrec_pgas.step_abi import BoundsMode, as_tensor
 
 try:
     import torchrec_pgas._C as _C
@@ -24,8 +25,8 @@ def test_built_for_hopper_with_device_link() -> None:
     blob = pathlib.Path(_C.__file__).read_bytes()
     assert b"-arch sm_90a" in blob  # TORCH_CUDA_ARCH_LIST=9.0a, device-linked
     assert b"nvshmem_device" in blob  # NVSHMEM device library linked in (-rdc + dlink)
-    for kernel in (b"put_kernel", b"signal_kernel", b"wait_kernel", b"rw_index_dist_kernel", b"rw_lookup_kernel",
-                   b"rw_finalize_kernel"):
+    for kernel in (b"put_kernel", b"signal_kernel", b"wait_kernel", b"index_dist_kernel", b"pooled_lookup_kernel",
+                   b"combine_partials_kernel"):
         assert kernel in blob
 
 
@@ -37,7 +38,8 @@ def test_ops_registered() -> None:
         "put": "torchrec_pgas::put(Tensor(a!) dst, Tensor src, int peer) -> ()",
         "signal": "torchrec_pgas::signal(Tensor(a!) word, int value, int peer) -> ()",
         "wait": "torchrec_pgas::wait(Tensor pad, Tensor slots, int epoch, int timeout_ns, Tensor(a!) status) -> ()",
-        "init": "torchrec_pgas::init(Tensor uid, int rank, int world_size) -> int",
+        "init": "torchrec_pgas::init(Tensor uid, int rank, int world_size) -> ()",
+        "step_abi": "torchrec_pgas::step_abi() -> str",
     }
     for name, schema in expected.items():
         assert str(getattr(ops, name).default._schema) == schema
@@ -46,7 +48,7 @@ def test_ops_registered() -> None:
 @needs_ext
 def test_dispatch_keys_and_meta_impl() -> None:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    for op in ("put", "signal", "wait", "free"):
+    for op in ("put", "signal", "wait", "free", "index_dist", "pooled_lookup", "combine_partials"):
         assert has(f"torchrec_pgas::{op}", "CUDA"), op
     assert has("torchrec_pgas::alloc", "Meta")
     meta = torch.ops.torchrec_pgas.alloc.default.redispatch(
@@ -56,12 +58,14 @@ def test_dispatch_keys_and_meta_impl() -> None:
 
 
 @needs_ext
-def test_rw_finalize_meta_impl_takes_the_layout_config() -> None:
-    """Fake/meta tracing of the step (torch.compile, FX) goes through this impl."""
+def test_combine_partials_meta_impl() -> None:
+    """Fake/meta tracing of the step (torch.compile, FX) goes through this impl: [batch, 4 x column vectors]."""
     meta = torch.device("meta")
     t = torch.empty(8, dtype=torch.int64, device=meta)
-    lay = RwLayout(world_size=2, num_features=3, max_batch=16, ids_capacity=64, dim_sum=24, weighted=False, id_bytes=4)
-    cfg = lay.kernel_config(timeout_ns=10**9, rank=0, bounds_mode=0)
-    out = torch.ops.torchrec_pgas.rw_finalize(torch.empty(lay.nbytes, dtype=torch.uint8, device=meta),
-                                             t, t, t, t, t, t, t, cfg, 5, torch.bfloat16)
+    lay = StepLayout(world_size=2, num_features=3, max_batch=16, ids_capacity=64, dim_sum=24, weighted=False,
+                     id_bytes=4)
+    config = as_tensor(lay.config(timeout_ns=10**9, rank=0, bounds_mode=BoundsMode.FATAL))
+    col_feature = torch.empty(6, dtype=torch.int32, device=meta)
+    out = torch.ops.torchrec_pgas.combine_partials(torch.empty(lay.nbytes, dtype=torch.uint8, device=meta),
+                                                  t, t, t, t, t, t, config, col_feature, 5, torch.bfloat16)
     assert out.shape == (5, 24) and out.dtype == torch.bfloat16 and out.device.type == "meta"

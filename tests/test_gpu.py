@@ -441,44 +441,41 @@ def test_forward_replays_in_a_cuda_graph(kind: str) -> None:
 
 def _comm_trace(rank: int, world: int, kind: str) -> Dict[str, Any]:
     """One traced step: the kernels' remote-store counter must equal the bytes the protocol sends."""
-    from torchrec_pgas.embeddingbag import pgas_lookups
-    from torchrec_pgas.sharding.device_pipeline import TRACE_WORDS
-
     model = default_model()
     dev = _device(rank)
     pgas = shard(model, _types(model, kind, world), dist.group.WORLD, dev,
                  PgasConfig(max_local_batch_size=16, wait_timeout_s=20))
-    (pipe,) = [lk._pipeline for lk in pgas_lookups(pgas) if "tf0" in lk._pipeline.feature_names]
+    (step,) = [s for s in torchrec_pgas.pgas_steps(pgas) if "tf0" in s.feature_names]
     gen = seeded(rank)
     tables = model.ebc.embedding_bag_configs()
     kjt = random_kjt(tables, 16, gen, 6).to(dev)
     wkjt = random_kjt(model.webc.embedding_bag_configs(), 16, gen, 6, weighted=True).to(dev)
     with torch.no_grad():
         pgas(kjt, wkjt)  # warm-up: binds the weights
-        trace = pipe.trace_comm(1024, 64)
+        trace = step.trace_comm(1024, 64)
         pgas(kjt, wkjt)
         check_errors(pgas)
-        pipe.stop_trace()
-    counted = int(pipe._state[TRACE_WORDS[3]])
+        step.stop_trace()
+    counted = step.traced_remote_bytes()
     # What the protocol stores into other ranks (layout.py): ids and a length + offset per bag to
     # each remote rank holding rows of the bag's table; pooled rows (fp32) to each remote requester.
-    f_lo, f_hi = pipe._lookup
+    f_lo, f_hi = step.lookup_features
     ids = kjt.values()
     # Each id's feature, as an index into the sharding's feature order (not the KJT's key order).
-    order = torch.tensor([pipe.feature_names.index(k) for k in kjt.keys()], device=dev)
+    order = torch.tensor([step.feature_names.index(k) for k in kjt.keys()], device=dev)
     feats = torch.repeat_interleave(order, kjt.lengths().view(len(kjt.keys()), -1).sum(1))
     bags = 16
     if kind == PGAS_TABLE_WISE:
-        owner = [r for r, (lo, hi) in enumerate(_all_gather_range(pipe._lookup, world)) for _ in range(hi - lo)]
+        owner = [r for r, (lo, hi) in enumerate(_all_gather_range(step.lookup_features, world)) for _ in range(hi - lo)]
         remote_features = [f for f in range(len(owner)) if owner[f] != rank]
-        id_bytes = sum(int((feats == f).sum()) for f in remote_features) * pipe.layout.id_bytes
+        id_bytes = sum(int((feats == f).sum()) for f in remote_features) * step.layout.id_bytes
         meta_bytes = 12 * bags * len(remote_features)
-        out_bytes = (world - 1) * bags * 4 * sum(pipe.feature_dims[f_lo:f_hi])
+        out_bytes = (world - 1) * bags * 4 * sum(step.spec.dims[f_lo:f_hi])
     else:
-        blocks = torch.tensor(pipe.shard_rows, device=dev)[feats]
-        id_bytes = int((ids // blocks != rank).sum()) * pipe.layout.id_bytes
+        blocks = torch.tensor(step.spec.shard_rows, device=dev)[feats]
+        id_bytes = int((ids // blocks != rank).sum()) * step.layout.id_bytes
         meta_bytes = 12 * bags * len(kjt.keys()) * (world - 1)
-        out_bytes = (world - 1) * bags * 4 * sum(pipe.feature_dims)
+        out_bytes = (world - 1) * bags * 4 * sum(step.spec.dims)
     t = trace.cpu()
     sent = t[1:, 1][t[1:, 0] > 0]  # record k: the first count at or past k * 64 bytes
     return {"counted": counted, "expected": id_bytes + meta_bytes + out_bytes,

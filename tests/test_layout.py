@@ -1,11 +1,11 @@
-"""The symmetric-buffer layout of pgas_row_wise: blocks are disjoint, aligned and in bounds."""
+"""The symmetric-buffer layout of a PGAS step: blocks are disjoint, aligned and in bounds."""
 
 import itertools
 
 import pytest
 import torch
 
-from torchrec_pgas.layout import RwLayout, divisor_magic, id_bytes_for
+from torchrec_pgas.layout import StepLayout, divisor_magic, id_bytes_for
 
 
 @pytest.mark.parametrize("world,features,batch,cap,dim,weighted,id_bytes", [
@@ -16,7 +16,7 @@ from torchrec_pgas.layout import RwLayout, divisor_magic, id_bytes_for
 def test_blocks_are_disjoint_aligned_and_in_bounds(
     world: int, features: int, batch: int, cap: int, dim: int, weighted: bool, id_bytes: int
 ) -> None:
-    lay = RwLayout(world, features, batch, cap, dim, weighted, id_bytes=id_bytes)
+    lay = StepLayout(world, features, batch, cap, dim, weighted, id_bytes=id_bytes)
     spans = []
     for slot, peer in itertools.product(range(lay.num_slots), range(world)):
         i = lay.index_block(slot, peer)
@@ -40,7 +40,7 @@ def test_blocks_are_disjoint_aligned_and_in_bounds(
 def test_ids_are_int32_unless_a_shard_needs_64_bits() -> None:
     assert id_bytes_for([10, 2**31 - 1]) == 4
     assert id_bytes_for([10, 2**31]) == 8
-    assert RwLayout(2, 1, 1, 8, 4, False, id_bytes=4).id_dtype == torch.int32
+    assert StepLayout(2, 1, 1, 8, 4, False, id_bytes=4).id_dtype == torch.int32
 
 
 @pytest.mark.parametrize("divisor", [1, 2, 3, 7, 1000, 500_000, 2**20, 2**20 + 1, 2**30 + 7, 2**31 - 1])

@@ -27,7 +27,7 @@ def _row(preset: str, tables: int, batch: int, pooling: int, stock: float, pgas:
         "speedup_eager": stock / pgas, "speedup_graph": graph and stock / graph,
         "stock_stages_ms": {"bucketize": stock / 4, "splits_a2a": stock / 4, "values_a2a": stock / 4,
                             "lookup": stock / 8, "output_dist": stock / 8},
-        "pgas_stages_ms": {"index_dist": pgas / 4, "lookup": pgas / 2, "finalize": pgas / 8, "output_dist": pgas / 8},
+        "pgas_stages_ms": {"index_dist": pgas / 4, "lookup": pgas / 2, "combine": pgas / 8, "output_dist": pgas / 8},
         "hbm_bytes": 8 * nvlink, "nvlink_bytes": nvlink, "floor_ms": floor,
         "roofline_stock": floor / stock, "roofline_pgas": floor / pgas, "roofline_graph": graph and floor / graph,
         "max_abs_err": 0.0,

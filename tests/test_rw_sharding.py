@@ -9,7 +9,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.embeddingbag import pgas_lookups
+from torchrec_pgas.embeddingbag import pgas_steps
 from torchrec_pgas.testing import (
     all_tables,
     compare_with_stock,
@@ -35,7 +35,7 @@ def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
     pgas = shard(model, all_tables(model, PGAS_ROW_WISE), dist.group.WORLD, CPU, SMALL)
     stock = shard(model, all_tables(model, "row_wise"), dist.group.WORLD, CPU, stock=True)
     return {
-        "lookups": len(list(pgas_lookups(pgas))),
+        "steps": len(list(pgas_steps(pgas))),
         "diffs": cmp.max_abs_diff,
         "same_state_dict": shard_metadata(pgas.state_dict()) == shard_metadata(stock.state_dict()),
         "keys": sorted(pgas.state_dict().keys()),
@@ -49,7 +49,7 @@ def test_matches_stock_row_wise(world: int) -> None:
     for res in run_distributed(_matches_stock, world):
         # compare_with_stock asserted closeness per batch; every key was seen.
         assert len(res["diffs"]) == 10
-        assert res["lookups"] == 2  # check_errors reaches both EBCs' PGAS lookups
+        assert res["steps"] == 2  # check_errors reaches both EBCs' PGAS steps
         assert res["same_state_dict"]
         assert "ebc.embedding_bags.t1.weight" in res["keys"]
         assert res["optim_keys"] == res["stock_optim_keys"] and res["optim_keys"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, pgas_lookups
+from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, pgas_steps
 from torchrec_pgas.testing import (
     all_tables,
     check_errors,
@@ -56,9 +56,9 @@ def _matches_stock(rank: int, world: int, device: str) -> Dict[str, Any]:
     return {
         # TW orders features rank by rank: the sharding reads the input order, TorchRec copies nothing.
         "permutes": [m._has_features_permute for m in ebcs],
-        "input_orders": [m._embedding_shardings[0]._pipeline._input_order is not None for m in ebcs],
+        "input_orders": [step.reads_input_order for m in ebcs for step in pgas_steps(m)],
         "diffs": cmp.max_abs_diff,
-        "lookups": len(list(pgas_lookups(pgas))),
+        "steps": len(list(pgas_steps(pgas))),
         "same_state_dict": shard_metadata(pgas.state_dict()) == shard_metadata(stock.state_dict()),
         "optim_keys": sorted(pgas.fused_optimizer.state_dict()["state"].keys()),
         "stock_optim_keys": sorted(stock.fused_optimizer.state_dict()["state"].keys()),
@@ -71,7 +71,7 @@ def test_matches_stock_table_wise_bit_exact(device: str, world: int) -> None:
     order, and the GPU kernel means with the TBE's arithmetic: tol=0 (bit-exact)."""
     for res in _run(_matches_stock, world, device):
         assert len(res["diffs"]) == 10 and max(res["diffs"].values()) == 0.0
-        assert res["lookups"] == 2 and res["same_state_dict"]
+        assert res["steps"] == 2 and res["same_state_dict"]
         assert res["permutes"] == [False, False] and any(res["input_orders"])
         assert res["optim_keys"] == res["stock_optim_keys"] and res["optim_keys"]
 
@@ -181,18 +181,16 @@ def _corrupt_peer(rank: int, world: int, kind: str) -> str:
     types = all_tables(model, PGAS_ROW_WISE) if kind == PGAS_ROW_WISE else spread_tables(model, world)
     sharded = shard(model, types, dist.group.WORLD, CPU, SMALL)
     if rank == 1:
-        for lookup in pgas_lookups(sharded):
-            pipe = lookup._pipeline
-            assert pipe is not None
-            put, ids_off = pipe.rt.put, pipe.layout.ids_off
+        for step in pgas_steps(sharded):
+            put, layout = step.rt.put, step.layout
 
-            def corrupt(buf: Any, dest: int, offset: int, data: torch.Tensor, put: Any = put, ids_off: int = ids_off) -> None:
-                if dest == 0 and offset % pipe.layout.index_block_bytes == ids_off and data.numel():
+            def corrupt(buf: Any, dest: int, offset: int, data: torch.Tensor, put: Any = put, layout: Any = layout) -> None:
+                if dest == 0 and offset % layout.index_block_bytes == layout.ids_off and data.numel():
                     data = data.clone()
                     data[0] = 10**6
                 put(buf, dest, offset, data)
 
-            pipe.rt.put = corrupt  # type: ignore[method-assign]
+            step.rt.put = corrupt  # type: ignore[method-assign]
     kjt, wkjt = sample_batches(model, rank)[0]
     try:
         with torch.no_grad():
@@ -213,8 +211,8 @@ def test_feature_owners_must_match_the_ranks_and_the_lookup_range() -> None:
     """The kernels index peer buffers by owner: inconsistent owners are refused before any launch."""
     from types import SimpleNamespace
 
-    from torchrec_pgas.sharding.common import pooled_output_dtype
-    from torchrec_pgas.sharding.device_pipeline import FeatureOwners
+    from torchrec_pgas.sharding.device_step import FeatureOwners
+    from torchrec_pgas.sharding.stages import pooled_output_dtype
 
     FeatureOwners([0, 0, 0], 3, [0, 1, 0], (0, 3), False).check(world=3, rank=2)  # row-wise
     FeatureOwners([0, 1, 1, 2], 1, [0] * 4, (1, 3), True).check(world=3, rank=1)  # table-wise

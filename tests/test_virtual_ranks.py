@@ -13,9 +13,10 @@ import pytest
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
+from torchrec_pgas.step_abi import ErrorCode
+
 pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu]
 
-_ERR_BAD_ID, _ERR_BAD_ID_WARN = 1, 6  # csrc/rw_pipeline.cuh ErrorCode
 # Unit roundoff of the 16-bit output dtypes: row-wise partials are stored in the output dtype, so each owner's
 # partial is rounded before the requester sums them (as stock RW's reduce-scatter does).
 _UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -110,7 +111,7 @@ def test_virtual_ranks_bad_id(world: int, mode: BoundsCheckMode) -> None:
     inputs[1] = (values, offsets, None, batch)
     outs = vr.step(inputs)
     errors = vr.errors()
-    assert errors[1][:3] == (_ERR_BAD_ID if mode == BoundsCheckMode.FATAL else _ERR_BAD_ID_WARN, 1, 37), errors
+    assert errors[1][:3] == (ErrorCode.BAD_ID if mode == BoundsCheckMode.FATAL else ErrorCode.BAD_ID_WARN, 1, 37), errors
     assert all(e[0] == 0 for r, e in enumerate(errors) if r != 1), errors
     row0 = values.clone()
     row0[offsets[bag + 1] - 1] = 0

@@ -1,17 +1,23 @@
 """torchrec-pgas: TorchRec embedding-bag sharding over one-sided PGAS communication.
 
 Add ``PgasEmbeddingBagCollectionSharder`` to ``DistributedModelParallel`` and plan
-tables as ``pgas_row_wise`` (see ``torchrec_pgas.planner``).
+tables as ``pgas_row_wise`` or ``pgas_table_wise`` (see ``torchrec_pgas.planner``).
 """
 
+from torchrec_pgas.bootstrap import finalize_all
+from torchrec_pgas.bootstrap import init_runtime as init
 from torchrec_pgas.embeddingbag import (
     PgasEmbeddingBagCollectionSharder,
     PgasShardedEmbeddingBagCollection,
     check_errors,
+    pgas_steps,
+    trace_comm,
 )
-from torchrec_pgas.runtime import PgasRuntime, finalize_all, init
+from torchrec_pgas.runtime import PgasRuntime
+from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
+    PGAS_TABLE_WISE,
     PgasBackendType,
     PgasCapacityError,
     PgasConfig,
@@ -23,6 +29,7 @@ from torchrec_pgas.types import (
 
 __all__ = [
     "PGAS_ROW_WISE",
+    "PGAS_TABLE_WISE",
     "PgasBackendType",
     "PgasCapacityError",
     "PgasConfig",
@@ -32,8 +39,12 @@ __all__ = [
     "PgasPeerAbortError",
     "PgasRuntime",
     "PgasShardedEmbeddingBagCollection",
+    "PgasStep",
     "PgasTimeoutError",
+    "StepSpec",
     "check_errors",
     "finalize_all",
     "init",
+    "pgas_steps",
+    "trace_comm",
 ]

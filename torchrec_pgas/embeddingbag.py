@@ -4,7 +4,6 @@ from typing import Any, Dict, Iterator, List, Optional, Type
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingContext
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -22,8 +21,10 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.common import PgasPooledEmbeddingsLookup, strip_pgas_fused_params
+from torchrec_pgas.sharding.device_step import DeviceStep
 from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
+from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_params
+from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.sharding.tw_sharding import PgasTwPooledEmbeddingSharding
 from torchrec_pgas.types import (
     FUSED_PARAM_PGAS_CONFIG,
@@ -64,9 +65,9 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         super()._create_input_dist(input_feature_names)
         if not self._has_features_permute or len(self._embedding_shardings) != 1 or self._has_mean_pooling_callback:
             return
-        pipeline = getattr(self._embedding_shardings[0], "_pipeline", None)
-        if pipeline is not None:
-            pipeline.read_input_order(self._features_order)
+        sharding = self._embedding_shardings[0]
+        if isinstance(sharding, PgasShardingMixin) and sharding.step is not None:
+            sharding.step.read_input_order(self._features_order)
             self._has_features_permute = False
             self._features_order = []  # a TensorDict input stays in input order too
 
@@ -95,7 +96,7 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """Drop-in replacement for ``EmbeddingBagCollectionSharder`` adding ``pgas_row_wise`` and
-    ``pgas_table_wise`` (the latter on the shm backend so far).
+    ``pgas_table_wise`` (both backends: ``nvshmem`` on GPUs, ``shm`` on CPU).
 
     Tables planned with stock sharding types are sharded exactly as before.
     ``sharding_types()`` lists only the stock types: TorchRec's own enumerator
@@ -154,6 +155,23 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return PgasShardedEmbeddingBagCollection
 
 
+def pgas_steps(module: nn.Module) -> Iterator[PgasStep]:
+    """The PGAS steps inside ``module`` (a DMP or a sharded model), one per PGAS sharding, in module order."""
+    for m in module.modules():
+        if isinstance(m, PgasShardedEmbeddingBagCollection):
+            for sharding in m._embedding_shardings:
+                if isinstance(sharding, PgasShardingMixin) and sharding.step is not None:
+                    yield sharding.step
+
+
+def trace_comm(module: nn.Module, records: int, step_bytes: int) -> Dict[str, torch.Tensor]:
+    """Start the comm timeline of every GPU step in ``module``: per step name, the int64 ``[records, 2]``
+    buffer of (ns, cumulative bytes stored into peers) the next steps fill, one record per ``step_bytes``.
+    ``DeviceStep.stop_trace`` ends it; ``DeviceStep.traced_remote_bytes`` reads the count."""
+    return {step.spec.name: step.trace_comm(records, step_bytes)
+            for step in pgas_steps(module) if isinstance(step, DeviceStep)}
+
+
 def check_errors(module: nn.Module) -> None:
     """Synchronize and raise what the GPU recorded for finished PGAS steps.
 
@@ -161,17 +179,5 @@ def check_errors(module: nn.Module) -> None:
     mismatch or a peer's abort is raised at the next forward of the module at
     the latest, or here.
     """
-    for lookup in pgas_lookups(module):
-        lookup.check()
-
-
-def pgas_lookups(module: nn.Module) -> Iterator[PgasPooledEmbeddingsLookup]:
-    """The PGAS lookup modules inside ``module`` (a DMP or a sharded model)."""
-    for m in module.modules():
-        if isinstance(m, PgasShardedEmbeddingBagCollection):
-            # ShardedEBC keeps its lookups in a plain list (not registered modules).
-            for lookup in m._lookups:
-                while isinstance(lookup, DistributedDataParallel):
-                    lookup = lookup.module
-                if isinstance(lookup, PgasPooledEmbeddingsLookup):
-                    yield lookup
+    for step in pgas_steps(module):
+        step.check()

@@ -34,9 +34,11 @@ tables' columns.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
+
+from torchrec_pgas.step_abi import BoundsMode, StepConfig, build
 
 _ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
 
@@ -68,7 +70,9 @@ def id_bytes_for(block_rows: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
-class RwLayout:
+class StepLayout:
+    """Offsets and sizes of one sharding's symmetric buffer and signal pad (the same on every rank)."""
+
     world_size: int
     num_features: int
     max_batch: int
@@ -118,23 +122,27 @@ class RwLayout:
     def id_dtype(self) -> torch.dtype:
         return torch.int32 if self.id_bytes == 4 else torch.int64
 
-    def kernel_config(self, timeout_ns: int, rank: int, bounds_mode: int,
-                      lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False,
-                      trace: bool = False) -> List[int]:
-        """The int list every kernel op takes (RwParams, csrc/rw_lookup.cu: make_rw_params).
+    def config(self, timeout_ns: int, rank: int, bounds_mode: BoundsMode,
+               lookup_features: Optional[Tuple[int, int]] = None, variable_batch: bool = False,
+               trace: bool = False) -> StepConfig:
+        """The ``StepConfig`` every kernel op takes (csrc/step_abi.h).
 
         ``lookup_features``: the features whose rows this rank holds (all, for row-wise);
         ``variable_batch``: owners take each source's batch from its header (table-wise);
         ``trace``: launch the kernels' comm-timeline builds.
         """
         f_lo, f_hi = lookup_features if lookup_features is not None else (0, self.num_features)
-        return [
-            self.index_block_bytes, self.output_region_off, self.output_block_bytes,
-            self.offsets_off, self.lengths_off, self.ids_off, self.weights_off,
-            self.num_slots, self.max_batch, self.ids_capacity, self.dim_sum, self.num_features,
-            timeout_ns, rank, self.world_size, int(self.weighted), bounds_mode, self.id_bytes,
-            f_lo, f_hi, int(variable_batch), int(trace),
-        ]
+        return build(
+            StepConfig,
+            index_block_bytes=self.index_block_bytes, output_region_off=self.output_region_off,
+            output_block_bytes=self.output_block_bytes, offsets_off=self.offsets_off,
+            lengths_off=self.lengths_off, ids_off=self.ids_off, weights_off=self.weights_off,
+            num_slots=self.num_slots, max_batch=self.max_batch, capacity=self.ids_capacity,
+            dim_sum=self.dim_sum, num_features=self.num_features, timeout_ns=timeout_ns,
+            rank=rank, world=self.world_size, weighted=self.weighted, bounds_mode=bounds_mode,
+            id_bytes=self.id_bytes, lookup_f_lo=f_lo, lookup_f_hi=f_hi, variable_batch=variable_batch,
+            trace=trace,
+        )
 
     def index_block(self, slot: int, src: int) -> int:
         return (slot * self.world_size + src) * self.index_block_bytes

@@ -5,10 +5,14 @@ group broadcasts it, every rank calls ``nvshmemx_init_attr`` from our extension
 (which also registers our device state when PyTorch's symmetric memory already
 initialized NVSHMEM in this process). NVLink multicast stays off.
 
+The fused kernels of a step use only the heap and its peer pointers
+(``sharding/device_step.py``). ``put``, ``signal`` and ``wait`` below are the
+reference path of the runtime API, on the current stream (tests; peers that
+are not load/store reachable later); ``abort`` is built on put + signal.
 Waits are device-side: ``wait`` enqueues a kernel that spins until the signals
-arrive, so the host never blocks in a step. A timeout or a peer's abort is
-written to a pinned status word; ``check`` raises it on the host after the
-stream has been synchronized.
+arrive, so the host never blocks. A timeout or a peer's abort is written to a
+pinned status word; ``check`` raises it on the host after the stream has been
+synchronized.
 """
 
 import os
@@ -17,15 +21,17 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
+from torchrec_pgas import step_abi
 from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad, SymmetricBuffer, decode_abort, encode_abort
+from torchrec_pgas.step_abi import DeviceStatus, PadWord
 from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
 
 DEFAULT_HEAP_BYTES = 2 << 30
-_STATUS_PEER_ABORT = 2  # csrc/pgas_common.cuh DeviceStatus; 1 is a timeout
 
 
 def load_extension() -> None:
-    """Import ``torchrec_pgas._C`` (registers ``torch.ops.torchrec_pgas``) or explain why not."""
+    """Import ``torchrec_pgas._C`` (registers ``torch.ops.torchrec_pgas``) or explain why not, and check
+    that it was built from the contract this package mirrors."""
     try:
         import torchrec_pgas._C  # noqa: F401
     except ImportError as e:
@@ -33,6 +39,7 @@ def load_extension() -> None:
             "the nvshmem backend needs the CUDA extension torchrec_pgas._C; build it with "
             "`pip install --no-build-isolation .` on a machine with nvcc (not TORCH_PGAS_NO_CUDA=1)"
         ) from e
+    step_abi.check_extension()
 
 
 class NvshmemRuntime(PgasRuntime):
@@ -94,7 +101,7 @@ class NvshmemRuntime(PgasRuntime):
             return
         pad, what, epoch = self._last_wait
         self._status.zero_()
-        if code == _STATUS_PEER_ABORT:
+        if code == DeviceStatus.PEER_ABORT:
             rank, msg = decode_abort(pad.words[:PAD_HEADER_WORDS].cpu())
             raise PgasPeerAbortError(f"rank {rank} aborted '{pad.name}': {msg}")
         raise PgasTimeoutError(
@@ -107,8 +114,8 @@ class NvshmemRuntime(PgasRuntime):
         header = torch.cat([torch.tensor([word]), msg]).to(self.device)
         for peer in range(self.world_size):
             # Reason first, then the abort word (put completes before the signal).
-            torch.ops.torchrec_pgas.put(pad.words[1:PAD_HEADER_WORDS], header[1:], peer)
-            torch.ops.torchrec_pgas.signal(pad.words[:1], word, peer)
+            torch.ops.torchrec_pgas.put(pad.words[PadWord.ABORT_MESSAGE:PAD_HEADER_WORDS], header[1:], peer)
+            torch.ops.torchrec_pgas.signal(pad.words[PadWord.ABORT:PadWord.ABORT + 1], word, peer)
 
     def barrier(self) -> None:
         torch.ops.torchrec_pgas.barrier_all()

@@ -1,12 +1,16 @@
 """The PGAS runtime: symmetric buffers, one-sided puts, epoch signals.
 
-One small API with two backends behind it:
+One small API with two backends behind it (``torchrec_pgas.bootstrap`` picks one):
 
 * ``shm`` (CPU): every rank's symmetric heap is a POSIX shared-memory segment that
   all local ranks map; a put is a copy into the peer's mapping, a signal is a
-  store into the peer's signal pad.
-* ``nvshmem`` (CUDA): the NVSHMEM symmetric heap; puts and signals are issued on
-  the current CUDA stream (see ``torchrec_pgas.nvshmem_backend``).
+  store into the peer's signal pad. The host step (``sharding/host_step.py``)
+  runs on put, signal and wait.
+* ``nvshmem`` (CUDA): the NVSHMEM symmetric heap (see
+  ``torchrec_pgas.nvshmem_backend``). The fused kernels use only the heap and
+  its peer pointers: they store into peers themselves. Put, signal and wait run
+  on the current stream as the reference path (tests; peers that are not
+  load/store reachable later), and ``abort`` is built on put + signal.
 
 ``torch.distributed`` is used only to bootstrap (agree on names, exchange ids,
 barriers at allocation time); a step never calls a collective.
@@ -18,20 +22,20 @@ reset can race with a late reader.
 """
 
 import abc
-import atexit
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from torchrec_pgas.step_abi import PadWord
 from torchrec_pgas.types import PgasBackendType, PgasError
 
-# Signal pads start with a small control area: word 0 holds ``aborting_rank + 1``
-# (0 = healthy); words 1.. hold the abort reason as UTF-8 bytes.
-ABORT_WORD: int = 0
-ABORT_MSG_WORDS: int = 31
-PAD_HEADER_WORDS: int = 1 + ABORT_MSG_WORDS
+# Signal pads start with a small control area (PadWord): word 0 holds
+# ``aborting_rank + 1`` (0 = healthy); the next words hold the abort reason as UTF-8.
+ABORT_WORD: int = PadWord.ABORT
+PAD_HEADER_WORDS: int = PadWord.HEADER_WORDS
+ABORT_MSG_WORDS: int = PAD_HEADER_WORDS - PadWord.ABORT_MESSAGE
 
 
 @dataclass
@@ -186,59 +190,6 @@ def encode_abort(rank: int, reason: str) -> Tuple[int, torch.Tensor]:
 def decode_abort(words: torch.Tensor) -> Tuple[int, str]:
     """(aborting rank, reason) from a pad's control header on the CPU."""
     rank = int(words[ABORT_WORD]) - 1
-    raw = words[1:PAD_HEADER_WORDS].contiguous().view(torch.uint8).tolist()
+    raw = words[PadWord.ABORT_MESSAGE:PAD_HEADER_WORDS].contiguous().view(torch.uint8).tolist()
     msg = bytes(raw).split(b"\0", 1)[0].decode("utf-8", errors="replace")
     return rank, msg
-
-
-_RUNTIMES: Dict[Tuple[int, str], PgasRuntime] = {}
-
-
-def init(
-    pg: Optional[dist.ProcessGroup] = None,
-    backend: Optional[PgasBackendType] = None,
-    device: Optional[torch.device] = None,
-    heap_hint: int = 0,
-) -> PgasRuntime:
-    """Collective: the PGAS runtime of ``pg`` (default world), created on first use.
-
-    ``backend`` defaults to ``nvshmem`` for a CUDA ``device`` and ``shm``
-    otherwise. ``heap_hint``: bytes the first user will allocate, so the
-    NVSHMEM heap can be sized before it exists.
-    """
-    pg = pg if pg is not None else dist.group.WORLD
-    assert pg is not None, "torch.distributed must be initialized before torchrec_pgas.init"
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            backend == PgasBackendType.NVSHMEM
-        ) else torch.device("cpu")
-    if backend is None:
-        backend = PgasBackendType.NVSHMEM if device.type == "cuda" else PgasBackendType.SHM
-    key = (id(pg), backend.value)  # the runtime holds ``pg``, so the id stays unique
-    if key not in _RUNTIMES:
-        if backend == PgasBackendType.SHM:
-            from torchrec_pgas.shm_backend import ShmRuntime
-
-            _RUNTIMES[key] = ShmRuntime(pg, device)
-        else:
-            from torchrec_pgas.nvshmem_backend import NvshmemRuntime
-
-            _RUNTIMES[key] = NvshmemRuntime(pg, device, heap_hint)
-    return _RUNTIMES[key]
-
-
-def finalize_all() -> None:
-    """Collective: release every runtime of this process."""
-    while _RUNTIMES:
-        _, rt = _RUNTIMES.popitem()
-        rt.finalize()
-
-
-def _finalize_at_exit() -> None:
-    for key, rt in list(_RUNTIMES.items()):
-        if rt.finalize_at_exit:
-            del _RUNTIMES[key]
-            rt.finalize()
-
-
-atexit.register(_finalize_at_exit)

@@ -2,12 +2,12 @@
 
 The ``nvshmem`` backend runs one rank per GPU. Here every rank's symmetric buffer, signal pad, device state
 and table shards are plain allocations on one GPU, and the peer-address table the kernels index points at
-them, so the three stage kernels of ``csrc/rw_*.cu`` run the protocol of W ranks, unchanged, on a one-GPU
+them, so the three stage kernels (``csrc/index_dist.cu``, ``pooled_lookup.cu``, ``combine_partials.cu``) run the protocol of W ranks, unchanged, on a one-GPU
 machine: the GPU tests check them against a reference at world sizes a machine does not have, and
 ``benchmarks.virtual_ranks`` times each rank's stages (the owner-dependent paths of the index dist, a lookup
-serving W sources, a finalize summing W partials).
+serving W sources, a combine summing W partials).
 
-A step launches every rank's index dist, then every rank's lookup, then every rank's finalize, on the current
+A step launches every rank's index dist, then every rank's lookup, then every rank's combine, on the current
 stream. Each wait of a kernel is for a signal that a kernel earlier on the stream stored, so none spins on a
 kernel that cannot start. What it lacks: NVLink (a store into a "peer" lands in this GPU's HBM) and ranks
 running at the same time, so its times are each stage's work without the wire.
@@ -19,22 +19,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
-import torchrec_pgas._C  # noqa: F401  (registers torch.ops.torchrec_pgas)
-from torchrec_pgas.layout import RwLayout, id_bytes_for
+from torchrec_pgas.layout import StepLayout, id_bytes_for
+from torchrec_pgas.nvshmem_backend import load_extension
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
-from torchrec_pgas.sharding.device_pipeline import (
-    BOUNDS_MODES,
-    STATE_WORDS,
-    FeatureOwners,
-    bind_weights,
-    column_features,
-    feature_rows,
-)
+from torchrec_pgas.sharding.device_step import BOUNDS_MODES, FeatureOwners, bind_weights, column_features, feature_descs
+from torchrec_pgas.step_abi import ERROR_RECORD_WORDS, FeatureDesc, StateWord, as_tensor, as_words
 from torchrec_pgas.types import PgasError
 
 # One rank's input of a step: KJT values, int64 offsets [F * B + 1] in [f][b] order, per-sample weights, B.
 RankInput = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]
-STAGES = ("index_dist", "lookup", "finalize")
+STAGES = ("index_dist", "lookup", "combine")
 
 
 class VirtualRanks:
@@ -49,6 +43,7 @@ class VirtualRanks:
                  owners: Optional[Sequence[int]] = None, is_mean: Optional[Sequence[bool]] = None,
                  weighted: bool = False, out_dtype: torch.dtype = torch.float32,
                  bounds_mode: BoundsCheckMode = BoundsCheckMode.FATAL, timeout_s: float = 20.0) -> None:
+        load_extension()
         if owners is not None and list(owners) != sorted(owners):
             raise ValueError(f"table-wise owners {list(owners)} must be non-decreasing")
         self.world = world
@@ -64,32 +59,31 @@ class VirtualRanks:
             shard_rows = hash_sizes
             counts = [list(owners).count(d) for d in range(world)]
             per_rank = [FeatureOwners.table_wise(counts, r, mean) for r in range(world)]
-        self.layout = RwLayout(world_size=world, num_features=len(self.tables), max_batch=max_batch,
+        self.layout = StepLayout(world_size=world, num_features=len(self.tables), max_batch=max_batch,
                                ids_capacity=ids_capacity, dim_sum=sum(dims), weighted=weighted,
                                id_bytes=id_bytes_for(shard_rows))
         self.out_dtype = out_dtype
         self._col_feature = column_features(dims, device)
         self._ranks: List[Dict[str, torch.Tensor]] = []
-        self._cfgs: List[List[int]] = []
+        self._configs: List[torch.Tensor] = []
         self._max_dims: List[int] = []
         for r, own in enumerate(per_rank):
             own.check(world, r)
-            rows = feature_rows(shard_rows, hash_sizes, dims, own)
+            descs = feature_descs(shard_rows, hash_sizes, dims, own)
             f_lo, f_hi = own.lookup
             for f in range(f_lo, f_hi):
                 lo = r * shard_rows[f] if owners is None else 0
-                bind_weights(rows[f], self.tables[f][min(lo, hash_sizes[f]):lo + shard_rows[f]])
+                bind_weights(descs[f], self.tables[f][min(lo, hash_sizes[f]):lo + shard_rows[f]])
             self._ranks.append(dict(
                 buf=torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device),
                 pad=torch.zeros(PAD_HEADER_WORDS + self.layout.num_signal_slots, dtype=torch.int64, device=device),
-                features=torch.tensor(rows, dtype=torch.int64, device=device),
-                state=torch.zeros(STATE_WORDS, dtype=torch.int64, device=device),
+                features=as_words(descs, FeatureDesc).to(device),
+                state=torch.zeros(StateWord.STATE_WORDS, dtype=torch.int64, device=device),
                 bag_div=torch.zeros(self.layout.num_slots, self.layout.num_features * max_batch, device=device),
-                status=torch.zeros(4, dtype=torch.int64).pin_memory(),
+                status=torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory(),
+                config=as_tensor(self.layout.config(int(timeout_s * 1e9), r, BOUNDS_MODES[bounds_mode],
+                                                    lookup_features=own.lookup, variable_batch=own.variable_batch)),
             ))
-            self._cfgs.append(self.layout.kernel_config(int(timeout_s * 1e9), r, BOUNDS_MODES[bounds_mode],
-                                                        lookup_features=own.lookup,
-                                                        variable_batch=own.variable_batch))
             self._max_dims.append(max(dims[f_lo:f_hi], default=4))
         self._peers = torch.tensor([[s["buf"].data_ptr() for s in self._ranks],
                                     [s["pad"].data_ptr() for s in self._ranks]], dtype=torch.int64, device=device)
@@ -107,25 +101,26 @@ class VirtualRanks:
             if events is not None:
                 events[stage][r].record()
 
-        for r, ((values, offsets, weights, batch), s) in enumerate(zip(inputs, self._ranks)):
+        for r, ((values, offsets, weights, batch), state) in enumerate(zip(inputs, self._state_args())):
             mark("index_dist", r)
-            ops.rw_index_dist(values, offsets, weights, s["buf"], s["pad"], self._peers, s["features"], s["state"],
-                              s["bag_div"], s["status"], self._cfgs[r], batch)
+            ops.index_dist(values, offsets, weights, *state, batch)
         mark("index_dist", self.world)
-        for r, (inp, s) in enumerate(zip(inputs, self._ranks)):
+        for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
             mark("lookup", r)
-            # After exit: an index dist (a plain launch) lies between this and the rank's previous finalize.
-            ops.rw_lookup(s["buf"], s["pad"], self._peers, s["features"], s["state"], s["bag_div"], s["status"],
-                          self._cfgs[r], inp[3], self._max_dims[r], self.out_dtype, True)
+            # After exit: an index dist (a plain launch) lies between this and the rank's previous combine.
+            ops.pooled_lookup(*state, inp[3], self._max_dims[r], self.out_dtype, True)
         mark("lookup", self.world)
         outs = []
-        for r, (inp, s) in enumerate(zip(inputs, self._ranks)):
-            mark("finalize", r)
-            outs.append(ops.rw_finalize(s["buf"], s["pad"], self._peers, s["features"], self._col_feature,
-                                        s["state"], s["bag_div"], s["status"], self._cfgs[r], inp[3],
-                                        self.out_dtype))
-        mark("finalize", self.world)
+        for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
+            mark("combine", r)
+            outs.append(ops.combine_partials(*state, self._col_feature, inp[3], self.out_dtype))
+        mark("combine", self.world)
         return outs
+
+    def _state_args(self) -> List[Tuple[torch.Tensor, ...]]:
+        """Per rank, what every stage op takes after its own inputs (as ``DeviceStep._state_args``)."""
+        return [(s["buf"], s["pad"], self._peers, s["features"], s["state"], s["bag_div"], s["status"], s["config"])
+                for s in self._ranks]
 
     def errors(self) -> List[Tuple[int, int, int, int]]:
         """Every rank's device error record of the last finished step (code, a, b, c; code 0: none),

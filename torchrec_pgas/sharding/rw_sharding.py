@@ -28,9 +28,18 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin, pooled_output_dtype
-from torchrec_pgas.sharding.rw_pipeline import make_rw_pipeline
+from torchrec_pgas.sharding.device_step import DeviceStep, FeatureOwners
+from torchrec_pgas.sharding.host_step import HostRwStep
+from torchrec_pgas.sharding.stages import PgasShardingMixin, pooled_output_dtype
+from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig, bounds_check_mode_from_fused_params
+
+
+def row_wise_step(spec: StepSpec, env: ShardingEnv, device: torch.device) -> PgasStep:
+    """Fused kernels on CUDA (nvshmem backend), the host path on CPU (shm)."""
+    if device.type == "cuda":
+        return DeviceStep(spec, env, device, FeatureOwners.row_wise(env.world_size, spec.is_mean))
+    return HostRwStep(spec, env, device)
 
 
 class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding):
@@ -54,25 +63,26 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
                 "pgas_row_wise does not support feature processors (tables "
                 f"{[t.name for t in self.embedding_tables() if t.has_feature_processor]})"
             )
-        self._pipeline: Optional[PgasPipeline] = None
+        self._step: Optional[PgasStep] = None
         if self._device.type == "meta":
             return
         tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]
-        fused = sharding_infos[0].fused_params or {}
-        feature_tables = [t.name for t in tables for _ in t.feature_names]
+        per_feature = [t for t in tables for _ in t.feature_names]
+        hash_sizes = self._get_feature_hash_sizes()
         # Allocation is collective and DMP shards in the same order on every rank.
         PgasRwPooledEmbeddingSharding._instances += 1
-        self._pipeline = make_rw_pipeline(
+        spec = StepSpec(
             name=f"pgas_rw.{PgasRwPooledEmbeddingSharding._instances}",
-            env=env,
-            device=self._device,
-            feature_names=self.feature_names(),
-            feature_tables=feature_tables,
-            feature_hash_sizes=self._get_feature_hash_sizes(),
-            feature_dims=[t.embedding_dim for t in tables for _ in t.feature_names],
-            feature_is_mean=[t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
-            is_weighted=any(t.is_weighted for t in tables),
+            kind=PGAS_ROW_WISE,
+            feature_names=tuple(self.feature_names()),
+            feature_tables=tuple(t.name for t in per_feature),
+            hash_sizes=tuple(hash_sizes),
+            dims=tuple(t.embedding_dim for t in per_feature),
+            is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
+            shard_rows=tuple((n + env.world_size - 1) // env.world_size for n in hash_sizes),
+            weighted=any(t.is_weighted for t in tables),
             config=pgas_config or PgasConfig(),
-            bounds_check_mode=bounds_check_mode_from_fused_params(fused),
+            bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
             out_dtype=pooled_output_dtype(sharding_infos, self._kind),
         )
+        self._step = row_wise_step(spec, env, self._device)

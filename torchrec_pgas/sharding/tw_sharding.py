@@ -4,7 +4,7 @@ Same placement as TorchRec ``table_wise`` (each table whole on one rank,
 TBE-backed weights, identical ``state_dict``), different data movement: the
 requester puts each owner's features straight into the owner, and the owner
 writes every requester's pooled rows straight into that requester's output
-block in the stock TW column order (``tw_pipeline.py``). No splits exchange, no
+block in the stock TW column order (``host_step.py``, ``device_step.py``). No splits exchange, no
 output all-to-all.
 """
 
@@ -18,9 +18,19 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.common import PgasPipeline, PgasShardingMixin, pooled_output_dtype
-from torchrec_pgas.sharding.tw_pipeline import make_tw_pipeline
+from torchrec_pgas.sharding.device_step import DeviceStep, FeatureOwners
+from torchrec_pgas.sharding.host_step import HostTwStep
+from torchrec_pgas.sharding.stages import PgasShardingMixin, pooled_output_dtype
+from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.types import PGAS_TABLE_WISE, PgasConfig, bounds_check_mode_from_fused_params
+
+
+def table_wise_step(spec: StepSpec, env: ShardingEnv, device: torch.device) -> PgasStep:
+    """Fused kernels on CUDA (nvshmem backend), the host path on CPU (shm). Both keep whole tables."""
+    if device.type == "cuda":
+        owners = FeatureOwners.table_wise(spec.features_per_rank, env.rank, spec.is_mean)
+        return DeviceStep(spec, env, device, owners)
+    return HostTwStep(spec, env, device)
 
 
 class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding):
@@ -44,25 +54,26 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
                 "pgas_table_wise does not support feature processors (tables "
                 f"{[t.name for t in tables if t.has_feature_processor]})"
             )
-        self._pipeline: Optional[PgasPipeline] = None
+        self._step: Optional[PgasStep] = None
         if self._device is None or self._device.type == "meta":
             return
-        fused = sharding_infos[0].fused_params or {}
+        per_feature = [t for t in tables for _ in t.feature_names]
         # Allocation is collective and DMP shards in the same order on every rank.
         PgasTwPooledEmbeddingSharding._instances += 1
-        self._pipeline = make_tw_pipeline(
+        spec = StepSpec(
             name=f"pgas_tw.{PgasTwPooledEmbeddingSharding._instances}",
-            env=env,
-            device=self._device,
-            feature_names=self.feature_names(),
-            feature_tables=[t.name for t in tables for _ in t.feature_names],
-            feature_hash_sizes=[t.num_embeddings for t in tables for _ in t.feature_names],
-            feature_dims=[t.embedding_dim for t in tables for _ in t.feature_names],
-            feature_is_mean=[t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
-            is_weighted=any(t.is_weighted for t in tables),
+            kind=PGAS_TABLE_WISE,
+            feature_names=tuple(self.feature_names()),
+            feature_tables=tuple(t.name for t in per_feature),
+            hash_sizes=tuple(t.num_embeddings for t in per_feature),
+            dims=tuple(t.embedding_dim for t in per_feature),
+            is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
+            shard_rows=tuple(t.num_embeddings for t in per_feature),
+            weighted=any(t.is_weighted for t in tables),
             config=pgas_config or PgasConfig(),
-            bounds_check_mode=bounds_check_mode_from_fused_params(fused),
-            features_per_rank=self.features_per_rank(),
-            dim_sum_per_rank=self._dim_sum_per_rank(),
+            bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
             out_dtype=pooled_output_dtype(sharding_infos, self._kind),
+            features_per_rank=tuple(self.features_per_rank()),
+            dim_sum_per_rank=tuple(self._dim_sum_per_rank()),
         )
+        self._step = table_wise_step(spec, env, self._device)

@@ -1,15 +1,17 @@
-// pgas_row_wise and pgas_table_wise on the GPU: parameters and helpers shared by
-// the three stage kernels.
+// The device protocol of one PGAS step (pgas_row_wise and pgas_table_wise):
+// the symmetric buffer's layout, the synchronization between the three stage
+// kernels, and the helpers they share. The typed contract with Python (the
+// structs and enums named here) is step_abi.h.
 //
 // Table-wise is the one-owner case of row-wise: a TW table is one row block of
-// N rows held by its owner (RwFeature: block = N, owner_base = the owner,
+// N rows held by its owner (FeatureDesc: block = N, owner_base = the owner,
 // owner_count = 1), where a RW table is W blocks of ceil(N/W) rows on ranks
 // 0..W-1. The same kernels run both; an owner's lookup serves only the
-// feature range it holds (cfg), and the finalize reads the blocks of the
-// owners of each column (one for TW: a copy; W for RW: a sum).
+// feature range it holds (StepConfig::lookup_f_lo/hi), and the combine reads
+// the blocks of the owners of each column (one for TW: a copy; W for RW: a sum).
 //
-// Symmetric buffer (same on every rank; torchrec_pgas/layout.py is the source
-// of truth for the offsets, passed in as RwParams):
+// Symmetric buffer (same on every rank; torchrec_pgas/layout.py StepLayout is the
+// source of truth for the offsets, passed in as StepConfig):
 //
 //   index region   [slot][src] blocks, written by requester `src`
 //     header   int64[4]         epoch, local batch B, nnz, reserved
@@ -23,8 +25,8 @@
 //   output region  [slot][owner] blocks, written by owner `owner`
 //     partial  out_t[Bmax][D]   the owner's partial pool of every bag, final layout
 //
-// slot = epoch % num_slots. Signal pad (int64): [0] abort word, [1..31] abort
-// reason, then 2W epoch slots: index slot `src` (requester -> owner) and
+// slot = epoch % num_slots. Signal pad (int64, PadWord): [0] abort word, [1..31]
+// abort reason, then 2W epoch slots: index slot `src` (requester -> owner) and
 // output slot `W + owner` (owner -> requester).
 //
 // Synchronization protocol, one step = three kernels on the current stream:
@@ -32,25 +34,26 @@
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
 //     the epoch into every owner's index slot (st.release.sys).
-//   lookup (owner): CTA (x, k) serves source (rank + 1 + k) % W, so remote
+//   pooled_lookup (owner): CTA (x, k) serves source (rank + 1 + k) % W, so remote
 //     sources are scheduled first and the local one last; thread 0 spins
 //     (ld.acquire.sys) on that source's index slot, the CTA pools its share of
 //     the bags and stores each partial vector into the requester's output
 //     block; the last CTA of the source fences and stores the epoch into the
 //     requester's output slot.
-//   finalize (requester): thread 0 waits for this rank's lookup to end (its
-//     last CTA releases state[kCtrLookup]), W threads spin on the W output
+//   combine_partials (requester): thread 0 waits for this rank's lookup to end
+//     (its last CTA releases state[kCtrLookup]), W threads spin on the W output
 //     slots, then the CTA sums the partials in rank order (and divides MEAN
 //     bags) into the output.
-// The lookup and the finalize are launched to start once the CTAs of the
+// The lookup and the combine are launched to start once the CTAs of the
 // kernel before them have exited, not once that grid has completed
 // (launch_after_exit): they read nothing of it except through these signals.
 // Each stage keeps a device-side epoch counter (state[kCtr*]), read by every
 // CTA at entry and advanced by the stage's last CTA. No host value changes
-// between steps, so the three launches can be captured in a CUDA graph. Waits give up after `timeout_ns` or when the
-// pad's abort word is set (checked again once the signal has arrived); errors
-// go to a device record that finalize copies to pinned host memory. A rank
-// that skips a source's data aborts that source before signalling it.
+// between steps, so the three launches can be captured in a CUDA graph. Waits
+// give up after `timeout_ns` or when the pad's abort word is set (checked again
+// once the signal has arrived); errors go to the state's ErrorRecord, which the
+// combine copies to pinned host memory (DeviceStep decodes it). A rank that
+// skips a source's data aborts that source before signalling it.
 #pragma once
 
 #include <cstdint>
@@ -60,99 +63,39 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <ATen/ATen.h>
+
 #include "pgas_common.cuh"
+#include "step_abi.h"
 
 namespace torchrec_pgas {
 
-constexpr int kPadHeaderWords = 32;  // runtime.PAD_HEADER_WORDS
-constexpr int kCfgEntries = 22;  // the layout config list (layout.py: RwLayout.kernel_config)
-constexpr int kMaxWorld = 64;
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
 
-enum WeightDtype : int32_t { kF32 = 0, kF16 = 1 };
-// Row-wise MEAN divides the summed partials by length + 1e-6 on the requester
-// (TorchRec RW); table-wise MEAN is the owner's TBE arithmetic, sum * (1.f / L).
-enum MeanMode : int32_t { kMeanNone = 0, kMeanRequester = 1, kMeanOwner = 2 };
-enum BoundsMode : int32_t { kBoundsFatal = 0, kBoundsWarning = 1, kBoundsIgnore = 2 };
-
-// Error codes of the device error record (torchrec_pgas/sharding/rw_pipeline.py decodes them).
-enum ErrorCode : int64_t {
-  kErrNone = 0,
-  kErrBadId = 1,  // a: feature, b: id                       (FATAL)
-  kErrBatchMismatch = 2,  // a: src rank, b: its B, c: this B
-  kErrTimeout = 3,  // a: stage (0 index, 1 lookup, 2 finalize), b: peer
-  kErrPeerAbort = 4,  // a: aborting rank
-  kErrCorrupt = 5,  // a: src rank, b: what (0 header, 1 span, 2 row)
-  kErrBadIdWarn = 6,  // a: feature, b: id                  (WARNING, replaced by 0)
-};
-
-// state[] words: per-stage epoch counters, per-stage done counters, the error
-// record, then one done counter per source for the lookup.
-enum StateWord : int {
-  kCtrIndex = 0,
-  kCtrLookup = 1,  // released by the lookup's last CTA: the finalize waits for it
-  kTileClaims = 2,  // index_dist: tiles claimed so far this step (reset by its last CTA)
-  kDoneIndex = 3,
-  kDoneLookup = 4,
-  kDoneFinal = 5,
-  kCtrFinal = 6,
-  kErrCode = 8,  // kErrCode..kErrCode+3: code, a, b, c
-  // Opt-in comm timeline (DevicePipeline.trace_comm, cfg `trace` selects the
-  // kernels' kTrace builds): int64 [cap][2] records of (globaltimer ns,
-  // cumulative bytes this rank stored into peers' memory), one per `step` bytes.
-  kTraceBuf = 12,
-  kTraceStep = 13,
-  kTraceCap = 14,
-  kTraceBytes = 15,
-  kDoneSrc = 16,  // + k for the k-th source of the lookup grid
-  kBagClaims = 16 + kMaxWorld,  // + k: lookup, units of bags of source k claimed so far (reset by its last CTA)
-  kStateWords = 16 + 2 * kMaxWorld,
-};
-
-// One row per feature of the sharding, in sharding feature order (int64[kFeatureWords]).
-struct RwFeature {
-  int64_t weights;  // address of this rank's shard of the table: [local_rows][dim]
-  int64_t local_rows;
-  int64_t block;  // ceil(N / W): rows per owner
-  int64_t hash_size;  // N
-  int64_t dim;
-  int64_t out_col;  // first column in the [B, D] output
-  int64_t dtype;  // WeightDtype
-  int64_t is_mean;  // MeanMode
-  int64_t block_magic;  // id / block == (id * magic) >> shift for ids < 2^31; 0 if N >= 2^31
-  int64_t block_shift;  // (layout.py: divisor_magic)
-  int64_t owner_base;  // row block k of the table lives on rank owner_base + k
-  int64_t owner_count;  // W (row-wise) or 1 (table-wise)
-  int64_t input_feature;  // where the local KJT holds this feature's bags (its own index unless permuted)
-};
-constexpr int kFeatureWords = sizeof(RwFeature) / sizeof(int64_t);
-
-struct RwParams {
+// What a stage kernel gets: the step's config plus this rank's device state.
+struct StepParams : StepConfig {
   uint8_t* buf;  // this rank's symmetric buffer
   int64_t* pad;  // this rank's signal pad
   const int64_t* peer_bufs;  // [W] addresses of every rank's buffer (nvshmem_ptr)
   const int64_t* peer_pads;  // [W] addresses of every rank's pad
-  const RwFeature* features;  // [F]
-  int64_t* state;  // [kStateWords] device scratch
+  const FeatureDesc* features;  // [F]
+  int64_t* state;  // [kStateWords] device scratch (StateWord)
   float* bag_div;  // [num_slots][F*Bmax] MEAN divisors of this rank's bags
-  int64_t* status;  // [4] pinned host mirror of the error record
-  // layout (bytes)
-  int64_t index_block_bytes, output_region_off, output_block_bytes;
-  int64_t offsets_off, lengths_off, ids_off, weights_off;
-  int64_t num_slots, max_batch, capacity, dim_sum, num_features;
-  int64_t timeout_ns;
-  int32_t rank, world, weighted, bounds_mode, id_bytes;
-  int32_t lookup_f_lo, lookup_f_hi;  // the features whose rows this rank holds
-  int32_t variable_batch;  // 1: each source's batch comes from its header (TW)
-  int32_t trace;  // 1: launch the comm-timeline builds of the kernels
+  ErrorRecord* status;  // pinned host mirror of the error record
   int64_t batch, nnz;  // this step, this rank
 };
 
-__device__ __forceinline__ int64_t index_block(const RwParams& p, int64_t slot, int src) {
+// The tensors every stage op takes, checked against the config and each other
+// (step_params.cu). `nnz`: this rank's ids of the step (index dist), else 0.
+StepParams make_step_params(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                            const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+                            const at::Tensor& status, const at::Tensor& config, int64_t batch, int64_t nnz);
+
+__device__ __forceinline__ int64_t index_block(const StepParams& p, int64_t slot, int src) {
   return (slot * p.world + src) * p.index_block_bytes;
 }
 
-__device__ __forceinline__ int64_t output_block(const RwParams& p, int64_t slot, int owner) {
+__device__ __forceinline__ int64_t output_block(const StepParams& p, int64_t slot, int owner) {
   return p.output_region_off + (slot * p.world + owner) * p.output_block_bytes;
 }
 
@@ -164,17 +107,17 @@ __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
 // must not hide anything; a peer's abort (the consequence of that peer's own
 // error) gives way to an error this rank finds itself, e.g. both ranks of a
 // batch mismatch abort each other, and each must still report the mismatch.
-__device__ __forceinline__ int error_rank(unsigned long long code) {
-  return code == kErrNone ? -1 : code == kErrBadIdWarn ? 0 : code == kErrPeerAbort ? 1 : 2;
+__device__ __forceinline__ int error_rank(ErrorCode code) {
+  return code == ErrorCode::kNone ? -1 : code == ErrorCode::kBadIdWarn ? 0 : code == ErrorCode::kPeerAbort ? 1 : 2;
 }
 
-// Finalize copies the record to the host.
-__device__ __forceinline__ void record_error(const RwParams& p, int64_t code, int64_t a,
+// The combine copies the record to the host.
+__device__ __forceinline__ void record_error(const StepParams& p, ErrorCode code, int64_t a,
                                              int64_t b = 0, int64_t c = 0) {
   unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kErrCode);
   const unsigned long long mine = static_cast<unsigned long long>(code);
   unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(word);
-  while (error_rank(old) < error_rank(mine)) {
+  while (error_rank(static_cast<ErrorCode>(old)) < error_rank(code)) {
     const unsigned long long seen = atomicCAS(word, old, mine);
     if (seen == old) {
       p.state[kErrCode + 1] = a;
@@ -190,26 +133,26 @@ __device__ __forceinline__ void record_error(const RwParams& p, int64_t code, in
 // The abort word is checked once more after the signal arrived: a peer that
 // gave up on this rank's data aborts first and signals after (release order),
 // so its signal must not make stale data look complete.
-__device__ __forceinline__ bool wait_epoch(const RwParams& p, const int64_t* slot, int64_t epoch,
+__device__ __forceinline__ bool wait_epoch(const StepParams& p, const int64_t* slot, int64_t epoch,
                                            int stage, int peer) {
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(slot) < epoch) {
     if (ld_volatile(p.pad) != 0) break;
     if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-      record_error(p, kErrTimeout, stage, peer);
+      record_error(p, ErrorCode::kTimeout, stage, peer);
       return false;
     }
   }
   const int64_t abort_word = ld_volatile(p.pad);
   if (abort_word != 0) {
-    record_error(p, kErrPeerAbort, abort_word - 1);
+    record_error(p, ErrorCode::kPeerAbort, abort_word - 1);
     return false;
   }
   return true;
 }
 
 // Tell `peer` this rank gave up on the step (its waits then fail fast).
-__device__ __forceinline__ void abort_peer(const RwParams& p, int peer) {
+__device__ __forceinline__ void abort_peer(const StepParams& p, int peer) {
   int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[peer]);
   st_release_sys(peer_pad, p.rank + 1);
 }

@@ -1,0 +1,232 @@
+// The Python <-> CUDA contract of one PGAS step: every struct and enum that
+// crosses the boundary, by name. torchrec_pgas/step_abi.py mirrors this file
+// field by field; describe_step_abi() below is what both sides compare (the
+// extension exports it as torch.ops.torchrec_pgas.step_abi, and a CPU test
+// compiles this header to check the mirror), so a field added, removed or
+// reordered on one side fails loudly instead of shifting every field after it.
+//
+// Plain C++ (no CUDA): the kernels include it through step_protocol.cuh.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+namespace torchrec_pgas {
+
+constexpr int kMaxWorld = 64;  // ranks a step can address (peer tables, per-source counters)
+
+// Signal pad (int64 words, one pad per sharding per rank): a control header,
+// then the epoch slots (StepLayout.index_signal / output_signal). Unscoped:
+// its words index the pad.
+enum PadWord : int64_t {
+  kAbort = 0,  // aborting rank + 1; 0 while healthy
+  kAbortMessage = 1,  // [1, kHeaderWords): the abort reason, UTF-8
+  kHeaderWords = 32,  // the first epoch slot
+};
+
+enum class WeightDtype : int64_t { kF32 = 0, kF16 = 1 };
+
+// Row-wise MEAN divides the summed partials by length + 1e-6 on the requester
+// (TorchRec RW); table-wise MEAN is the owner's TBE arithmetic, sum * (1.f / L).
+enum class PoolingMode : int64_t { kSum = 0, kMeanByRequester = 1, kMeanByOwner = 2 };
+
+// FBGEMM's BoundsCheckMode as the kernels apply it (NONE is taken as IGNORE:
+// ids decide the addresses of one-sided writes).
+enum class BoundsMode : int32_t { kFatal = 0, kWarning = 1, kIgnore = 2 };
+
+// The device error record's code; a, b, c say more (ErrorRecord).
+enum class ErrorCode : int64_t {
+  kNone = 0,
+  kBadId = 1,  // a: feature, b: id (FATAL)
+  kBatchMismatch = 2,  // a: source rank, b: its batch, c: this rank's
+  kTimeout = 3,  // a: stage (0 index, 1 lookup, 2 finalize), b: peer
+  kPeerAbort = 4,  // a: aborting rank
+  kCorrupt = 5,  // a: source rank, b: what (0 header, 1 span, 2 row)
+  kBadIdWarn = 6,  // a: feature, b: id (WARNING; never hides another code)
+};
+
+// Status of the runtime's reference wait (put_signal.cu), pinned host words.
+enum class DeviceStatus : int64_t { kOk = 0, kTimeout = 1, kPeerAbort = 2 };
+
+// Words of the per-sharding device state (int64[kStateWords]): per-stage epoch
+// counters and done counters, the step's error record, the comm timeline.
+// Unscoped: its words index the state.
+enum StateWord : int64_t {
+  kCtrIndex = 0,  // epoch of the last index dist
+  kCtrLookup = 1,  // released by the lookup's last CTA: the combine waits for it
+  kTileClaims = 2,  // index dist: tiles claimed this step (reset by its last CTA)
+  kDoneIndex = 3,
+  kDoneLookup = 4,
+  kDoneCombine = 5,
+  kCtrCombine = 6,
+  kErrCode = 8,  // kErrCode .. kErrCode + 3: an ErrorRecord
+  // Opt-in comm timeline (trace_comm): int64 [cap][2] records of (globaltimer
+  // ns, cumulative bytes this rank stored into peers), one per kTraceStep bytes.
+  kTraceBuf = 12,
+  kTraceStep = 13,
+  kTraceCap = 14,
+  kTraceBytes = 15,
+  kDoneSrc = 16,  // + k: CTAs of the lookup's k-th source done
+  kBagClaims = 16 + kMaxWorld,  // + k: units of bags of the lookup's k-th source claimed
+  kStateWords = 16 + 2 * kMaxWorld,
+};
+
+// One per feature of the sharding, in sharding feature order (device int64 words).
+struct FeatureDesc {
+  int64_t weights;  // address of this rank's shard of the table: [local_rows][dim], row-major
+  int64_t local_rows;
+  int64_t block;  // rows per owner: ceil(N / W) row-wise, N table-wise
+  int64_t hash_size;  // N
+  int64_t dim;
+  int64_t out_col;  // first column in the [B, D] output
+  WeightDtype weight_dtype;
+  PoolingMode pooling;
+  int64_t block_magic;  // id / block == (id * magic) >> shift for ids < 2^31; 0: divide
+  int64_t block_shift;  // (layout.py: divisor_magic)
+  int64_t owner_base;  // row block k of the table lives on rank owner_base + k
+  int64_t owner_count;  // W (row-wise) or 1 (table-wise)
+  int64_t input_feature;  // where the local KJT holds this feature's bags
+};
+
+// What does not change between steps: the symmetric buffer's layout (bytes,
+// torchrec_pgas/layout.py StepLayout), its capacities, and this rank's role.
+struct StepConfig {
+  int64_t index_block_bytes;
+  int64_t output_region_off;
+  int64_t output_block_bytes;
+  int64_t offsets_off;  // within an index block
+  int64_t lengths_off;
+  int64_t ids_off;
+  int64_t weights_off;
+  int64_t num_slots;
+  int64_t max_batch;
+  int64_t capacity;  // ids per index block
+  int64_t dim_sum;  // columns of the [B, D] output
+  int64_t num_features;
+  int64_t timeout_ns;  // a wait gives up after this long
+  int32_t rank;
+  int32_t world;
+  int32_t weighted;  // per-sample weights travel with the ids
+  BoundsMode bounds_mode;
+  int32_t id_bytes;  // 4: local rows as int32; 8: int64
+  int32_t lookup_f_lo;  // [lookup_f_lo, lookup_f_hi): the features whose rows this rank holds
+  int32_t lookup_f_hi;
+  int32_t variable_batch;  // 1: each source's batch comes from its header (table-wise)
+  int32_t trace;  // 1: launch the comm-timeline builds of the kernels
+};
+
+// The step's error record, as the device keeps it (StateWord::kErrCode) and as
+// the combine publishes it to pinned host memory.
+struct ErrorRecord {
+  ErrorCode code;
+  int64_t a;
+  int64_t b;
+  int64_t c;
+};
+
+// describe_step_abi() writes one line per constant, enumerator, struct and
+// field: "const NAME VALUE", "enum TYPE NAME VALUE", "struct NAME SIZE",
+// "field STRUCT NAME OFFSET SIZE".
+#define PGAS_ABI_ENUM(E, V) out << "enum " #E " " #V " " << static_cast<int64_t>(E::V) << "\n"
+#define PGAS_ABI_STRUCT(S) out << "struct " #S " " << sizeof(S) << "\n"
+#define PGAS_ABI_FIELD(S, F) out << "field " #S " " #F " " << offsetof(S, F) << " " << sizeof(S::F) << "\n"
+
+inline void describe_enums(std::ostream& out) {
+  out << "const kMaxWorld " << kMaxWorld << "\n";
+  PGAS_ABI_ENUM(PadWord, kAbort);
+  PGAS_ABI_ENUM(PadWord, kAbortMessage);
+  PGAS_ABI_ENUM(PadWord, kHeaderWords);
+  PGAS_ABI_ENUM(WeightDtype, kF32);
+  PGAS_ABI_ENUM(WeightDtype, kF16);
+  PGAS_ABI_ENUM(PoolingMode, kSum);
+  PGAS_ABI_ENUM(PoolingMode, kMeanByRequester);
+  PGAS_ABI_ENUM(PoolingMode, kMeanByOwner);
+  PGAS_ABI_ENUM(BoundsMode, kFatal);
+  PGAS_ABI_ENUM(BoundsMode, kWarning);
+  PGAS_ABI_ENUM(BoundsMode, kIgnore);
+  PGAS_ABI_ENUM(ErrorCode, kNone);
+  PGAS_ABI_ENUM(ErrorCode, kBadId);
+  PGAS_ABI_ENUM(ErrorCode, kBatchMismatch);
+  PGAS_ABI_ENUM(ErrorCode, kTimeout);
+  PGAS_ABI_ENUM(ErrorCode, kPeerAbort);
+  PGAS_ABI_ENUM(ErrorCode, kCorrupt);
+  PGAS_ABI_ENUM(ErrorCode, kBadIdWarn);
+  PGAS_ABI_ENUM(DeviceStatus, kOk);
+  PGAS_ABI_ENUM(DeviceStatus, kTimeout);
+  PGAS_ABI_ENUM(DeviceStatus, kPeerAbort);
+  PGAS_ABI_ENUM(StateWord, kCtrIndex);
+  PGAS_ABI_ENUM(StateWord, kCtrLookup);
+  PGAS_ABI_ENUM(StateWord, kTileClaims);
+  PGAS_ABI_ENUM(StateWord, kDoneIndex);
+  PGAS_ABI_ENUM(StateWord, kDoneLookup);
+  PGAS_ABI_ENUM(StateWord, kDoneCombine);
+  PGAS_ABI_ENUM(StateWord, kCtrCombine);
+  PGAS_ABI_ENUM(StateWord, kErrCode);
+  PGAS_ABI_ENUM(StateWord, kTraceBuf);
+  PGAS_ABI_ENUM(StateWord, kTraceStep);
+  PGAS_ABI_ENUM(StateWord, kTraceCap);
+  PGAS_ABI_ENUM(StateWord, kTraceBytes);
+  PGAS_ABI_ENUM(StateWord, kDoneSrc);
+  PGAS_ABI_ENUM(StateWord, kBagClaims);
+  PGAS_ABI_ENUM(StateWord, kStateWords);
+}
+
+inline void describe_structs(std::ostream& out) {
+  PGAS_ABI_STRUCT(FeatureDesc);
+  PGAS_ABI_FIELD(FeatureDesc, weights);
+  PGAS_ABI_FIELD(FeatureDesc, local_rows);
+  PGAS_ABI_FIELD(FeatureDesc, block);
+  PGAS_ABI_FIELD(FeatureDesc, hash_size);
+  PGAS_ABI_FIELD(FeatureDesc, dim);
+  PGAS_ABI_FIELD(FeatureDesc, out_col);
+  PGAS_ABI_FIELD(FeatureDesc, weight_dtype);
+  PGAS_ABI_FIELD(FeatureDesc, pooling);
+  PGAS_ABI_FIELD(FeatureDesc, block_magic);
+  PGAS_ABI_FIELD(FeatureDesc, block_shift);
+  PGAS_ABI_FIELD(FeatureDesc, owner_base);
+  PGAS_ABI_FIELD(FeatureDesc, owner_count);
+  PGAS_ABI_FIELD(FeatureDesc, input_feature);
+  PGAS_ABI_STRUCT(StepConfig);
+  PGAS_ABI_FIELD(StepConfig, index_block_bytes);
+  PGAS_ABI_FIELD(StepConfig, output_region_off);
+  PGAS_ABI_FIELD(StepConfig, output_block_bytes);
+  PGAS_ABI_FIELD(StepConfig, offsets_off);
+  PGAS_ABI_FIELD(StepConfig, lengths_off);
+  PGAS_ABI_FIELD(StepConfig, ids_off);
+  PGAS_ABI_FIELD(StepConfig, weights_off);
+  PGAS_ABI_FIELD(StepConfig, num_slots);
+  PGAS_ABI_FIELD(StepConfig, max_batch);
+  PGAS_ABI_FIELD(StepConfig, capacity);
+  PGAS_ABI_FIELD(StepConfig, dim_sum);
+  PGAS_ABI_FIELD(StepConfig, num_features);
+  PGAS_ABI_FIELD(StepConfig, timeout_ns);
+  PGAS_ABI_FIELD(StepConfig, rank);
+  PGAS_ABI_FIELD(StepConfig, world);
+  PGAS_ABI_FIELD(StepConfig, weighted);
+  PGAS_ABI_FIELD(StepConfig, bounds_mode);
+  PGAS_ABI_FIELD(StepConfig, id_bytes);
+  PGAS_ABI_FIELD(StepConfig, lookup_f_lo);
+  PGAS_ABI_FIELD(StepConfig, lookup_f_hi);
+  PGAS_ABI_FIELD(StepConfig, variable_batch);
+  PGAS_ABI_FIELD(StepConfig, trace);
+  PGAS_ABI_STRUCT(ErrorRecord);
+  PGAS_ABI_FIELD(ErrorRecord, code);
+  PGAS_ABI_FIELD(ErrorRecord, a);
+  PGAS_ABI_FIELD(ErrorRecord, b);
+  PGAS_ABI_FIELD(ErrorRecord, c);
+}
+
+#undef PGAS_ABI_ENUM
+#undef PGAS_ABI_STRUCT
+#undef PGAS_ABI_FIELD
+
+inline std::string describe_step_abi() {
+  std::ostringstream out;
+  describe_enums(out);
+  describe_structs(out);
+  return out.str();
+}
+
+}  // namespace torchrec_pgas
