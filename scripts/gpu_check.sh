@@ -1,36 +1,60 @@
 #!/usr/bin/env bash
-# One device call: install the TorchRec bundle, build the extension, then the steps asked for.
+# One GPU check of the working tree: install the pinned TorchRec stack (from an offline bundle where
+# there is no network), build the extension, then run the steps asked for.
 #
-#   bash scripts/gpu_check.sh STEPS [benchmark args]      # logs and results under $OUT
+#   bash scripts/gpu_check.sh [--bundle DIR] [--out DIR] STEPS [benchmark args]
+#
+#   --bundle DIR  offline bundle for air-gapped GPU machines: a folder whose install_on_device.sh SITE
+#                 installs the pinned TorchRec and FBGEMM wheels into SITE (here /tmp/site, put on
+#                 PYTHONPATH) without a network. Also PGAS_OFFLINE_BUNDLE=DIR. Default: the git-ignored
+#                 bundle folder at the tree's root when it exists (see BUNDLE below); with none, the
+#                 Python environment is used as it is.
+#   --out DIR     logs and results (default: the OUT environment variable, else /tmp/out): summary.txt
+#                 (commit, GPUs, every step's exit status and headline lines) and one log per step.
 #
 # STEPS is a comma list, or a name for one:
 #   tests      every GPU test (tests/ -m gpu) at PGAS_TEST_WORLD ranks; quick-tests: a few of them
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
-#   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs (issue: 4-GPU scaling)
+#   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
 #   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
 #              GPU (VIRTUAL_ARGS, default s000-weak and s000-strong at W = 1 and 2, both pairs); with
-#              AB_VARIANTS="dir ...", again after rebuilding with each dir's csrc/ files copied over the tree's
+#              AB_VARIANTS="dir ...", again for each dir: a scratch copy of the tree (/tmp/ab-<dir name>)
+#              with that dir's csrc/ files copied over its csrc/, built and run there. The working tree
+#              is never changed.
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
-#   profile    ncu of the stage kernels (default: the fused lookup and FBGEMM's TBE forward on one GPU;
-#              NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual ranks), into $OUT/ncu (details, per-line source counters, run log;
-#              the report stays on the device)
+#   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
+#              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual
+#              ranks), into <out>/ncu (details, per-line source counters, run log; the report stays in /tmp)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
-# A call brings back at most 8 files: the benchmark keeps results.json only (the CSV is
-# python -m benchmarks.plots' input too, rebuilt from it), logs go to one file per step.
-# Carry .devbundle (../shared/devbundle, git-ignored). NVLink multicast stays off.
+# The benchmark keeps results.json only (benchmarks.plots rebuilds the CSV from it); logs go to one file
+# per step. What to commit from a run: benchmarks/results/README.md. GIT_COMMIT=<commit> names the commit
+# in summary.txt when the tree's .git is missing or stale. NVLink multicast stays off. The script writes
+# only under <out>, /tmp and the tree's git-ignored build outputs: it never deletes or rewrites a
+# tracked file.
 set -uo pipefail
+BUNDLE=${PGAS_OFFLINE_BUNDLE:-}
+OUT=${OUT:-/tmp/out}
+while [ $# -gt 0 ]; do
+  case $1 in
+    --bundle) BUNDLE=${2:?--bundle needs a folder}; shift 2 ;;
+    --bundle=*) BUNDLE=${1#*=}; shift ;;
+    --out) OUT=${2:?--out needs a folder}; shift 2 ;;
+    --out=*) OUT=${1#*=}; shift ;;
+    *) break ;;
+  esac
+done
+[ -z "$BUNDLE" ] && [ -f .devbundle/install_on_device.sh ] && BUNDLE=.devbundle
 STEPS=${1:-full}
 shift || true
 FULL=0
 [ "$STEPS" = full ] && FULL=1 && STEPS=tests,bench-rw,sanitizer,demo
 FULL_PRESETS=(--preset s004 --preset s000-weak --preset s000-strong --preset skew)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the A/B variants run from their scratch copies
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 # GPU tests and benchmarks use every GPU of the machine (sanitizer and demo: 2 ranks).
@@ -48,11 +72,16 @@ has() { [[ ",$STEPS," == *",$1,"* ]]; }
   nvidia-smi topo -m 2>/dev/null | head -$((GPUS + 2))
 } | tee "$OUT/summary.txt"
 
-log "install devbundle"
-bash .devbundle/install_on_device.sh /tmp/site > /tmp/setup.log 2>&1 || { cp /tmp/setup.log "$OUT/"; exit 1; }
-export PYTHONPATH=/tmp/site
+: > /tmp/setup.log
+if [ -n "$BUNDLE" ]; then
+  log "install offline bundle ($BUNDLE)"
+  bash "$BUNDLE/install_on_device.sh" /tmp/site > /tmp/setup.log 2>&1 || { cp /tmp/setup.log "$OUT/"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+  log "no offline bundle: the installed TorchRec and FBGEMM"
+fi
 
-# Builds the extension from csrc/ as it is now (again after the virtual step swaps files in).
+# Builds the tree's extension (an editable install; its outputs are git-ignored).
 build() { "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1; }
 log "build extension"
 build || { cp /tmp/setup.log "$OUT/"; tail -30 /tmp/setup.log | tee -a "$OUT/summary.txt"; exit 1; }
@@ -80,35 +109,49 @@ if has ceiling; then
   tee -a "$OUT/summary.txt" < "$OUT/gather_ceiling.txt"
 fi
 
+# A/B builds never touch the tree: scratch_copy DIR copies the tree's files (tracked, and untracked ones
+# git does not ignore) into DIR; ab_build DIR builds torchrec_pgas._C in place there.
+scratch_copy() {
+  local dst=$1
+  rm -rf "$dst" && mkdir -p "$dst" || return 1
+  if git rev-parse --git-dir > /dev/null 2>&1; then
+    # -c and -o together: every file even when the index is stale (a listed file that is gone is skipped)
+    git ls-files -z -co --exclude-standard | xargs -0 cp --parents -t "$dst" 2> /dev/null
+  else
+    tar -cf - --exclude=.git --exclude=build --exclude=.venv --exclude=.devbundle --exclude='*.egg-info' \
+      --exclude='*.so' . | tar -xf - -C "$dst"
+  fi
+  [ -f "$dst/setup.py" ] && [ -d "$dst/csrc" ]
+}
+ab_build() { (cd "$1" && "$PY" setup.py -q build_ext --inplace) >> /tmp/setup.log 2>&1; }
+
 if has virtual; then
   # One results.json per variant (the tree's first) under $OUT/virtual[-variant], their logs in virtual.log.
   read -r -a VARGS <<< "${VIRTUAL_ARGS:---preset s000-weak --preset s000-strong --world 1 --world 2 --pair rw --pair tw}"
-  rm -rf /tmp/csrc_tree && cp -r csrc /tmp/csrc_tree  # the tree's sources: each variant starts from them
   for variant in tree ${AB_VARIANTS:-}; do
     name=virtual
+    dir=.  # where it runs: the tree, or the variant's scratch copy
     if [ "$variant" != tree ]; then
       name=virtual-$(basename "$variant")
-      rm -rf csrc && cp -r /tmp/csrc_tree csrc && cp "$variant"/csrc/* csrc/ && build \
+      dir=/tmp/ab-$(basename "$variant")
+      { scratch_copy "$dir" && cp "$variant"/csrc/* "$dir/csrc/" && ab_build "$dir"; } \
         || { echo "build of $variant failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; continue; }
     fi
-    log "virtual ranks ($variant): ${VARGS[*]}"
+    log "virtual ranks ($variant, in $dir): ${VARGS[*]}"
     mkdir -p "$OUT/$name"
-    CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" "$PY" -m benchmarks.virtual_ranks "${VARGS[@]}" \
-      --out "$OUT/$name" > /tmp/virtual.log 2>&1
+    (cd "$dir" && PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" \
+      "$PY" -m benchmarks.virtual_ranks "${VARGS[@]}" --out "$OUT/$name") > /tmp/virtual.log 2>&1
     echo "virtual $variant exit $?" | tee -a "$OUT/summary.txt"
     { echo "### $variant"; cat /tmp/virtual.log; } >> "$OUT/virtual.log"
     grep -E "^W=|Error" /tmp/virtual.log | tee -a "$OUT/summary.txt"
   done
-  if [ -n "${AB_VARIANTS:-}" ]; then  # the later steps test the tree
-    rm -rf csrc && cp -r /tmp/csrc_tree csrc && build \
-      || { echo "rebuild of the tree failed" | tee -a "$OUT/summary.txt"; exit 1; }
-  fi
 fi
 
 if has profile; then
   # By default on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  log "ncu: ${NCU_KERNELS:-rw_} (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
+  NCU_K=${NCU_KERNELS:-index_dist|pooled_lookup|combine_partials}
+  log "ncu: $NCU_K (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
   mkdir -p "$OUT/ncu"
   # NCU_NPROC=2 profiles rank 0 only, with real NVLink stores and a live peer: ncu attached to every rank
   # serialized their kernels, and a rank's lookup spinning on its peer blocked the peer's index dist (one
@@ -117,7 +160,7 @@ if has profile; then
   cat > /tmp/ncu_rank0.sh <<NCUEOF
 #!/usr/bin/env bash
 [ "\${LOCAL_RANK:-0}" = 0 ] || exec "\$@"
-exec "$NCU" -f -k regex:"${NCU_KERNELS:-rw_}" --import-source yes \\
+exec "$NCU" -f -k regex:"$NCU_K" --import-source yes \\
   --launch-skip "${NCU_SKIP:-3}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy \\
   --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section SchedulerStats \\
   --section SourceCounters --section InstructionStats ${NCU_EXTRA:-} -o /tmp/ncu_report "\$@"
@@ -125,7 +168,7 @@ NCUEOF
   if [ -n "${NCU_VIRTUAL:-}" ]; then
     # NCU_VIRTUAL="--world 2 ...": benchmarks.virtual_ranks (one step after 3 warm-ups; ranks launch in
     # order: with NCU_KERNELS naming one stage, NCU_SKIP = 3 * W + r picks rank r's kernel of the timed step;
-    # the default rw_ matches all three stages, 3 W kernels a step).
+    # the default matches all three stages, 3 W kernels a step).
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" bash /tmp/ncu_rank0.sh "$PY" -m benchmarks.virtual_ranks \
       --preset "${NCU_PRESET:-profile}" --pair "${NCU_PAIR:-rw}" --steps 1 --sets 1 $NCU_VIRTUAL > "$OUT/ncu/ncu_run.log" 2>&1
   else
@@ -136,7 +179,7 @@ NCUEOF
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
   "$NCU" --import /tmp/ncu_report.ncu-rep --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
-  grep -E "rw_lookup_kernel|rw_index_dist|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
+  grep -E "pooled_lookup_kernel|index_dist_kernel|combine_partials_kernel|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
     "$OUT/ncu/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
 fi
 
@@ -153,9 +196,9 @@ if has tests || has quick-tests; then
 fi
 
 if has scaling; then
-  # Largest world first (what the call is for, if time runs short); the 1-GPU TBE reference runs
+  # Largest world first (what the run is for, if time runs short); the 1-GPU TBE reference runs
   # once, in the 1-GPU pass; graphs are timed at every size. Each run's rows are merged into
-  # $OUT/scaling/results.json as soon as it ends (a call brings back at most 8 files).
+  # $OUT/scaling/results.json as soon as it ends (one file for the whole sweep).
   for n in $(seq "$PGAS_TEST_WORLD" -1 1); do
     for pair in rw tw; do
       extra=(--no-single-gpu)
@@ -209,7 +252,7 @@ if has demo; then
 fi
 
 if has dlrm; then
-  # torchx launches torchrun from PATH; the bundle's torchx (0.7.0) runs local_cwd.
+  # torchx launches torchrun from PATH; torchx 0.7.0 (the pinned stack's) runs local_cwd.
   for sharding in nccl pgas auto; do
     log "torchx DLRM inference, --sharding $sharding"
     timeout 150 "$PY" -m torchx.cli.main run -s local_cwd torchrec_pgas/components.py:dlrm --nproc_per_node 2 \
