@@ -25,6 +25,12 @@
 #              AB_VARIANTS="dir ...", again for each dir: a scratch copy of the tree (/tmp/ab-<dir name>)
 #              with that dir's csrc/ files copied over its csrc/, built and run there. The working tree
 #              is never changed.
+#   compare    this tree against an older one (COMPARE_TREE=<dir>: a `git archive` of that commit, exported
+#              beforehand since op names change), each built in a scratch copy: benchmarks.embedding at
+#              W = 1 (COMPARE_BENCH, default s000-weak and s000-strong, both pairs) and benchmarks.virtual_ranks
+#              (COMPARE_VIRTUAL, default the same at W = 2), in the order of COMPARE_ROUNDS (default
+#              "tree old tree2": the tree, the older one, the tree again to show the drift); scripts/compare_runs.py prints every step and stage time side by side into
+#              <out>/compare.txt, each build's results packed into <out>/compare/<build>.json
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
 #              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual
@@ -145,6 +151,42 @@ if has virtual; then
     { echo "### $variant"; cat /tmp/virtual.log; } >> "$OUT/virtual.log"
     grep -E "^W=|Error" /tmp/virtual.log | tee -a "$OUT/summary.txt"
   done
+fi
+
+if has compare; then
+  read -r -a CBENCH <<< "${COMPARE_BENCH:---preset s000-weak --preset s000-strong --steps 50 --no-graph --no-single-gpu}"
+  read -r -a CVIRT <<< "${COMPARE_VIRTUAL:---preset s000-weak --preset s000-strong --world 2 --pair rw --pair tw --steps 20}"
+  mkdir -p "$OUT/compare"
+  # A scratch copy per build, imported from there (the planner package linked into place, as installed).
+  prepare() {
+    { if [ "$2" = . ]; then scratch_copy "$1"; else rm -rf "$1" && cp -r "$2" "$1"; fi; } \
+      && ln -sfn ../planner "$1/torchrec_pgas/planner" && ab_build "$1"
+  }
+  prepare /tmp/ab-tree . && prepare /tmp/ab-old "${COMPARE_TREE:?compare needs COMPARE_TREE}" \
+    || { echo "compare: build failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; }
+  for build in ${COMPARE_ROUNDS:-tree old tree2}; do
+    dir=/tmp/ab-${build%2}
+    log "compare: $build ($dir)"
+    for pair in rw tw; do
+      (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run \
+        --nproc_per_node=1 -m benchmarks.embedding --pair $pair "${CBENCH[@]}" --out /tmp/cmp-$build/bench-$pair) \
+        > /tmp/cmp.log 2>&1
+      echo "$build bench-$pair exit $?" | tee -a "$OUT/summary.txt"
+      grep -E "Error|error" /tmp/cmp.log | tail -3 | tee -a "$OUT/summary.txt"
+    done
+    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" \
+      "$PY" -m benchmarks.virtual_ranks "${CVIRT[@]}" --out /tmp/cmp-$build/virtual) > /tmp/cmp.log 2>&1
+    echo "$build virtual exit $?" | tee -a "$OUT/summary.txt"
+    grep -E "^W=|Error" /tmp/cmp.log | tee -a "$OUT/summary.txt"
+    "$PY" scripts/compare_runs.py pack /tmp/cmp-$build "$OUT/compare/$build.json"
+  done
+  c="$PY scripts/compare_runs.py diff"
+  { echo "### tree against old"; $c "$OUT/compare/tree.json" "$OUT/compare/old.json"
+    if [ -f "$OUT/compare/tree2.json" ]; then
+      echo "### tree2 against old"; $c "$OUT/compare/tree2.json" "$OUT/compare/old.json"
+      echo "### tree2 against tree (drift)"; $c "$OUT/compare/tree2.json" "$OUT/compare/tree.json"
+    fi; } > "$OUT/compare.txt" 2>&1
+  grep -E "^###|within|outside" "$OUT/compare.txt" | tee -a "$OUT/summary.txt"
 fi
 
 if has profile; then
