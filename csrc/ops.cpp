@@ -1,6 +1,8 @@
 // Operator registration of torchrec-pgas (torch.ops.torchrec_pgas.*), FBGEMM style:
 // schemas here, CUDA implementations in the .cu files, meta implementations for
 // the ops that return tensors so that fake-tensor tracing sees their shapes.
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <torch/extension.h>
@@ -39,6 +41,13 @@ at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, c
                                  int64_t batch, at::ScalarType out_dtype);
 
 namespace {
+at::Tensor step_abi_description() {
+  const std::string text = describe_step_abi();
+  auto out = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  std::memcpy(out.data_ptr(), text.data(), text.size());
+  return out;
+}
+
 at::Tensor alloc_meta(int64_t nbytes) {
   return at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
 }
@@ -47,8 +56,9 @@ at::Tensor alloc_meta(int64_t nbytes) {
 }  // namespace torchrec_pgas
 
 TORCH_LIBRARY(torchrec_pgas, m) {
-  // The Python <-> CUDA contract this build was compiled with (step_abi.h).
-  m.def("step_abi() -> str", [] { return torchrec_pgas::describe_step_abi(); });
+  // The Python <-> CUDA contract this build was compiled with (step_abi.h), as UTF-8 bytes (a
+  // CPU uint8 tensor: no C++ string crosses the op boundary).
+  m.def("step_abi() -> Tensor", &torchrec_pgas::step_abi_description);
   // Bootstrap and allocation: host-side, no tensor dispatch key.
   m.def("unique_id() -> Tensor", &torchrec_pgas::pgas_unique_id);
   m.def("init(Tensor uid, int rank, int world_size) -> ()", &torchrec_pgas::pgas_init);

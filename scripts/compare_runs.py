@@ -56,8 +56,12 @@ def diff(new: Dict[str, Any], old: Dict[str, Any], tolerance: float) -> Iterator
         yield f"{key[0]:<14} {key[1]:<4} {key[2]:<12} {key[3]:<12} {a[key]:>9.3f} {b[key]:>9.3f} {ratio:>8.3f}{flag}"
     if set(a) ^ set(b):
         yield f"in one build only: {sorted(set(a) ^ set(b))}"
-    yield (f"within {tolerance:.0%}: all {len(set(a) & set(b))} times" if not outside
-           else f"outside {tolerance:.0%}: {outside}")
+    if not set(a) & set(b):
+        yield "nothing to compare: a build has no results"
+    elif outside:
+        yield f"outside {tolerance:.0%}: {outside}"
+    else:
+        yield f"within {tolerance:.0%}: all {len(set(a) & set(b))} times"
 
 
 def main() -> None:

@@ -186,7 +186,7 @@ if has compare; then
       echo "### tree2 against old"; $c "$OUT/compare/tree2.json" "$OUT/compare/old.json"
       echo "### tree2 against tree (drift)"; $c "$OUT/compare/tree2.json" "$OUT/compare/tree.json"
     fi; } > "$OUT/compare.txt" 2>&1
-  grep -E "^###|within|outside" "$OUT/compare.txt" | tee -a "$OUT/summary.txt"
+  grep -E "^###|within|outside|nothing" "$OUT/compare.txt" | tee -a "$OUT/summary.txt"
 fi
 
 if has profile; then

@@ -39,7 +39,7 @@ def test_ops_registered() -> None:
         "signal": "torchrec_pgas::signal(Tensor(a!) word, int value, int peer) -> ()",
         "wait": "torchrec_pgas::wait(Tensor pad, Tensor slots, int epoch, int timeout_ns, Tensor(a!) status) -> ()",
         "init": "torchrec_pgas::init(Tensor uid, int rank, int world_size) -> ()",
-        "step_abi": "torchrec_pgas::step_abi() -> str",
+        "step_abi": "torchrec_pgas::step_abi() -> Tensor",
     }
     for name, schema in expected.items():
         assert str(getattr(ops, name).default._schema) == schema

@@ -184,9 +184,14 @@ def header_enumerators(header_text: str) -> List[str]:
 _checked = False
 
 
+def extension_description() -> str:
+    """What the loaded extension's header describes (``describe_step_abi``)."""
+    return bytes(torch.ops.torchrec_pgas.step_abi().numpy()).decode()
+
+
 def check_extension() -> None:
     """Compare this mirror with the loaded extension's header, once per process."""
     global _checked
     if not _checked:
-        check_against(torch.ops.torchrec_pgas.step_abi(), "the built extension (csrc/step_abi.h)")
+        check_against(extension_description(), "the built extension (csrc/step_abi.h)")
         _checked = True
