@@ -1,8 +1,6 @@
 // Operator registration of torchrec-pgas (torch.ops.torchrec_pgas.*), FBGEMM style:
 // schemas here, CUDA implementations in the .cu files, meta implementations for
 // the ops that return tensors so that fake-tensor tracing sees their shapes.
-#include <cstring>
-
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <torch/extension.h>
@@ -42,10 +40,10 @@ at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, c
 
 namespace {
 at::Tensor step_abi_description() {
-  const std::string text = describe_step_abi();
-  auto out = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
-  std::memcpy(out.data_ptr(), text.data(), text.size());
-  return out;
+  const size_t len = describe_step_abi(nullptr, 0);
+  auto out = at::empty({static_cast<int64_t>(len + 1)}, at::kByte);
+  describe_step_abi(static_cast<char*>(out.data_ptr()), len + 1);
+  return out.narrow(0, 0, static_cast<int64_t>(len));  // without the NUL
 }
 
 at::Tensor alloc_meta(int64_t nbytes) {
@@ -56,8 +54,7 @@ at::Tensor alloc_meta(int64_t nbytes) {
 }  // namespace torchrec_pgas
 
 TORCH_LIBRARY(torchrec_pgas, m) {
-  // The Python <-> CUDA contract this build was compiled with (step_abi.h), as UTF-8 bytes (a
-  // CPU uint8 tensor: no C++ string crosses the op boundary).
+  // The Python <-> CUDA contract this build was compiled with (step_abi.h), as text bytes (CPU uint8).
   m.def("step_abi() -> Tensor", &torchrec_pgas::step_abi_description);
   // Bootstrap and allocation: host-side, no tensor dispatch key.
   m.def("unique_id() -> Tensor", &torchrec_pgas::pgas_unique_id);

@@ -8,10 +8,10 @@
 // Plain C++ (no CUDA): the kernels include it through step_protocol.cuh.
 #pragma once
 
+#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
-#include <string>
+#include <cstdio>
 
 namespace torchrec_pgas {
 
@@ -128,13 +128,28 @@ struct ErrorRecord {
 
 // describe_step_abi() writes one line per constant, enumerator, struct and
 // field: "const NAME VALUE", "enum TYPE NAME VALUE", "struct NAME SIZE",
-// "field STRUCT NAME OFFSET SIZE".
-#define PGAS_ABI_ENUM(E, V) out << "enum " #E " " #V " " << static_cast<int64_t>(E::V) << "\n"
-#define PGAS_ABI_STRUCT(S) out << "struct " #S " " << sizeof(S) << "\n"
-#define PGAS_ABI_FIELD(S, F) out << "field " #S " " #F " " << offsetof(S, F) << " " << sizeof(S::F) << "\n"
+// "field STRUCT NAME OFFSET SIZE", with snprintf into a caller's buffer (no
+// C++ streams or strings: the same plain C wherever the header is compiled).
+struct AbiText {
+  char* buf;
+  size_t cap;
+  size_t len;  // what the whole text needs, even past cap (the caller sizes by it)
 
-inline void describe_enums(std::ostream& out) {
-  out << "const kMaxWorld " << kMaxWorld << "\n";
+  void line(const char* fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    const int n = std::vsnprintf(len < cap ? buf + len : nullptr, len < cap ? cap - len : 0, fmt, args);
+    va_end(args);
+    len += n > 0 ? static_cast<size_t>(n) : 0;
+  }
+};
+
+#define PGAS_ABI_ENUM(E, V) out.line("enum " #E " " #V " %lld\n", static_cast<long long>(E::V))
+#define PGAS_ABI_STRUCT(S) out.line("struct " #S " %zu\n", sizeof(S))
+#define PGAS_ABI_FIELD(S, F) out.line("field " #S " " #F " %zu %zu\n", offsetof(S, F), sizeof(S::F))
+
+inline void describe_enums(AbiText& out) {
+  out.line("const kMaxWorld %d\n", kMaxWorld);
   PGAS_ABI_ENUM(PadWord, kAbort);
   PGAS_ABI_ENUM(PadWord, kAbortMessage);
   PGAS_ABI_ENUM(PadWord, kHeaderWords);
@@ -173,7 +188,7 @@ inline void describe_enums(std::ostream& out) {
   PGAS_ABI_ENUM(StateWord, kStateWords);
 }
 
-inline void describe_structs(std::ostream& out) {
+inline void describe_structs(AbiText& out) {
   PGAS_ABI_STRUCT(FeatureDesc);
   PGAS_ABI_FIELD(FeatureDesc, weights);
   PGAS_ABI_FIELD(FeatureDesc, local_rows);
@@ -222,11 +237,12 @@ inline void describe_structs(std::ostream& out) {
 #undef PGAS_ABI_STRUCT
 #undef PGAS_ABI_FIELD
 
-inline std::string describe_step_abi() {
-  std::ostringstream out;
+// The description's length; it is written into buf when cap is larger (with a NUL).
+inline size_t describe_step_abi(char* buf, size_t cap) {
+  AbiText out{buf, cap, 0};
   describe_enums(out);
   describe_structs(out);
-  return out.str();
+  return out.len;
 }
 
 }  // namespace torchrec_pgas

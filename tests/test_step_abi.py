@@ -27,7 +27,10 @@ def header_description(tmp_path_factory: pytest.TempPathFactory) -> str:
         pytest.skip("no C++ compiler to compile csrc/step_abi.h")
     work = tmp_path_factory.mktemp("abi")
     (work / "abi.cpp").write_text(
-        '#include "step_abi.h"\n#include <iostream>\nint main() { std::cout << torchrec_pgas::describe_step_abi(); }\n'
+        '#include "step_abi.h"\n#include <vector>\nint main() {\n'
+        "  std::vector<char> text(torchrec_pgas::describe_step_abi(nullptr, 0) + 1);\n"
+        "  torchrec_pgas::describe_step_abi(text.data(), text.size());\n"
+        '  std::fputs(text.data(), stdout);\n}\n'
     )
     exe = work / "abi"
     subprocess.run([cxx, "-std=c++17", f"-I{HEADER.parent}", str(work / "abi.cpp"), "-o", str(exe)], check=True)

@@ -126,3 +126,21 @@ def test_virtual_ranks_bad_id(world: int, mode: BoundsCheckMode) -> None:
         torch.testing.assert_close(out.double(), reference_pool(tables, inp, [False, False], False),
                                    atol=1e-5, rtol=1e-5)
     vr.check()
+
+
+def test_stage_ops_refuse_a_config_that_does_not_match() -> None:
+    """An op checks its StepConfig against the tensors before any launch, and says why (a raised error, not a
+    crash), e.g. a pad too small for the world size the config names."""
+    from torchrec_pgas.virtual_ranks import VirtualRanks
+
+    dev = torch.device("cuda", 0)
+    vr = VirtualRanks([torch.randn(10, 8, device=dev)], 2, max_batch=4, ids_capacity=16)
+    ((values, offsets, weights, batch),) = [_inputs(random.Random(0), [10], 4, False, dev)]
+    state = list(vr.stage_args(0))
+    state[1] = state[1][:3]  # the signal pad, cut below 32 header words + 2 W slots
+    with pytest.raises(RuntimeError, match="signal pad of 3 words for 2 ranks"):
+        torch.ops.torchrec_pgas.index_dist(values, offsets, weights, *state, batch)
+    state = list(vr.stage_args(0))
+    state[-1] = state[-1][:-8]  # a config of another size
+    with pytest.raises(RuntimeError, match="config must be the"):
+        torch.ops.torchrec_pgas.pooled_lookup(*state, batch, 8, torch.float32, True)

@@ -117,10 +117,13 @@ class VirtualRanks:
         mark("combine", self.world)
         return outs
 
+    def stage_args(self, rank: int) -> Tuple[torch.Tensor, ...]:
+        """What every stage op of ``rank`` takes after its own inputs (as ``DeviceStep``'s ops do)."""
+        s = self._ranks[rank]
+        return s["buf"], s["pad"], self._peers, s["features"], s["state"], s["bag_div"], s["status"], s["config"]
+
     def _state_args(self) -> List[Tuple[torch.Tensor, ...]]:
-        """Per rank, what every stage op takes after its own inputs (as ``DeviceStep._state_args``)."""
-        return [(s["buf"], s["pad"], self._peers, s["features"], s["state"], s["bag_div"], s["status"], s["config"])
-                for s in self._ranks]
+        return [self.stage_args(r) for r in range(self.world)]
 
     def errors(self) -> List[Tuple[int, int, int, int]]:
         """Every rank's device error record of the last finished step (code, a, b, c; code 0: none),
