@@ -18,28 +18,28 @@ namespace torchrec_pgas {
 
 at::Tensor pgas_unique_id() {
   nvshmemx_uniqueid_t uid;
-  TORCH_CHECK(nvshmemx_get_uniqueid(&uid) == 0, "nvshmemx_get_uniqueid failed");
+  PGAS_CHECK(nvshmemx_get_uniqueid(&uid) == 0, "nvshmemx_get_uniqueid failed");
   auto out = at::empty({static_cast<int64_t>(sizeof(uid))}, at::kByte);
   std::memcpy(out.data_ptr(), &uid, sizeof(uid));
   return out;
 }
 
 void pgas_init(const at::Tensor& uid, int64_t rank, int64_t world_size) {
-  TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte &&
-                  uid.numel() == static_cast<int64_t>(sizeof(nvshmemx_uniqueid_t)),
-              "pgas_init: uid must be the CPU uint8 tensor of pgas_unique_id()");
+  PGAS_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte &&
+                 uid.numel() == static_cast<int64_t>(sizeof(nvshmemx_uniqueid_t)),
+             "pgas_init: uid must be the CPU uint8 tensor of pgas_unique_id()");
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, uid.contiguous().data_ptr(), sizeof(id));
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-  TORCH_CHECK(nvshmemx_set_attr_uniqueid_args(static_cast<int>(rank), static_cast<int>(world_size),
-                                              &id, &attr) == 0,
-              "nvshmemx_set_attr_uniqueid_args failed");
-  TORCH_CHECK(nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0,
-              "nvshmemx_init_attr failed (is NVSHMEM_SYMMETRIC_SIZE larger than free GPU memory?)");
-  TORCH_CHECK(nvshmem_my_pe() == rank && nvshmem_n_pes() == world_size,
-              "NVSHMEM world (pe ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
-              ") differs from the process group (rank ", rank, " of ", world_size,
-              "): torchrec-pgas needs the global world, as torch's symmetric memory uses");
+  PGAS_CHECK(nvshmemx_set_attr_uniqueid_args(static_cast<int>(rank), static_cast<int>(world_size), &id,
+                                             &attr) == 0,
+             "nvshmemx_set_attr_uniqueid_args failed");
+  PGAS_CHECK(nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0,
+             "nvshmemx_init_attr failed (is NVSHMEM_SYMMETRIC_SIZE larger than free GPU memory?)");
+  PGAS_CHECK(nvshmem_my_pe() == rank && nvshmem_n_pes() == world_size,
+             "NVSHMEM world (pe %d of %d) differs from the process group (rank %lld of %lld): torchrec-pgas "
+             "needs the global world, as torch's symmetric memory uses",
+             nvshmem_my_pe(), nvshmem_n_pes(), static_cast<long long>(rank), static_cast<long long>(world_size));
 }
 
 void pgas_finalize() { nvshmem_finalize(); }
@@ -47,10 +47,10 @@ void pgas_finalize() { nvshmem_finalize(); }
 // Collective: `nbytes` of zeroed symmetric memory. Not freed by the tensor's
 // deleter (nvshmem_free is collective too); call nvshmem_free explicitly.
 at::Tensor pgas_alloc(int64_t nbytes) {
-  TORCH_CHECK(nbytes > 0, "pgas_alloc: nbytes must be > 0, got ", nbytes);
+  PGAS_CHECK(nbytes > 0, "pgas_alloc: nbytes must be > 0, got %lld", static_cast<long long>(nbytes));
   void* ptr = nvshmem_align(256, static_cast<size_t>(nbytes));
-  TORCH_CHECK(ptr != nullptr, "nvshmem_align(", nbytes,
-              ") failed: raise NVSHMEM_SYMMETRIC_SIZE before the first PGAS sharding");
+  PGAS_CHECK(ptr != nullptr, "nvshmem_align(%lld) failed: raise NVSHMEM_SYMMETRIC_SIZE before the first PGAS sharding",
+             static_cast<long long>(nbytes));
   auto stream = at::cuda::getCurrentCUDAStream();
   PGAS_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<size_t>(nbytes), stream));
   nvshmemx_barrier_all_on_stream(stream);  // peers must see zeroed pads before any put

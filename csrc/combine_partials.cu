@@ -144,11 +144,12 @@ at::Tensor combine_partials(const at::Tensor& buf, const at::Tensor& pad, const 
                             const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
                             int64_t batch, at::ScalarType out_dtype) {
   const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
-  TORCH_CHECK(batch * p.dim_sum < (int64_t{1} << 31), "combine_partials: ", batch, " x ", p.dim_sum,
-              " outputs exceed 2^31 elements (32-bit positions)");
-  TORCH_CHECK(p.dim_sum % 4 == 0 && col_feature.numel() == p.dim_sum / 4 &&
-                  col_feature.scalar_type() == at::kInt && col_feature.is_cuda(),
-              "combine_partials: col_feature must map every 4 columns to a feature");
+  PGAS_CHECK(batch * p.dim_sum < (int64_t{1} << 31),
+             "combine_partials: %lld x %lld outputs exceed 2^31 elements (32-bit positions)",
+             static_cast<long long>(batch), static_cast<long long>(p.dim_sum));
+  PGAS_CHECK(p.dim_sum % 4 == 0 && col_feature.numel() == p.dim_sum / 4 && col_feature.scalar_type() == at::kInt &&
+                 col_feature.is_cuda(),
+             "combine_partials: col_feature must map every 4 columns to a feature");
   auto out = at::empty({batch, p.dim_sum}, buf.options().dtype(out_dtype));
   const int32_t* cf = col_feature.data_ptr<int32_t>();
   switch (out_dtype) {
@@ -162,7 +163,7 @@ at::Tensor combine_partials(const at::Tensor& buf, const at::Tensor& pad, const 
       launch_combine<at::BFloat16>(p, out.data_ptr<at::BFloat16>(), cf);
       break;
     default:
-      TORCH_CHECK(false, "combine_partials: output dtype must be float32, float16 or bfloat16");
+      PGAS_CHECK(false, "combine_partials: output dtype must be float32, float16 or bfloat16");
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
   return out;

@@ -618,21 +618,21 @@ void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::
                 const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                 const at::Tensor& config, int64_t batch) {
-  TORCH_CHECK(values.is_cuda() && offsets.is_cuda() && offsets.scalar_type() == at::kLong,
-              "index_dist: CUDA values and int64 offsets expected");
+  PGAS_CHECK(values.is_cuda() && offsets.is_cuda() && offsets.scalar_type() == at::kLong,
+             "index_dist: CUDA values and int64 offsets expected");
   const StepParams p =
       make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, values.numel());
-  TORCH_CHECK(offsets.numel() == p.num_features * batch + 1, "index_dist: offsets must hold F*B+1");
-  TORCH_CHECK(!weights.has_value() || (weights->is_cuda() && weights->scalar_type() == at::kFloat &&
-                                       weights->numel() == values.numel()),
-              "index_dist: weights must be float32 CUDA, one per id");
-  TORCH_CHECK(p.weighted == (weights.has_value() ? 1 : 0), "index_dist: weighted mismatch");
+  PGAS_CHECK(offsets.numel() == p.num_features * batch + 1, "index_dist: offsets must hold F*B+1");
+  PGAS_CHECK(!weights.has_value() ||
+                 (weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->numel() == values.numel()),
+             "index_dist: weights must be float32 CUDA, one per id");
+  PGAS_CHECK(p.weighted == (weights.has_value() ? 1 : 0), "index_dist: weighted mismatch");
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   if (values.scalar_type() == at::kLong) {
     launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, stream);
   } else {
-    TORCH_CHECK(values.scalar_type() == at::kInt, "index_dist: int32 or int64 ids expected");
+    PGAS_CHECK(values.scalar_type() == at::kInt, "index_dist: int32 or int64 ids expected");
     launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());

@@ -468,11 +468,12 @@ void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tenso
                    const at::Tensor& config, int64_t batch, int64_t max_dim, at::ScalarType out_dtype,
                    bool after_exit) {
   const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
-  TORCH_CHECK(max_dim > 0 && max_dim % 4 == 0, "pooled_lookup: dims must be multiples of 4, got ", max_dim);
+  PGAS_CHECK(max_dim > 0 && max_dim % 4 == 0, "pooled_lookup: dims must be multiples of 4, got %lld",
+             static_cast<long long>(max_dim));
   int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
   while (group_lanes < 32 && group_lanes * 4 < max_dim) group_lanes *= 2;
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
-              "pooled_lookup: output dtype must be float32, float16 or bfloat16");
+  PGAS_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
+             "pooled_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (p.id_bytes == 4) {

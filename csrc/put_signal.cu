@@ -67,15 +67,14 @@ __global__ void wait_kernel(const int64_t* pad, const int64_t* slots, int num_sl
 }  // namespace
 
 void pgas_put(const at::Tensor& dst, const at::Tensor& src, int64_t peer) {
-  TORCH_CHECK(dst.is_cuda() && src.is_cuda() && dst.is_contiguous() && src.is_contiguous(),
-              "pgas_put: contiguous CUDA tensors expected");
+  PGAS_CHECK(dst.is_cuda() && src.is_cuda() && dst.is_contiguous() && src.is_contiguous(),
+             "pgas_put: contiguous CUDA tensors expected");
   const size_t nbytes = src.numel() * src.element_size();
-  TORCH_CHECK(static_cast<size_t>(dst.numel() * dst.element_size()) >= nbytes,
-              "pgas_put: destination of ", dst.numel() * dst.element_size(),
-              " bytes is smaller than the source of ", nbytes);
-  TORCH_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_put: peer ", peer, " outside world");
-  TORCH_CHECK(nvshmem_ptr(dst.data_ptr(), nvshmem_my_pe()) != nullptr,
-              "pgas_put: destination is not symmetric memory");
+  PGAS_CHECK(static_cast<size_t>(dst.numel() * dst.element_size()) >= nbytes,
+             "pgas_put: destination of %lld bytes is smaller than the source of %zu",
+             static_cast<long long>(dst.numel() * dst.element_size()), nbytes);
+  PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_put: peer %lld outside world", static_cast<long long>(peer));
+  PGAS_CHECK(nvshmem_ptr(dst.data_ptr(), nvshmem_my_pe()) != nullptr, "pgas_put: destination is not symmetric memory");
   if (nbytes == 0) return;
   const unsigned blocks = static_cast<unsigned>((nbytes + kPutChunk - 1) / kPutChunk);
   put_kernel<<<blocks, kPutThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -85,9 +84,9 @@ void pgas_put(const at::Tensor& dst, const at::Tensor& src, int64_t peer) {
 }
 
 void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer) {
-  TORCH_CHECK(word.is_cuda() && word.scalar_type() == at::kLong && word.numel() == 1,
-              "pgas_signal: one int64 CUDA word expected");
-  TORCH_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_signal: peer ", peer, " outside world");
+  PGAS_CHECK(word.is_cuda() && word.scalar_type() == at::kLong && word.numel() == 1,
+             "pgas_signal: one int64 CUDA word expected");
+  PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_signal: peer %lld outside world", static_cast<long long>(peer));
   signal_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<uint64_t*>(word.data_ptr()), static_cast<uint64_t>(value),
       static_cast<int>(peer));
@@ -96,11 +95,11 @@ void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer) {
 
 void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, int64_t timeout_ns,
                const at::Tensor& status) {
-  TORCH_CHECK(pad.is_cuda() && pad.scalar_type() == at::kLong, "pgas_wait: int64 CUDA pad expected");
-  TORCH_CHECK(slots.is_cuda() && slots.scalar_type() == at::kLong && slots.numel() <= 1024,
-              "pgas_wait: at most 1024 int64 CUDA slot indices expected");
-  TORCH_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 2,
-              "pgas_wait: status must be a pinned int64 host tensor of 2 words");
+  PGAS_CHECK(pad.is_cuda() && pad.scalar_type() == at::kLong, "pgas_wait: int64 CUDA pad expected");
+  PGAS_CHECK(slots.is_cuda() && slots.scalar_type() == at::kLong && slots.numel() <= 1024,
+             "pgas_wait: at most 1024 int64 CUDA slot indices expected");
+  PGAS_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 2,
+             "pgas_wait: status must be a pinned int64 host tensor of 2 words");
   if (slots.numel() == 0) return;
   wait_kernel<<<1, static_cast<unsigned>(slots.numel()), 0, at::cuda::getCurrentCUDAStream()>>>(
       pad.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<int>(slots.numel()), epoch,

@@ -11,37 +11,39 @@ namespace torchrec_pgas {
 StepParams make_step_params(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                             const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                             const at::Tensor& status, const at::Tensor& config, int64_t batch, int64_t nnz) {
-  TORCH_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte && config.is_contiguous() &&
-                  config.numel() == static_cast<int64_t>(sizeof(StepConfig)),
-              "pgas step: config must be the ", sizeof(StepConfig),
-              " bytes of a StepConfig (torchrec_pgas.step_abi), got ", config.numel());
-  TORCH_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() && state.is_cuda() &&
-                  bag_div.is_cuda() && status.is_pinned() &&
-                  status.numel() * status.element_size() == static_cast<int64_t>(sizeof(ErrorRecord)),
-              "pgas step: device state tensors on CUDA, status a pinned ErrorRecord");
+  using ll = long long;
+  PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte && config.is_contiguous() &&
+                 config.numel() == static_cast<int64_t>(sizeof(StepConfig)),
+             "pgas step: config must be the %zu bytes of a StepConfig (torchrec_pgas.step_abi), got %lld",
+             sizeof(StepConfig), static_cast<ll>(config.numel()));
+  PGAS_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() && state.is_cuda() &&
+                 bag_div.is_cuda() && status.is_pinned() &&
+                 status.numel() * status.element_size() == static_cast<int64_t>(sizeof(ErrorRecord)),
+             "pgas step: device state tensors on CUDA, status a pinned ErrorRecord");
   StepParams p;
   std::memcpy(static_cast<StepConfig*>(&p), config.data_ptr(), sizeof(StepConfig));
-  TORCH_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas step: id width ", p.id_bytes, " bytes");
-  TORCH_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas step: world size ", p.world, " outside [1, ",
-              kMaxWorld, "]");
-  TORCH_CHECK(peers.numel() == 2 * p.world &&
-                  features.numel() * 8 == p.num_features * static_cast<int64_t>(sizeof(FeatureDesc)) &&
-                  state.numel() >= kStateWords && bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
-              "pgas step: state tensors do not match the config");
+  PGAS_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas step: id width %d bytes", p.id_bytes);
+  PGAS_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas step: world size %d outside [1, %d]", p.world, kMaxWorld);
+  PGAS_CHECK(peers.numel() == 2 * p.world &&
+                 features.numel() * 8 == p.num_features * static_cast<int64_t>(sizeof(FeatureDesc)) &&
+                 state.numel() >= kStateWords && bag_div.numel() >= p.num_slots * p.num_features * p.max_batch,
+             "pgas step: state tensors do not match the config");
   // 32-bit bag numbers and id positions, including a tile past the last bag and
   // chunks read ahead past the last id (index_dist.cu) and a grid stride past
   // the last bag (pooled_lookup.cu): both stay at or below 2^30.
-  TORCH_CHECK(p.capacity <= (int64_t{1} << 30) && p.num_features * p.max_batch <= (int64_t{1} << 30),
-              "pgas step: ", p.capacity, " ids and ", p.num_features * p.max_batch,
-              " bags per step must each stay at or below 2^30 (PgasConfig)");
-  TORCH_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
-              "pgas step: lookup feature range [", p.lookup_f_lo, ", ", p.lookup_f_hi, ") outside [0, ",
-              p.num_features, ")");
+  PGAS_CHECK(p.capacity <= (int64_t{1} << 30) && p.num_features * p.max_batch <= (int64_t{1} << 30),
+             "pgas step: %lld ids and %lld bags per step must each stay at or below 2^30 (PgasConfig)",
+             static_cast<ll>(p.capacity), static_cast<ll>(p.num_features * p.max_batch));
+  PGAS_CHECK(0 <= p.lookup_f_lo && p.lookup_f_lo <= p.lookup_f_hi && p.lookup_f_hi <= p.num_features,
+             "pgas step: lookup feature range [%d, %d) outside [0, %lld)", p.lookup_f_lo, p.lookup_f_hi,
+             static_cast<ll>(p.num_features));
   // Peers store signals into this pad at these offsets (kernels index it by rank).
-  TORCH_CHECK(pad.numel() >= kHeaderWords + 2 * p.world, "pgas step: signal pad of ", pad.numel(),
-              " words for ", p.world, " ranks");
-  TORCH_CHECK(batch >= 0 && batch <= p.max_batch, "pgas step: batch ", batch, " outside [0, ", p.max_batch, "]");
-  TORCH_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas step: ", nnz, " ids exceed the capacity of ", p.capacity);
+  PGAS_CHECK(pad.numel() >= kHeaderWords + 2 * p.world, "pgas step: signal pad of %lld words for %d ranks",
+             static_cast<ll>(pad.numel()), p.world);
+  PGAS_CHECK(batch >= 0 && batch <= p.max_batch, "pgas step: batch %lld outside [0, %lld]", static_cast<ll>(batch),
+             static_cast<ll>(p.max_batch));
+  PGAS_CHECK(nnz >= 0 && nnz <= p.capacity, "pgas step: %lld ids exceed the capacity of %lld", static_cast<ll>(nnz),
+             static_cast<ll>(p.capacity));
   p.buf = buf.data_ptr<uint8_t>();
   p.pad = pad.data_ptr<int64_t>();
   p.peer_bufs = peers.data_ptr<int64_t>();
