@@ -1,8 +1,10 @@
 """The main job: a 2-process sharded EBC with the PGAS sharder, validated against stock TorchRec.
 
 Runs on the best backend available: ``nvshmem`` on two GPUs (NCCL process
-group), otherwise ``shm`` on CPU (gloo). Prints one row per table: the largest
-|pgas - stock| over its features and the forward time per step of both.
+group), otherwise ``shm`` on CPU (gloo). ``--backend nvshmem`` on a machine with
+one GPU runs both ranks on it over gloo (``torchrec_pgas.placement``): a test of
+the multi-rank path, not a performance setup. Prints one row per table: the
+largest |pgas - stock| over its features and the forward time per step of both.
 """
 
 import argparse
@@ -16,14 +18,16 @@ from torchrec_pgas.testing import (
     compare_with_stock,
     default_model,
     random_kjt,
+    rank_device,
     run_distributed,
     seeded,
 )
+from torchrec_pgas.placement import rank_placement
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
 
 def _run(rank: int, world: int, device_type: str, steps: int, batch: int) -> Dict[str, object]:
-    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+    device = rank_device(rank, device_type)
     model = default_model()
     gen = seeded(rank)
     batches = [
@@ -60,10 +64,10 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     use_gpu = args.backend == "nvshmem" or (args.backend == "auto" and gpus >= 2)
     backend, device_type = ("nvshmem", "cuda") if use_gpu else ("shm", "cpu")
-    results = run_distributed(
-        _run, 2, device_type, args.steps, args.batch, backend="nccl" if use_gpu else "gloo"
-    )
-    print(f"pgas_row_wise vs stock row_wise: 2 ranks, backend={backend}, "
+    placement = rank_placement(2, device_type)
+    results = run_distributed(_run, 2, device_type, args.steps, args.batch, device_type=device_type)
+    shared = ", both ranks on one GPU (correctness only)" if placement.shared_gpu else ""
+    print(f"pgas_row_wise vs stock row_wise: 2 ranks, backend={backend}{shared}, "
           f"batch {args.batch}/rank, {args.steps} steps, tolerance {ATOL:g}")
     header = f"{'table':<6} {'rows':>5} {'dim':>4} {'pooling':<13} {'max|diff| r0':>12} {'r1':>10}  ok"
     print(header)
@@ -76,7 +80,7 @@ def main() -> None:
         print(f"{name:<6} {rows:>5} {dim:>4} {pooling:<13} {d0:>12.2e} {r1[4]:>10.2e}  {'yes' if good else 'NO'}")
     for r, res in enumerate(results):
         print(f"rank {r}: forward {res['pgas_ms']:.2f} ms/step (pgas, {backend}) vs "
-              f"{res['stock_ms']:.2f} ms/step (stock, {'nccl' if use_gpu else 'gloo'})")
+              f"{res['stock_ms']:.2f} ms/step (stock, {placement.backend})")
     print("PASS: outputs match stock TorchRec" if ok else "FAIL: outputs differ")
     raise SystemExit(0 if ok else 1)
 

@@ -2,8 +2,10 @@
 
     torchrun --nproc_per_node=2 examples/minimal.py
 
-With a GPU per process it uses NCCL and the nvshmem backend (fused GPU
-kernels); otherwise gloo and the shm backend on CPU. Nothing else changes.
+With a GPU it uses the nvshmem backend (fused GPU kernels) over NCCL, one GPU
+per process; otherwise gloo and the shm backend on CPU. Nothing else changes.
+More processes than GPUs share one GPU over gloo (torchrec_pgas.placement): a
+way to test multi-rank behaviour on one GPU, never a performance setup.
 """
 
 import os
@@ -16,16 +18,19 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from torchrec_pgas import PgasEmbeddingBagCollectionSharder, check_errors
+from torchrec_pgas.placement import best_placement
 from torchrec_pgas.planner import pgas_row_wise
 
 
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    on_gpu = torch.cuda.device_count() >= world
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    placement = best_placement(local_world)
+    device = placement.device(int(os.environ["LOCAL_RANK"]))
+    on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    dist.init_process_group(placement.backend)
 
     ebc = EmbeddingBagCollection(
         tables=[
@@ -37,7 +42,7 @@ def main() -> None:
     sharder = PgasEmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
         ebc, {"t_user": pgas_row_wise(), "t_item": pgas_row_wise()},
-        sharder=sharder, local_size=world, world_size=world, device_type=device.type,
+        sharder=sharder, local_size=placement.local_size(local_world), world_size=world, device_type=device.type,
     )
     model = DistributedModelParallel(
         ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
@@ -55,7 +60,8 @@ def main() -> None:
     with torch.no_grad():
         out = model(kjt).to_dict()
     check_errors(model)  # GPU kernels report bad ids here (or at the next forward)
-    line = (f"rank {rank}: {'nvshmem' if on_gpu else 'shm'} backend, pooled user {tuple(out['user'].shape)}, "
+    line = (f"rank {rank}: {'nvshmem' if on_gpu else 'shm'} backend on {device}"
+            f"{' (shared)' if placement.shared_gpu else ''}, pooled user {tuple(out['user'].shape)}, "
             f"item {tuple(out['item'].shape)}")
     lines = [None] * world
     dist.all_gather_object(lines, line)

@@ -17,7 +17,7 @@
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
 #   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs
-#   sanitizer  compute-sanitizer memcheck of a small 2-rank case
+#   sanitizer  compute-sanitizer memcheck of a small 2-rank case (on a one-GPU machine both ranks share it)
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
 #   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
@@ -279,8 +279,9 @@ done
 
 if has sanitizer; then
   log "compute-sanitizer memcheck, 2 ranks"
-  # API errors are NCCL probing kernel images of other archs at init; count memory errors.
-  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
+  # API errors are NCCL probing kernel images of other archs at init; count memory errors. Memcheck slows
+  # the kernels (and ranks sharing a GPU take turns): a long PGAS wait.
+  SANITIZER_WAIT_S=${SANITIZER_WAIT_S:-600} timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
     --error-exitcode 9 "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
   grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"

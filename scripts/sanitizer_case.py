@@ -1,4 +1,7 @@
-"""A small 2-rank pgas_row_wise forward for compute-sanitizer (torchrun --nproc_per_node=2)."""
+"""A small 2-rank pgas_row_wise forward for compute-sanitizer (torchrun --nproc_per_node=2).
+
+One GPU per rank, or both ranks on one GPU (torchrec_pgas.placement) when the machine has one.
+``SANITIZER_WAIT_S`` raises the PGAS wait timeout: memcheck slows the kernels."""
 
 import os
 
@@ -6,18 +9,21 @@ import torch
 import torch.distributed as dist
 
 from torchrec_pgas import check_errors
+from torchrec_pgas.placement import rank_placement
 from torchrec_pgas.testing import default_model, random_kjt, seeded, shard
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
 
 def main() -> None:
     rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
-    dev = torch.device("cuda", rank)
+    placement = rank_placement(int(os.environ["LOCAL_WORLD_SIZE"]))
+    dev = placement.device(rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group(placement.backend)
     model = default_model()
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
-    pgas = shard(model, types, dist.group.WORLD, dev, PgasConfig(max_local_batch_size=8))
+    config = PgasConfig(max_local_batch_size=8, wait_timeout_s=float(os.environ.get("SANITIZER_WAIT_S", "120")))
+    pgas = shard(model, types, dist.group.WORLD, dev, config)
     gen = seeded(rank)
     with torch.no_grad():
         for _ in range(3):

@@ -22,7 +22,7 @@ def torchrun(*args: str) -> List[str]:
 def test_minimal_example() -> None:
     lines = sorted(line for line in torchrun("examples/minimal.py") if line.startswith("rank"))
     assert lines == [
-        f"rank {r}: shm backend, pooled user (8, 64), item (8, 32)" for r in range(2)
+        f"rank {r}: shm backend on cpu, pooled user (8, 64), item (8, 32)" for r in range(2)
     ]
 
 

@@ -1,7 +1,9 @@
 """GPU tests: the nvshmem backend and the fused kernels against stock TorchRec + NCCL.
 
-World size 2 unless ``PGAS_TEST_WORLD`` says otherwise (one process per GPU: 1 on a one-GPU machine, 4 and
-8 on the larger ones); tests marked ``peers`` run at least two ranks.
+World size 2 unless ``PGAS_TEST_WORLD`` says otherwise; tests marked ``peers`` run at least two ranks. One
+process per GPU while the GPUs suffice, else every rank on one GPU over gloo (``torchrec_pgas.placement``:
+the real multi-process path, NVSHMEM PEs sharing the GPU; correctness only), where stock TorchRec, the
+reference, runs over gloo too.
 """
 
 import os
@@ -25,6 +27,7 @@ from torchrec_pgas.testing import (
     compare_with_stock,
     default_model,
     random_kjt,
+    rank_device,
     run_distributed,
     seeded,
     shard,
@@ -46,7 +49,7 @@ PEERS = max(WORLD, 2)  # tests of what a rank does to or sees of another one (ma
 
 
 def _device(rank: int) -> torch.device:
-    return torch.device("cuda", rank)
+    return rank_device(rank, "cuda")
 
 
 def _runtime_roundtrip(rank: int, world: int) -> List[float]:
@@ -68,7 +71,7 @@ def _runtime_roundtrip(rank: int, world: int) -> List[float]:
 
 
 def test_nvshmem_runtime_puts_and_signals() -> None:
-    for got in run_distributed(_runtime_roundtrip, WORLD, backend="nccl"):
+    for got in run_distributed(_runtime_roundtrip, WORLD, device_type="cuda"):
         assert got == [10.0 + r for r in range(WORLD)] + [20.0 + r for r in range(WORLD)]
 
 
@@ -84,7 +87,7 @@ def _harness(rank: int, world: int) -> Dict[str, float]:
 
 
 def test_harness_on_nvshmem_matches_stock_nccl() -> None:
-    for diffs in run_distributed(_harness, WORLD, backend="nccl"):
+    for diffs in run_distributed(_harness, WORLD, device_type="cuda"):
         assert len(diffs) == 10
 
 
@@ -104,7 +107,7 @@ def _after_torch_symm_mem(rank: int, world: int) -> Dict[str, float]:
 
 @pytest.mark.peers  # PyTorch's symmetric-memory rendezvous refuses a group of one rank
 def test_coexists_with_torch_nvshmem_symmetric_memory() -> None:
-    for diffs in run_distributed(_after_torch_symm_mem, PEERS, backend="nccl"):
+    for diffs in run_distributed(_after_torch_symm_mem, PEERS, device_type="cuda"):
         assert len(diffs) == 10
 
 
@@ -198,7 +201,7 @@ def _differential(rank: int, world: int, seeds: List[int]) -> int:
 def test_random_configs_match_stock(kind: str) -> None:
     """100 random cases per sharding type (200 in all)."""
     seeds = list(range(int(kind == PGAS_TABLE_WISE), 200, 2))
-    assert run_distributed(_differential, WORLD, seeds[:100], backend="nccl") == [100] * WORLD
+    assert run_distributed(_differential, WORLD, seeds[:100], device_type="cuda") == [100] * WORLD
 
 
 # ---- back-to-back steps (epoch / signal races) -------------------------------------------
@@ -231,7 +234,7 @@ def _back_to_back(rank: int, world: int, steps: int) -> int:
 
 
 def test_1000_back_to_back_steps() -> None:
-    assert run_distributed(_back_to_back, WORLD, 1000, backend="nccl") == [20] * WORLD
+    assert run_distributed(_back_to_back, WORLD, 1000, device_type="cuda") == [20] * WORLD
 
 
 def _pipelined(rank: int, world: int, steps: int) -> int:
@@ -279,7 +282,7 @@ def _pipelined(rank: int, world: int, steps: int) -> int:
 
 
 def test_pipelined_steps_on_two_streams_match_stock() -> None:
-    assert run_distributed(_pipelined, WORLD, 100, backend="nccl") == [100] * WORLD
+    assert run_distributed(_pipelined, WORLD, 100, device_type="cuda") == [100] * WORLD
 
 
 # ---- bad input ---------------------------------------------------------------------------
@@ -326,7 +329,7 @@ def _bad_id(rank: int, world: int, kind: str) -> Dict[str, Any]:
 @pytest.mark.peers
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_out_of_range_id_raises_and_never_corrupts_the_peer(kind: str) -> None:
-    results = run_distributed(_bad_id, PEERS, kind, backend="nccl")
+    results = run_distributed(_bad_id, PEERS, kind, device_type="cuda")
     r1 = results[1]
     assert r1["error"] == f"PgasInputError: {kind}: feature 'tf1' (table 't1') has id 10000 outside [0, 37)"
     assert all(r["error"] is None for i, r in enumerate(results) if i != 1)
@@ -353,7 +356,7 @@ def _batch_mismatch(rank: int, world: int) -> str:
 
 @pytest.mark.peers
 def test_batch_mismatch_raises_on_both_ranks() -> None:
-    for msg in run_distributed(_batch_mismatch, PEERS, backend="nccl"):
+    for msg in run_distributed(_batch_mismatch, PEERS, device_type="cuda"):
         assert "equal local batch sizes" in msg and "has 3" in msg and "has 4" in msg, msg
 
 
@@ -378,7 +381,7 @@ def _warning_mode(rank: int, world: int) -> float:
 
 
 def test_ignore_mode_reads_row_zero() -> None:
-    assert max(run_distributed(_warning_mode, WORLD, backend="nccl")) < 1e-5
+    assert max(run_distributed(_warning_mode, WORLD, device_type="cuda")) < 1e-5
 
 
 # ---- CUDA graph capture ---------------------------------------------------------------------
@@ -433,7 +436,7 @@ def _graph(rank: int, world: int, kind: str) -> float:
 
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_forward_replays_in_a_cuda_graph(kind: str) -> None:
-    assert max(run_distributed(_graph, WORLD, kind, backend="nccl")) < 1e-5
+    assert max(run_distributed(_graph, WORLD, kind, device_type="cuda")) < 1e-5
 
 
 # ---- comm timeline (profiling) ---------------------------------------------------------------
@@ -491,5 +494,5 @@ def _all_gather_range(r: Tuple[int, int], world: int) -> List[Tuple[int, int]]:
 @pytest.mark.peers
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_comm_timeline_counts_every_remote_byte(kind: str) -> None:
-    for res in run_distributed(_comm_trace, PEERS, kind, backend="nccl"):
+    for res in run_distributed(_comm_trace, PEERS, kind, device_type="cuda"):
         assert res["counted"] == res["expected"] and res["monotone"] and res["records"] > 5, res

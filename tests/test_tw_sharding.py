@@ -1,7 +1,8 @@
 """pgas_table_wise through DistributedModelParallel, against stock TorchRec table_wise.
 
 The comparisons run on the shm backend (CPU, gloo) and, marked ``gpu``, on the
-nvshmem backend's fused kernels (one process per GPU, NCCL for the stock twin);
+nvshmem backend's fused kernels (one process per GPU with NCCL for the stock twin, or ranks sharing a GPU
+over gloo, ``torchrec_pgas.placement``);
 the GPU's bad-input and graph tests are in test_gpu.py.
 """
 
@@ -19,6 +20,7 @@ from torchrec_pgas.testing import (
     check_errors,
     compare_with_stock,
     default_model,
+    rank_device,
     run_distributed,
     sample_batches,
     shard,
@@ -36,11 +38,11 @@ BACKENDS = [pytest.param("cpu", id="shm"),
 
 
 def _device(kind: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if kind == "cuda" else CPU
+    return rank_device(rank, kind)
 
 
 def _run(fn: Any, world: int, device: str, *args: Any) -> List[Any]:
-    return run_distributed(fn, world, device, *args, backend="nccl" if device == "cuda" else "gloo")
+    return run_distributed(fn, world, device, *args, device_type=device)
 
 
 def _matches_stock(rank: int, world: int, device: str) -> Dict[str, Any]:

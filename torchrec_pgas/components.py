@@ -12,6 +12,8 @@ from typing import Dict, Optional
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
+from torchrec_pgas.placement import SHARED_GPU_ENV
+
 PGAS_ENV: Dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -28,6 +30,7 @@ def dlrm(
     memMB: int = 8192,
     symmetric_size: str = "2G",
     image: str = "ghcr.io/pytorch/torchx:latest",
+    shared_gpu: bool = False,
     env: Optional[Dict[str, str]] = None,
 ) -> specs.AppDef:
     """The DLRM example (examples/dlrm/run.py) on nnodes x nproc_per_node processes.
@@ -41,6 +44,8 @@ def dlrm(
         memMB: host memory requested per node, in MB
         symmetric_size: NVSHMEM_SYMMETRIC_SIZE, the per-GPU symmetric heap
         image: container image (ignored by local_cwd)
+        shared_gpu: every process of a node on its first GPU (gloo between them): tests the multi-rank
+            path on one GPU, never a performance setup (torchrec_pgas.placement)
         env: extra environment variables
     """
     return ddp(
@@ -52,5 +57,6 @@ def dlrm(
         gpu=gpus_per_node,
         memMB=memMB,
         j=f"{nnodes}x{nproc_per_node}",
-        env={**PGAS_ENV, "NVSHMEM_SYMMETRIC_SIZE": symmetric_size, **(env or {})},
+        env={**PGAS_ENV, "NVSHMEM_SYMMETRIC_SIZE": symmetric_size, SHARED_GPU_ENV: "1" if shared_gpu else "0",
+             **(env or {})},
     )

@@ -36,6 +36,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
+from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
@@ -172,12 +173,13 @@ def build_plan(
     sharder: EmbeddingBagCollectionSharder,
 ) -> ShardingPlan:
     plan = {}
+    local_size = rank_placement(world_size, device_type).local_size(world_size)
     for path, ebc in (("ebc", model.ebc), ("webc", model.webc)):
         gens = {
             cfg.name: _generator(types[cfg.name]) for cfg in ebc.embedding_bag_configs()
         }
         plan[path] = construct_module_sharding_plan(
-            ebc, gens, sharder=sharder, local_size=world_size, world_size=world_size,
+            ebc, gens, sharder=sharder, local_size=local_size, world_size=world_size,
             device_type=device_type,
         )
     return ShardingPlan(plan)
@@ -294,27 +296,32 @@ def compare_with_stock(
 
 
 def _worker(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, queue: Any, backend: str, args: Tuple
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, queue: Any, placement: RankPlacement,
+    args: Tuple,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[SHARED_GPU_ENV] = "1" if placement.shared_gpu else "0"  # rank_device() agrees in this process
     torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if placement.device_type == "cuda":
+        torch.cuda.set_device(placement.device(rank))
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         queue.put((rank, fn(rank, world_size, *args)))
     finally:
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> List[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device_type: str = "cpu") -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; its results by rank.
 
-    ``backend="nccl"`` puts rank r on ``cuda:r``. A failure in any rank raises
-    here (with that rank's traceback).
+    ``device_type="cuda"``: rank r on ``cuda:r`` over NCCL, or, when the ranks outnumber the GPUs (or
+    ``TORCHREC_PGAS_SHARED_GPU=1``), every rank on ``cuda:0`` over gloo (``torchrec_pgas.placement``);
+    ``fn`` finds its device with ``rank_device``. ``"cpu"``: gloo. A failure in any rank raises here (with
+    that rank's traceback).
     """
+    placement = rank_placement(world_size, device_type)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     # The parent serves the rendezvous store on a port the OS picks and holds it until the ranks
@@ -322,7 +329,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp.start_processes(
         _worker,
-        args=(fn, world_size, store.port, queue, backend, args),
+        args=(fn, world_size, store.port, queue, placement, args),
         nprocs=world_size,
         start_method="spawn",
     )
@@ -331,6 +338,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         rank, value = queue.get()
         results[rank] = value
     return [results[r] for r in range(world_size)]
+
+
+def rank_device(rank: int, device_type: str = "cuda") -> torch.device:
+    """This rank's device under ``run_distributed``'s placement (call it inside ``fn``)."""
+    return rank_placement(dist.get_world_size(), device_type).device(rank)
 
 
 def seeded(seed: int) -> torch.Generator:

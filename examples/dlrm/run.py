@@ -37,6 +37,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from examples.dlrm.data import SyntheticCriteo, table_rows
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors
+from torchrec_pgas.placement import best_placement, rank_placement
 from torchrec_pgas.planner import PgasDecisionStats, PgasEnumerator, pgas_row_wise
 from torchrec_pgas.types import PGAS_ROW_WISE
 from torchrec_pgas.testing import fill_embeddings_
@@ -67,7 +68,9 @@ def planned_types(model: DLRM, batch: int, train: bool) -> Dict[str, str]:
     rw_types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
     constraints = {c.name: ParameterConstraints(sharding_types=rw_types, compute_kernels=["fused"])
                    for c in ebc.embedding_bag_configs()}
-    topology = Topology(world_size=dist.get_world_size(), compute_device="cuda")
+    world = dist.get_world_size()
+    topology = Topology(world_size=world, compute_device="cuda",
+                        local_world_size=rank_placement(world).local_size(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     stats = PgasDecisionStats()
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch, constraints=constraints, stats=[stats],
@@ -82,6 +85,7 @@ def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: b
           types: Optional[Dict[str, str]] = None) -> DistributedModelParallel:
     """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``."""
     world = dist.get_world_size()
+    local_size = rank_placement(int(os.environ.get("LOCAL_WORLD_SIZE", world)), device.type).local_size(world)
     ebc = model.sparse_arch.embedding_bag_collection
     if train:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
@@ -92,7 +96,7 @@ def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: b
         sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=batch))
     plan = construct_module_sharding_plan(
         ebc, {t: pgas_row_wise() if types[t] == PGAS_ROW_WISE else row_wise(compute_kernel="fused") for t in names},
-        sharder=sharder, local_size=world, world_size=world, device_type=device.type)
+        sharder=sharder, local_size=local_size, world_size=world, device_type=device.type)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    plan=ShardingPlan({EBC_PATH: plan}), sharders=[sharder])
     fill_embeddings_(dmp)  # the same tables under either sharding
@@ -162,11 +166,14 @@ def main() -> None:
         parser.error("--train needs --sharding nccl: pgas_row_wise has no backward pass yet")
 
     rank = int(os.environ["RANK"])
-    on_gpu = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    placement = best_placement(int(os.environ["LOCAL_WORLD_SIZE"]))
+    on_gpu = placement.device_type == "cuda"
+    device = placement.device(int(os.environ["LOCAL_RANK"]))
     if on_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    dist.init_process_group(placement.backend)
+    if placement.shared_gpu and rank == 0:
+        print(f"ranks share {device} over gloo: a test of multi-rank behaviour, not a performance setup", flush=True)
     model = build_model(args.embedding_dim, args.max_rows, device, args.seed)
     reference = copy.deepcopy(model) if args.validate else None
     types = planned_types(model, args.batch_size, args.train) if args.sharding == "auto" else None
@@ -177,7 +184,7 @@ def main() -> None:
     check_errors(dmp)
     m = metrics(preds, labels)
     mode = "train" if args.train else "inference"
-    backend = ("nvshmem" if on_gpu else "shm") if args.sharding == "pgas" else ("nccl" if on_gpu else "gloo")
+    backend = ("nvshmem" if on_gpu else "shm") if args.sharding == "pgas" else placement.backend
     if types is not None:
         pgas = sum(t == PGAS_ROW_WISE for t in types.values())
         backend = f"{pgas} tables pgas_row_wise, {len(types) - pgas} row_wise"
