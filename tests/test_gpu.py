@@ -19,6 +19,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import torchrec_pgas
+from torchrec_pgas.placement import rank_placement
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
 from torchrec_pgas.testing import (
     TwoEbcModel,
@@ -107,6 +108,11 @@ def _after_torch_symm_mem(rank: int, world: int) -> Dict[str, float]:
 
 @pytest.mark.peers  # PyTorch's symmetric-memory rendezvous refuses a group of one rank
 def test_coexists_with_torch_nvshmem_symmetric_memory() -> None:
+    if rank_placement(PEERS, "cuda").shared_gpu:
+        # The one test that cannot run with ranks sharing a GPU: PyTorch's NVSHMEM symmetric memory calls
+        # NVSHMEM team APIs, which NVSHMEM refuses with several processes per GPU and no MPS ("Called NVSHMEM
+        # API not supported with limited MPG runs"). Our own NVSHMEM use needs no team API.
+        pytest.skip("PyTorch's NVSHMEM symmetric memory needs one GPU per rank")
     for diffs in run_distributed(_after_torch_symm_mem, PEERS, device_type="cuda"):
         assert len(diffs) == 10
 
