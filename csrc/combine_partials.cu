@@ -32,12 +32,12 @@ constexpr int kVecs = 4;
 __device__ __forceinline__ bool await_partials(const StepParams& p, int64_t* s_epoch, int* s_ok) {
   if (threadIdx.x == 0) {
     *s_epoch = p.state[kCtrCombine] + 1;
-    *s_ok = wait_epoch(p, p.state + kCtrLookup, *s_epoch, 2, p.rank) ? 1 : 0;
+    *s_ok = wait_epoch(p, p.state + kCtrLookup, *s_epoch, *s_epoch, 2, p.rank) ? 1 : 0;
   }
   __syncthreads();
   if (threadIdx.x < p.world) {
     const int owner = threadIdx.x;
-    if (!wait_epoch(p, p.pad + kHeaderWords + p.world + owner, *s_epoch, 2, owner)) *s_ok = 0;
+    if (!wait_epoch(p, my_signal(p, kOutputSignals, owner), *s_epoch, *s_epoch, 2, owner)) *s_ok = 0;
   }
   __syncthreads();
   return *s_ok != 0;
@@ -102,16 +102,20 @@ __device__ __forceinline__ void combine_vectors(const StepParams& p, int64_t slo
 }
 
 // Thread 0 of the last CTA: advance the stage's epoch and publish the step's
-// error record to pinned host memory (single writer: plain stores), then clear it.
+// error record to its slot of the pinned records (single writer: plain stores),
+// then clear it for the slot's next step.
 __device__ __forceinline__ void publish_errors(const StepParams& p, int64_t epoch) {
   p.state[kCtrCombine] = epoch;
-  if (p.state[kErrCode] != static_cast<int64_t>(ErrorCode::kNone)) {
-    p.status->a = p.state[kErrCode + 1];
-    p.status->b = p.state[kErrCode + 2];
-    p.status->c = p.state[kErrCode + 3];
+  int64_t* record = p.state + kErrRecords + 4 * (epoch % p.num_slots);
+  if (record[0] != static_cast<int64_t>(ErrorCode::kNone)) {
+    ErrorRecord* status = p.status + epoch % p.num_slots;
+    status->a = record[1];
+    status->b = record[2];
+    status->c = record[3];
+    status->epoch = epoch;
     __threadfence_system();
-    p.status->code = static_cast<ErrorCode>(p.state[kErrCode]);
-    for (int i = 0; i < 4; ++i) p.state[kErrCode + i] = 0;
+    status->code = static_cast<ErrorCode>(record[0]);
+    for (int i = 0; i < 4; ++i) record[i] = 0;
   }
 }
 

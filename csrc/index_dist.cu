@@ -86,16 +86,20 @@ __device__ __forceinline__ void locate(int64_t id, const TileBag& tb, int& owner
   }
 }
 
+// The step this index dist runs (its last CTA advances the counter at the end):
+// read on the error paths only.
+__device__ __forceinline__ int64_t index_epoch(const StepParams& p) { return ld_volatile(p.state + kCtrIndex) + 1; }
+
 // The id to place: an id outside [0, N) is dropped (-1) under FATAL, which
 // records kBadId, and becomes row 0 under WARNING (recorded) and IGNORE.
 // One unsigned compare: a negative id is >= 2^63.
 __device__ __forceinline__ int64_t checked_id(const StepParams& p, const TileBag& tb, int64_t id) {
   if (static_cast<uint64_t>(id) < static_cast<uint64_t>(tb.hash_size)) return id;
   if (p.bounds_mode == BoundsMode::kFatal) {
-    record_error(p, ErrorCode::kBadId, tb.feature, id);
+    record_error(p, index_epoch(p), ErrorCode::kBadId, tb.feature, id);
     return -1;
   }
-  if (p.bounds_mode == BoundsMode::kWarning) record_error(p, ErrorCode::kBadIdWarn, tb.feature, id);
+  if (p.bounds_mode == BoundsMode::kWarning) record_error(p, index_epoch(p), ErrorCode::kBadIdWarn, tb.feature, id);
   return 0;
 }
 
@@ -414,7 +418,7 @@ __device__ __forceinline__ Tile read_tile(const StepParams& p, const int64_t* __
   const bool span_ok = !t.valid || (b64 >= 0 && b64 <= e64 && e64 <= nnz && (lane == 0 || b64 == e_up));
   int b = static_cast<int>(b64), e = static_cast<int>(e64);
   if (!__all_sync(0xffffffffu, span_ok)) {
-    if (lane == 0) record_error(p, ErrorCode::kCorrupt, p.rank, 1);
+    if (lane == 0) record_error(p, index_epoch(p), ErrorCode::kCorrupt, p.rank, 1);
     b = e = 0;
   }
   t.b = b;
@@ -453,8 +457,10 @@ __device__ __forceinline__ void finish_tile(const StepParams& p, const Tile& t, 
 }
 
 // Thread 0 of the last CTA: the header, the final offset and the epoch into
-// every owner's index slot (after a system fence), then the stage's epoch.
-__device__ __forceinline__ void publish_index(const StepParams& p, int64_t epoch, int64_t my_block) {
+// every owner's index slot (after a system fence), then the stage's epoch. A
+// rank that gave up on the step (`gave_up`, its abort stored first) says so in
+// the header's last word: owners then check nothing else of it.
+__device__ __forceinline__ void publish_index(const StepParams& p, int64_t epoch, int64_t my_block, int gave_up) {
   const int num_bags = static_cast<int>(p.num_features * p.batch);
   p.state[kTileClaims] = 0;  // every warp has made its last claim
   for (int d = 0; d < p.world; ++d) {
@@ -463,15 +469,27 @@ __device__ __forceinline__ void publish_index(const StepParams& p, int64_t epoch
     header[0] = epoch;
     header[1] = p.batch;
     header[2] = p.nnz;
-    header[3] = 0;
+    header[3] = gave_up;
     reinterpret_cast<int64_t*>(dst + p.offsets_off)[num_bags] = p.nnz;
   }
   __threadfence_system();
-  for (int d = 0; d < p.world; ++d) {
-    int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[d]);
-    st_release_sys(peer_pad + kHeaderWords + p.rank, epoch);
-  }
+  for (int d = 0; d < p.world; ++d) st_release_sys(peer_signal(p, d, kIndexSignals), epoch);
   p.state[kCtrIndex] = epoch;
+}
+
+// Threads 0..W-1: wait until owner t released this rank's blocks of the step
+// that last used this slot (epoch - num_slots): its lookup (a step without a
+// backward) or its backward is done with them. False if an owner did not
+// (recorded); the CTA then stores nothing, and this rank gives up on the step.
+__device__ __forceinline__ bool owners_released(const StepParams& p, int64_t epoch, int* s_ok) {
+  if (threadIdx.x == 0) *s_ok = 1;
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < p.world && epoch > p.num_slots) {
+    const int owner = threadIdx.x;
+    if (!wait_epoch(p, my_signal(p, kReleaseSignals, owner), epoch - p.num_slots, epoch, 0, owner)) *s_ok = 0;
+  }
+  __syncthreads();
+  return *s_ok != 0;
 }
 
 // Warps claim tiles from a counter, so an SM whose stores drain slower takes
@@ -506,11 +524,12 @@ struct TileClaims {
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     index_dist_kernel(StepParams p, const index_t* __restrict__ values, const int64_t* __restrict__ offsets,
-                      const float* __restrict__ weights, int tile_bags) {
+                      const float* __restrict__ weights, int tile_bags, int give_up) {
   extern __shared__ __align__(16) uint8_t s_warps[];  // [warps][warp_smem_bytes]
   __shared__ float s_div[kMaxWarps][32];  // weighted: the bag's weight sum
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
   __shared__ int64_t s_epoch;
+  __shared__ int s_ok;
   if (threadIdx.x == 0) s_epoch = p.state[kCtrIndex] + 1;
   if (kTrace && threadIdx.x == 0 && blockIdx.x == 0) {
     // Record 0: the step's start (trace_comm zeroes the counter first).
@@ -521,7 +540,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   const int64_t slot = epoch % p.num_slots;
   const int64_t my_block = index_block(p, slot, p.rank);
   if (threadIdx.x < p.world) s_dst[threadIdx.x] = reinterpret_cast<uint8_t*>(p.peer_bufs[threadIdx.x]) + my_block;
-  __syncthreads();
+  if (give_up || !owners_released(p, epoch, &s_ok)) {  // owners learn at their wait for this step's data
+    if (!give_up && threadIdx.x < p.world) abort_peer(p, threadIdx.x, epoch);
+    __syncthreads();
+    if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) publish_index(p, epoch, my_block, 1);
+    return;
+  }
   const int warp = threadIdx.x / 32;
   uint8_t* my_smem = s_warps + warp * warp_smem_bytes(p.world, sizeof(row_t), kWeighted);
   TileScratch<row_t> s;
@@ -562,12 +586,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     __syncwarp();
   }
   __syncthreads();
-  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) publish_index(p, epoch, my_block);
+  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) publish_index(p, epoch, my_block, 0);
 }
 
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, cudaStream_t stream) {
+                       const float* weights, int give_up, cudaStream_t stream) {
   const auto kernel = index_dist_kernel<index_t, row_t, kWeighted, kTrace>;
   // Warps per CTA: 8, fewer when the owners' rings would not fit (large W).
   const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), kWeighted);
@@ -590,25 +614,25 @@ void launch_index_dist(const StepParams& p, const index_t* values, const int64_t
   int tile_bags = 32;
   while (tile_bags > 1 && ctas_for(tile_bags) < resident) tile_bags /= 2;
   const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas_for(tile_bags), resident)));
-  kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags);
+  kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags, give_up);
 }
 
 template <typename index_t, bool kWeighted, bool kTrace>
 void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, cudaStream_t stream) {
-  p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, stream)
-                  : launch_index_dist<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, stream);
+                       const float* weights, int give_up, cudaStream_t stream) {
+  p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, give_up, stream)
+                  : launch_index_dist<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, give_up, stream);
 }
 
 template <typename index_t>
 void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, cudaStream_t stream) {
+                       const float* weights, int give_up, cudaStream_t stream) {
   if (weights != nullptr) {
-    p.trace ? launch_index_dist<index_t, true, true>(p, values, offsets, weights, stream)
-            : launch_index_dist<index_t, true, false>(p, values, offsets, weights, stream);
+    p.trace ? launch_index_dist<index_t, true, true>(p, values, offsets, weights, give_up, stream)
+            : launch_index_dist<index_t, true, false>(p, values, offsets, weights, give_up, stream);
   } else {
-    p.trace ? launch_index_dist<index_t, false, true>(p, values, offsets, weights, stream)
-            : launch_index_dist<index_t, false, false>(p, values, offsets, weights, stream);
+    p.trace ? launch_index_dist<index_t, false, true>(p, values, offsets, weights, give_up, stream)
+            : launch_index_dist<index_t, false, false>(p, values, offsets, weights, give_up, stream);
   }
 }
 
@@ -617,7 +641,7 @@ void launch_index_dist(const StepParams& p, const index_t* values, const int64_t
 void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                 const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                const at::Tensor& config, int64_t batch) {
+                const at::Tensor& config, int64_t batch, bool give_up) {
   PGAS_CHECK(values.is_cuda() && offsets.is_cuda() && offsets.scalar_type() == at::kLong,
              "index_dist: CUDA values and int64 offsets expected");
   const StepParams p =
@@ -630,10 +654,10 @@ void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   if (values.scalar_type() == at::kLong) {
-    launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, stream);
+    launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, give_up ? 1 : 0, stream);
   } else {
     PGAS_CHECK(values.scalar_type() == at::kInt, "index_dist: int32 or int64 ids expected");
-    launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, stream);
+    launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, give_up ? 1 : 0, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

@@ -24,15 +24,25 @@ void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, in
 void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                 const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                const at::Tensor& config, int64_t batch);
+                const at::Tensor& config, int64_t batch, bool give_up);
 void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                    const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                    const at::Tensor& config, int64_t batch, int64_t max_dim, at::ScalarType out_dtype,
-                   bool after_exit);
+                   bool after_exit, bool release);
 at::Tensor combine_partials(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                             const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                             const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
                             int64_t batch, at::ScalarType out_dtype);
+void grad_dist(const at::Tensor& grad, const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+               const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+               const at::Tensor& status, const at::Tensor& config, int64_t epoch, int64_t batch, double divisor,
+               bool abort);
+void await_grads(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
+                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
+                 const at::Tensor& config, const at::Tensor& flags, int64_t epoch);
+void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                     const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+                     const at::Tensor& status, const at::Tensor& config, int64_t epoch);
 at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                                  const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                                  const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
@@ -68,22 +78,33 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   m.def("put(Tensor(a!) dst, Tensor src, int peer) -> ()");
   m.def("signal(Tensor(a!) word, int value, int peer) -> ()");
   m.def("wait(Tensor pad, Tensor slots, int epoch, int timeout_ns, Tensor(a!) status) -> ()");
-  // The three stages of a pgas_row_wise / pgas_table_wise step (step_protocol.cuh).
+  // The three stages of a pgas_row_wise / pgas_table_wise step (step_protocol.cuh), and its
+  // backward's gradient exchange (grad_exchange.cu).
   // buf/pad: this rank's symmetric buffer and signal pad; peers: int64[2, W] peer
   // addresses; features: FeatureDesc[F] (int64 words); state: StateWord[kStateWords];
-  // bag_div: MEAN divisors; status: pinned ErrorRecord; config: the bytes of a
+  // bag_div: MEAN divisors; status: pinned ErrorRecord per slot; config: the bytes of a
   // StepConfig (CPU uint8).
   m.def(
       "index_dist(Tensor values, Tensor offsets, Tensor? weights, Tensor(a!) buf, Tensor(b!) pad, Tensor peers, "
-      "Tensor features, Tensor(c!) state, Tensor(d!) bag_div, Tensor(e!) status, Tensor config, int batch) -> ()");
+      "Tensor features, Tensor(c!) state, Tensor(d!) bag_div, Tensor(e!) status, Tensor config, int batch, "
+      "bool give_up) -> ()");
   m.def(
       "pooled_lookup(Tensor(a!) buf, Tensor(b!) pad, Tensor peers, Tensor features, Tensor(c!) state, "
       "Tensor bag_div, Tensor(d!) status, Tensor config, int batch, int max_dim, ScalarType out_dtype, "
-      "bool after_exit) -> ()");
+      "bool after_exit, bool release) -> ()");
   m.def(
       "combine_partials(Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor(b!) state, "
       "Tensor bag_div, Tensor(c!) status, Tensor config, Tensor col_feature, int batch, ScalarType out_dtype) "
       "-> Tensor");
+  m.def(
+      "grad_dist(Tensor grad, Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor(b!) state, "
+      "Tensor bag_div, Tensor status, Tensor config, int epoch, int batch, float divisor, bool abort) -> ()");
+  m.def(
+      "await_grads(Tensor buf, Tensor pad, Tensor peers, Tensor features, Tensor state, Tensor bag_div, "
+      "Tensor status, Tensor config, Tensor(a!) flags, int epoch) -> ()");
+  m.def(
+      "release_sources(Tensor buf, Tensor(a!) pad, Tensor peers, Tensor features, Tensor state, Tensor bag_div, "
+      "Tensor status, Tensor config, int epoch) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {
@@ -104,6 +125,9 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
   m.impl("index_dist", &torchrec_pgas::index_dist);
   m.impl("pooled_lookup", &torchrec_pgas::pooled_lookup);
   m.impl("combine_partials", &torchrec_pgas::combine_partials);
+  m.impl("grad_dist", &torchrec_pgas::grad_dist);
+  m.impl("await_grads", &torchrec_pgas::await_grads);
+  m.impl("release_sources", &torchrec_pgas::release_sources);
 }
 
 // Importing torchrec_pgas._C registers the ops above.

@@ -43,14 +43,15 @@ constexpr int kClaimBags = 8;  // consecutive bags per claim: one atomic in flig
 constexpr int kMinBlocks = 2;
 
 // Out of line: the error path must not cost the hot loop registers.
-__device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_pads, int rank, int src,
-                                            int what) {
+__device__ __noinline__ void corrupt_source(int64_t* state, const int64_t* peer_pads, int rank, int64_t num_slots,
+                                            int src, int what, int64_t epoch) {
   StepParams q;
   q.state = state;
   q.peer_pads = peer_pads;
   q.rank = rank;
-  record_error(q, ErrorCode::kCorrupt, src, what);
-  abort_peer(q, src);
+  q.num_slots = num_slots;
+  record_error(q, epoch, ErrorCode::kCorrupt, src, what);
+  abort_peer(q, src, epoch);
 }
 
 // One chunk of a bag's ids: lane g loads id g of the chunk and, if weighted,
@@ -223,19 +224,19 @@ __device__ __forceinline__ SourceIndex accept_source(const StepParams& p, int sr
   s.epoch = p.state[kCtrLookup] + 1;
   const int64_t* header =
       reinterpret_cast<const int64_t*>(p.buf + index_block(p, s.epoch % p.num_slots, src));
-  const int64_t* signal = p.pad + kHeaderWords + src;
-  s.ok = wait_epoch(p, signal, s.epoch, 1, src);
-  if (ld_acquire_sys(signal) >= s.epoch) {
+  const int64_t* signal = my_signal(p, kIndexSignals, src);
+  s.ok = wait_epoch(p, signal, s.epoch, s.epoch, 1, src);
+  if (ld_acquire_sys(signal) >= s.epoch && __ldcg(header + 3) == 0) {  // header[3]: the source gave up
     const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
     if (!p.variable_batch && h_batch != p.batch) {
-      record_error(p, ErrorCode::kBatchMismatch, src, h_batch, p.batch);
+      record_error(p, s.epoch, ErrorCode::kBatchMismatch, src, h_batch, p.batch);
       s.ok = 0;
     } else if (h_epoch != s.epoch || h_nnz < 0 || h_nnz > p.capacity || h_batch < 0 || h_batch > p.max_batch) {
-      record_error(p, ErrorCode::kCorrupt, src, 0);
+      record_error(p, s.epoch, ErrorCode::kCorrupt, src, 0);
       s.ok = 0;
     }
   }
-  if (!s.ok) abort_peer(p, src);
+  if (!s.ok) abort_peer(p, src, s.epoch);
   s.nnz = s.ok ? __ldcg(header + 2) : 0;  // the values checked above
   s.batch = s.ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
   return s;
@@ -393,16 +394,17 @@ __device__ __forceinline__ void pool_source(const StepParams& p, int k, int src,
       }
     }
   }
-  if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, src, bad_span ? 1 : 2);
+  if (bad_span || bad) corrupt_source(p.state, p.peer_pads, p.rank, p.num_slots, src, bad_span ? 1 : 2, s.epoch);
 }
 
 // Thread 0, after the CTA's bags: the last CTA of the source signals the
-// requester; the last CTA of the grid resets the claims and releases the epoch
-// the combine acquires (and with it every CTA's error record and stores).
-__device__ __forceinline__ void finish_source(const StepParams& p, int k, int src, int64_t epoch) {
+// requester, and, for a step no backward follows (`release`), also releases its
+// blocks; the last CTA of the grid resets the claims and releases the epoch the
+// combine acquires (and with it every CTA's error record and stores).
+__device__ __forceinline__ void finish_source(const StepParams& p, int k, int src, int64_t epoch, int release) {
   if (last_to_arrive(p.state + kDoneSrc + k, gridDim.x)) {
-    int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[src]);
-    st_release_sys(peer_pad + kHeaderWords + p.world + p.rank, epoch);
+    st_release_sys(peer_signal(p, src, kOutputSignals), epoch);
+    if (release) st_release_sys(peer_signal(p, src, kReleaseSignals), epoch);
   }
   if (last_to_arrive(p.state + kDoneLookup, static_cast<int64_t>(gridDim.x) * gridDim.y)) {
     for (int s = 0; s < static_cast<int>(gridDim.y); ++s) p.state[kBagClaims + s] = 0;  // every claim is made
@@ -415,7 +417,7 @@ __device__ __forceinline__ void finish_source(const StepParams& p, int k, int sr
 // kTrace: the comm-timeline build (profiling); the default build has none of its code.
 template <typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
-    pooled_lookup_kernel(StepParams p, int group_lanes, int out_kind) {
+    pooled_lookup_kernel(StepParams p, int group_lanes, int out_kind, int release) {
   __shared__ SourceIndex s_source;
   extern __shared__ __align__(16) uint8_t s_stage[];  // [kStages][kRowsInFlight][kThreads] 16-byte cells
   const int k = blockIdx.y;
@@ -425,11 +427,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const SourceIndex source = s_source;
   if (source.ok) pool_source<row_t, kWeighted, kTrace>(p, k, src, source, group_lanes, out_kind, s_stage);
   __syncthreads();
-  if (threadIdx.x == 0) finish_source(p, k, src, source.epoch);
+  if (threadIdx.x == 0) finish_source(p, k, src, source.epoch, release);
 }
 
 template <typename row_t, bool kWeighted, bool kTrace>
-void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool after_exit, cudaStream_t stream) {
+void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool after_exit, int release,
+                   cudaStream_t stream) {
   // One wave: W sources share the resident CTAs. The stages' shared-memory limit
   // is a per-device attribute: set (and the occupancy computed) again when this
   // process launches on another device.
@@ -452,13 +455,14 @@ void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool afte
   // counters must be settled: `after_exit` only when the host saw a plain
   // launch (an index dist) since the previous step's finalize on this stream.
   launch_after_exit(after_exit, pooled_lookup_kernel<row_t, kWeighted, kTrace>, grid, dim3(kThreads), kStageBytes, stream, p,
-                    group_lanes, out_kind);
+                    group_lanes, out_kind, release);
 }
 
 template <typename row_t, bool kWeighted>
-void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool after_exit, cudaStream_t stream) {
-  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, after_exit, stream)
-          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, after_exit, stream);
+void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool after_exit, int release,
+                   cudaStream_t stream) {
+  p.trace ? launch_lookup<row_t, kWeighted, true>(p, group_lanes, out_kind, after_exit, release, stream)
+          : launch_lookup<row_t, kWeighted, false>(p, group_lanes, out_kind, after_exit, release, stream);
 }
 
 }  // namespace
@@ -466,7 +470,7 @@ void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool afte
 void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                    const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                    const at::Tensor& config, int64_t batch, int64_t max_dim, at::ScalarType out_dtype,
-                   bool after_exit) {
+                   bool after_exit, bool release) {
   const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
   PGAS_CHECK(max_dim > 0 && max_dim % 4 == 0, "pooled_lookup: dims must be multiples of 4, got %lld",
              static_cast<long long>(max_dim));
@@ -476,12 +480,13 @@ void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tenso
              "pooled_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
   auto stream = at::cuda::getCurrentCUDAStream();
+  const int r = release ? 1 : 0;
   if (p.id_bytes == 4) {
-    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, after_exit, stream)
-               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, after_exit, stream);
+    p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, after_exit, r, stream)
+               : launch_lookup<int32_t, false>(p, group_lanes, out_kind, after_exit, r, stream);
   } else {
-    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, after_exit, stream)
-               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, after_exit, stream);
+    p.weighted ? launch_lookup<int64_t, true>(p, group_lanes, out_kind, after_exit, r, stream)
+               : launch_lookup<int64_t, false>(p, group_lanes, out_kind, after_exit, r, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

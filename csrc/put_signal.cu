@@ -6,8 +6,9 @@
 // for peers that are not load/store reachable.
 //
 // Memory layout: every buffer is symmetric (nvshmem_align), so a *local*
-// address names the same offset on every PE. A signal pad is an int64 array:
-//   [0]        abort word: aborting rank + 1, 0 while healthy
+// address names the same offset on every PE. A signal pad is an int64 array
+// (step_abi.h PadWord):
+//   [0]        abort word: (epoch << kAbortRankBits) | (aborting rank + 1), 0 while healthy
 //   [1..31]    abort reason (UTF-8)
 //   [32..]     epoch slots
 //
@@ -15,8 +16,8 @@
 // (nvshmem_quiet) before the kernel ends; signal(word, epoch, peer) then
 // stores the epoch into the peer's word. Both run on the current stream, so
 // a signal never overtakes the puts issued before it. wait() spins on the
-// local slots until each is >= epoch (acquire loads), gives up when the abort
-// word is set or after a timeout, and reports either into a pinned status word
+// local slots until each is >= epoch (acquire loads), gives up when a peer
+// aborted this epoch (the abort word's epoch) or after a timeout, and reports either into a pinned status word
 // that the host reads after synchronizing.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -52,7 +53,7 @@ __global__ void wait_kernel(const int64_t* pad, const int64_t* slots, int num_sl
   const int64_t* word = pad + slots[i];
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(word) < epoch) {
-    if (ld_volatile(pad) != 0) {
+    if (ld_volatile(pad) >> kAbortRankBits == epoch) {  // a peer gave up on this step
       status[0] = static_cast<int64_t>(DeviceStatus::kPeerAbort);
       return;
     }

@@ -16,14 +16,25 @@
 namespace torchrec_pgas {
 
 constexpr int kMaxWorld = 64;  // ranks a step can address (peer tables, per-source counters)
+constexpr int kMaxSlots = 4;  // buffer slots a step layout may have (per-slot error records)
+constexpr int kAbortRankBits = 7;  // abort word = (step epoch << kAbortRankBits) | (aborting rank + 1)
 
 // Signal pad (int64 words, one pad per sharding per rank): a control header,
-// then the epoch slots (StepLayout.index_signal / output_signal). Unscoped:
-// its words index the pad.
+// then kSignalGroups groups of W epoch slots, slot kHeaderWords + group * W + r
+// for peer r (StepLayout.index_signal, ...). Unscoped: its words index the pad.
 enum PadWord : int64_t {
-  kAbort = 0,  // aborting rank + 1; 0 while healthy
+  kAbort = 0,  // the abort word of the last step a rank gave up on; 0 while healthy
   kAbortMessage = 1,  // [1, kHeaderWords): the abort reason, UTF-8
   kHeaderWords = 32,  // the first epoch slot
+};
+
+// The groups of epoch slots, by who stores into them (r: the storing peer).
+enum SignalGroup : int64_t {
+  kIndexSignals = 0,  // requester r -> owner: r's index block of epoch e is complete (value e)
+  kOutputSignals = 1,  // owner r -> requester: r's partial of epoch e is in the output block (e)
+  kGradSignals = 2,  // requester r -> owner: r's gradient block of epoch e is complete (2e, 2e + 1: r gave up)
+  kReleaseSignals = 3,  // owner r -> requester: r is done with the requester's blocks of epoch e (e)
+  kSignalGroups = 4,
 };
 
 enum class WeightDtype : int64_t { kF32 = 0, kF16 = 1 };
@@ -36,12 +47,12 @@ enum class PoolingMode : int64_t { kSum = 0, kMeanByRequester = 1, kMeanByOwner 
 // ids decide the addresses of one-sided writes).
 enum class BoundsMode : int32_t { kFatal = 0, kWarning = 1, kIgnore = 2 };
 
-// The device error record's code; a, b, c say more (ErrorRecord).
+// An error record's code; a, b, c say more (ErrorRecord).
 enum class ErrorCode : int64_t {
   kNone = 0,
   kBadId = 1,  // a: feature, b: id (FATAL)
   kBatchMismatch = 2,  // a: source rank, b: its batch, c: this rank's
-  kTimeout = 3,  // a: stage (0 index, 1 lookup, 2 finalize), b: peer
+  kTimeout = 3,  // a: stage (0 index, 1 lookup, 2 combine), b: peer
   kPeerAbort = 4,  // a: aborting rank
   kCorrupt = 5,  // a: source rank, b: what (0 header, 1 span, 2 row)
   kBadIdWarn = 6,  // a: feature, b: id (WARNING; never hides another code)
@@ -51,7 +62,7 @@ enum class ErrorCode : int64_t {
 enum class DeviceStatus : int64_t { kOk = 0, kTimeout = 1, kPeerAbort = 2 };
 
 // Words of the per-sharding device state (int64[kStateWords]): per-stage epoch
-// counters and done counters, the step's error record, the comm timeline.
+// counters and done counters, each slot's error record, the comm timeline.
 // Unscoped: its words index the state.
 enum StateWord : int64_t {
   kCtrIndex = 0,  // epoch of the last index dist
@@ -61,7 +72,7 @@ enum StateWord : int64_t {
   kDoneLookup = 4,
   kDoneCombine = 5,
   kCtrCombine = 6,
-  kErrCode = 8,  // kErrCode .. kErrCode + 3: an ErrorRecord
+  kDoneGrad = 7,  // grad dist: CTAs done
   // Opt-in comm timeline (trace_comm): int64 [cap][2] records of (globaltimer
   // ns, cumulative bytes this rank stored into peers), one per kTraceStep bytes.
   kTraceBuf = 12,
@@ -70,7 +81,10 @@ enum StateWord : int64_t {
   kTraceBytes = 15,
   kDoneSrc = 16,  // + k: CTAs of the lookup's k-th source done
   kBagClaims = 16 + kMaxWorld,  // + k: units of bags of the lookup's k-th source claimed
-  kStateWords = 16 + 2 * kMaxWorld,
+  // + 4 slot: the error record (code, a, b, c) of the step in that buffer slot, published by its combine
+  kErrRecords = 16 + 2 * kMaxWorld,
+  kStepFailed = kErrRecords + 4 * kMaxSlots,  // + slot: the epoch of the last step there that failed
+  kStateWords = kStepFailed + kMaxSlots,
 };
 
 // One per feature of the sharding, in sharding feature order (device int64 words).
@@ -96,6 +110,7 @@ struct StepConfig {
   int64_t index_block_bytes;
   int64_t output_region_off;
   int64_t output_block_bytes;
+  int64_t grad_region_off;  // [slot][src] gradient blocks, each of output_block_bytes
   int64_t offsets_off;  // within an index block
   int64_t lengths_off;
   int64_t ids_off;
@@ -117,9 +132,10 @@ struct StepConfig {
   int32_t trace;  // 1: launch the comm-timeline builds of the kernels
 };
 
-// The step's error record, as the device keeps it (StateWord::kErrCode) and as
-// the combine publishes it to pinned host memory.
+// A step's error record as the combine publishes it to pinned host memory, one
+// per buffer slot (the device keeps code, a, b, c at kErrRecords + 4 * slot).
 struct ErrorRecord {
+  int64_t epoch;  // the step it belongs to
   ErrorCode code;
   int64_t a;
   int64_t b;
@@ -150,9 +166,16 @@ struct AbiText {
 
 inline void describe_enums(AbiText& out) {
   out.line("const kMaxWorld %d\n", kMaxWorld);
+  out.line("const kMaxSlots %d\n", kMaxSlots);
+  out.line("const kAbortRankBits %d\n", kAbortRankBits);
   PGAS_ABI_ENUM(PadWord, kAbort);
   PGAS_ABI_ENUM(PadWord, kAbortMessage);
   PGAS_ABI_ENUM(PadWord, kHeaderWords);
+  PGAS_ABI_ENUM(SignalGroup, kIndexSignals);
+  PGAS_ABI_ENUM(SignalGroup, kOutputSignals);
+  PGAS_ABI_ENUM(SignalGroup, kGradSignals);
+  PGAS_ABI_ENUM(SignalGroup, kReleaseSignals);
+  PGAS_ABI_ENUM(SignalGroup, kSignalGroups);
   PGAS_ABI_ENUM(WeightDtype, kF32);
   PGAS_ABI_ENUM(WeightDtype, kF16);
   PGAS_ABI_ENUM(PoolingMode, kSum);
@@ -178,13 +201,15 @@ inline void describe_enums(AbiText& out) {
   PGAS_ABI_ENUM(StateWord, kDoneLookup);
   PGAS_ABI_ENUM(StateWord, kDoneCombine);
   PGAS_ABI_ENUM(StateWord, kCtrCombine);
-  PGAS_ABI_ENUM(StateWord, kErrCode);
+  PGAS_ABI_ENUM(StateWord, kDoneGrad);
   PGAS_ABI_ENUM(StateWord, kTraceBuf);
   PGAS_ABI_ENUM(StateWord, kTraceStep);
   PGAS_ABI_ENUM(StateWord, kTraceCap);
   PGAS_ABI_ENUM(StateWord, kTraceBytes);
   PGAS_ABI_ENUM(StateWord, kDoneSrc);
   PGAS_ABI_ENUM(StateWord, kBagClaims);
+  PGAS_ABI_ENUM(StateWord, kErrRecords);
+  PGAS_ABI_ENUM(StateWord, kStepFailed);
   PGAS_ABI_ENUM(StateWord, kStateWords);
 }
 
@@ -207,6 +232,7 @@ inline void describe_structs(AbiText& out) {
   PGAS_ABI_FIELD(StepConfig, index_block_bytes);
   PGAS_ABI_FIELD(StepConfig, output_region_off);
   PGAS_ABI_FIELD(StepConfig, output_block_bytes);
+  PGAS_ABI_FIELD(StepConfig, grad_region_off);
   PGAS_ABI_FIELD(StepConfig, offsets_off);
   PGAS_ABI_FIELD(StepConfig, lengths_off);
   PGAS_ABI_FIELD(StepConfig, ids_off);
@@ -227,6 +253,7 @@ inline void describe_structs(AbiText& out) {
   PGAS_ABI_FIELD(StepConfig, variable_batch);
   PGAS_ABI_FIELD(StepConfig, trace);
   PGAS_ABI_STRUCT(ErrorRecord);
+  PGAS_ABI_FIELD(ErrorRecord, epoch);
   PGAS_ABI_FIELD(ErrorRecord, code);
   PGAS_ABI_FIELD(ErrorRecord, a);
   PGAS_ABI_FIELD(ErrorRecord, b);

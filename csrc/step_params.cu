@@ -16,12 +16,14 @@ StepParams make_step_params(const at::Tensor& buf, const at::Tensor& pad, const 
                  config.numel() == static_cast<int64_t>(sizeof(StepConfig)),
              "pgas step: config must be the %zu bytes of a StepConfig (torchrec_pgas.step_abi), got %lld",
              sizeof(StepConfig), static_cast<ll>(config.numel()));
-  PGAS_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() && state.is_cuda() &&
-                 bag_div.is_cuda() && status.is_pinned() &&
-                 status.numel() * status.element_size() == static_cast<int64_t>(sizeof(ErrorRecord)),
-             "pgas step: device state tensors on CUDA, status a pinned ErrorRecord");
   StepParams p;
   std::memcpy(static_cast<StepConfig*>(&p), config.data_ptr(), sizeof(StepConfig));
+  PGAS_CHECK(p.num_slots >= 1 && p.num_slots <= kMaxSlots, "pgas step: %lld buffer slots outside [1, %d]",
+             static_cast<ll>(p.num_slots), kMaxSlots);
+  PGAS_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() && state.is_cuda() &&
+                 bag_div.is_cuda() && status.is_pinned() &&
+                 status.numel() * status.element_size() == p.num_slots * static_cast<int64_t>(sizeof(ErrorRecord)),
+             "pgas step: device state tensors on CUDA, status a pinned ErrorRecord per slot");
   PGAS_CHECK(p.id_bytes == 4 || p.id_bytes == 8, "pgas step: id width %d bytes", p.id_bytes);
   PGAS_CHECK(p.world >= 1 && p.world <= kMaxWorld, "pgas step: world size %d outside [1, %d]", p.world, kMaxWorld);
   PGAS_CHECK(peers.numel() == 2 * p.world &&
@@ -38,7 +40,7 @@ StepParams make_step_params(const at::Tensor& buf, const at::Tensor& pad, const 
              "pgas step: lookup feature range [%d, %d) outside [0, %lld)", p.lookup_f_lo, p.lookup_f_hi,
              static_cast<ll>(p.num_features));
   // Peers store signals into this pad at these offsets (kernels index it by rank).
-  PGAS_CHECK(pad.numel() >= kHeaderWords + 2 * p.world, "pgas step: signal pad of %lld words for %d ranks",
+  PGAS_CHECK(pad.numel() >= kHeaderWords + kSignalGroups * p.world, "pgas step: signal pad of %lld words for %d ranks",
              static_cast<ll>(pad.numel()), p.world);
   PGAS_CHECK(batch >= 0 && batch <= p.max_batch, "pgas step: batch %lld outside [0, %lld]", static_cast<ll>(batch),
              static_cast<ll>(p.max_batch));

@@ -103,6 +103,16 @@ __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// The epoch slot of `group` that peer r stores into, in this rank's pad.
+__device__ __forceinline__ int64_t* my_signal(const StepParams& p, SignalGroup group, int r) {
+  return p.pad + kHeaderWords + group * p.world + r;
+}
+
+// The epoch slot of `group` that this rank stores into, in `peer`'s pad.
+__device__ __forceinline__ int64_t* peer_signal(const StepParams& p, int peer, SignalGroup group) {
+  return reinterpret_cast<int64_t*>(p.peer_pads[peer]) + kHeaderWords + group * p.world + p.rank;
+}
+
 // Which record a step keeps: a cause beats a consequence. A WARNING-mode bad id
 // must not hide anything; a peer's abort (the consequence of that peer's own
 // error) gives way to an error this rank finds itself, e.g. both ranks of a
@@ -111,50 +121,61 @@ __device__ __forceinline__ int error_rank(ErrorCode code) {
   return code == ErrorCode::kNone ? -1 : code == ErrorCode::kBadIdWarn ? 0 : code == ErrorCode::kPeerAbort ? 1 : 2;
 }
 
-// The combine copies the record to the host.
-__device__ __forceinline__ void record_error(const StepParams& p, ErrorCode code, int64_t a,
+// Records an error of step `epoch` in its slot's record (the combine copies it
+// to the host) and, unless a warning, marks the step failed (the backward
+// reads kStepFailed: a failed step changes no weight on any rank).
+__device__ __forceinline__ void record_error(const StepParams& p, int64_t epoch, ErrorCode code, int64_t a,
                                              int64_t b = 0, int64_t c = 0) {
-  unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kErrCode);
+  int64_t* record = p.state + kErrRecords + 4 * (epoch % p.num_slots);
+  if (code != ErrorCode::kBadIdWarn) p.state[kStepFailed + epoch % p.num_slots] = epoch;
+  unsigned long long* word = reinterpret_cast<unsigned long long*>(record);
   const unsigned long long mine = static_cast<unsigned long long>(code);
   unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(word);
   while (error_rank(static_cast<ErrorCode>(old)) < error_rank(code)) {
     const unsigned long long seen = atomicCAS(word, old, mine);
     if (seen == old) {
-      p.state[kErrCode + 1] = a;
-      p.state[kErrCode + 2] = b;
-      p.state[kErrCode + 3] = c;
+      record[1] = a;
+      record[2] = b;
+      record[3] = c;
       return;
     }
     old = seen;
   }
 }
 
-// Spin until *slot >= epoch. False (and an error recorded) on timeout or abort.
-// The abort word is checked once more after the signal arrived: a peer that
-// gave up on this rank's data aborts first and signals after (release order),
-// so its signal must not make stale data look complete.
-__device__ __forceinline__ bool wait_epoch(const StepParams& p, const int64_t* slot, int64_t epoch,
+// The rank that gave up on step `epoch` (its abort word in this rank's pad), or -1.
+__device__ __forceinline__ int aborted_by(const StepParams& p, int64_t epoch) {
+  const int64_t word = ld_volatile(p.pad + kAbort);
+  return word != 0 && (word >> kAbortRankBits) == epoch ? static_cast<int>(word & ((1 << kAbortRankBits) - 1)) - 1 : -1;
+}
+
+// Spin until *slot >= value, for step `epoch`. False (and an error recorded) on
+// timeout or on an abort of this step. The abort word is checked once more
+// after the signal arrived: a peer that gave up on this rank's data aborts
+// first and signals after (release order), so its signal must not make stale
+// data look complete. `stage`: 0 index, 1 lookup, 2 combine, 3 backward.
+__device__ __forceinline__ bool wait_epoch(const StepParams& p, const int64_t* slot, int64_t value, int64_t epoch,
                                            int stage, int peer) {
   const uint64_t start = global_timer_ns();
-  while (ld_acquire_sys(slot) < epoch) {
-    if (ld_volatile(p.pad) != 0) break;
+  while (ld_acquire_sys(slot) < value) {
+    if (aborted_by(p, epoch) >= 0) break;
     if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-      record_error(p, ErrorCode::kTimeout, stage, peer);
+      record_error(p, epoch, ErrorCode::kTimeout, stage, peer);
       return false;
     }
   }
-  const int64_t abort_word = ld_volatile(p.pad);
-  if (abort_word != 0) {
-    record_error(p, ErrorCode::kPeerAbort, abort_word - 1);
+  const int by = aborted_by(p, epoch);
+  if (by >= 0) {
+    record_error(p, epoch, ErrorCode::kPeerAbort, by);
     return false;
   }
   return true;
 }
 
-// Tell `peer` this rank gave up on the step (its waits then fail fast).
-__device__ __forceinline__ void abort_peer(const StepParams& p, int peer) {
+// Tell `peer` this rank gave up on step `epoch` (its waits for it then fail fast).
+__device__ __forceinline__ void abort_peer(const StepParams& p, int peer, int64_t epoch) {
   int64_t* peer_pad = reinterpret_cast<int64_t*>(p.peer_pads[peer]);
-  st_release_sys(peer_pad, p.rank + 1);
+  st_release_sys(peer_pad + kAbort, (epoch << kAbortRankBits) | (p.rank + 1));
 }
 
 // Last-CTA pattern: true in exactly one thread of the last CTA to arrive.

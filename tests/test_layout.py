@@ -8,15 +8,16 @@ import torch
 from torchrec_pgas.layout import StepLayout, divisor_magic, id_bytes_for
 
 
-@pytest.mark.parametrize("world,features,batch,cap,dim,weighted,id_bytes", [
-    (2, 1, 1, 1, 4, False, 8),
-    (3, 5, 7, 33, 36, True, 4),
-    (8, 26, 4096, 1 << 20, 26 * 64, True, 4),
+@pytest.mark.parametrize("world,features,batch,cap,dim,weighted,id_bytes,trainable", [
+    (2, 1, 1, 1, 4, False, 8, True),
+    (3, 5, 7, 33, 36, True, 4, True),
+    (8, 26, 4096, 1 << 20, 26 * 64, True, 4, False),
 ])
 def test_blocks_are_disjoint_aligned_and_in_bounds(
-    world: int, features: int, batch: int, cap: int, dim: int, weighted: bool, id_bytes: int
+    world: int, features: int, batch: int, cap: int, dim: int, weighted: bool, id_bytes: int, trainable: bool
 ) -> None:
-    lay = StepLayout(world, features, batch, cap, dim, weighted, id_bytes=id_bytes)
+    lay = StepLayout(world, features, batch, cap, dim, weighted, id_bytes=id_bytes, trainable=trainable)
+    assert lay.num_slots == (3 if trainable else 2)
     spans = []
     for slot, peer in itertools.product(range(lay.num_slots), range(world)):
         i = lay.index_block(slot, peer)
@@ -27,14 +28,18 @@ def test_blocks_are_disjoint_aligned_and_in_bounds(
         o = lay.output_block(slot, peer)
         assert lay.output_block_bytes >= 4 * batch * dim
         spans.append((o, o + lay.output_block_bytes))
+        if trainable:
+            g = lay.grad_block(slot, peer)
+            spans.append((g, g + lay.output_block_bytes))
     spans.sort()
     for (a0, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0
     assert spans[0][0] == 0 and spans[-1][1] == lay.nbytes
     for start, _ in spans:
         assert start % 16 == 0
-    assert len({lay.index_signal(p) for p in range(world)} | {lay.output_signal(p) for p in range(world)}) == 2 * world
-    assert max(lay.output_signal(p) for p in range(world)) < lay.num_signal_slots
+    signals = [f(p) for f in (lay.index_signal, lay.output_signal, lay.grad_signal, lay.release_signal)
+               for p in range(world)]
+    assert sorted(signals) == list(range(4 * world)) == list(range(lay.num_signal_slots))
 
 
 def test_ids_are_int32_unless_a_shard_needs_64_bits() -> None:

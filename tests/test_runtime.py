@@ -59,24 +59,32 @@ def test_puts_signals_epochs(world: int) -> None:
             assert got[f"epoch{epoch}"] == [100.0 * epoch + r for r in range(world)]
 
 
-def _abort_propagates(rank: int, world: int) -> str:
+def _abort_propagates(rank: int, world: int) -> List[str]:
     rt = torchrec_pgas.init()
     pad = rt.alloc_signals("abortable", world)
     if rank == 1:
-        rt.abort(pad, "feature 'f' has id -3")
-        return "aborted"
+        rt.abort(pad, "feature 'f' has id -3", 1)
+        rt.barrier()
+        rt.signal(pad, 0, 1, 2)  # step 2 runs: its signal reaches rank 0
+        return ["aborted"]
+    got = []
     try:
         rt.wait(pad, [1], 1, timeout_s=60, what="rank 1")
     except PgasPeerAbortError as e:
-        return str(e)
-    return "no error"
+        got.append(str(e))
+    rt.barrier()
+    if rank == 0:  # an abort ends its step only: the next step's wait is not aborted
+        rt.wait(pad, [1], 2, timeout_s=60, what="rank 1")
+        got.append("step 2 ok")
+    return got
 
 
-def test_abort_wakes_waiting_peers() -> None:
+def test_abort_wakes_waiting_peers_and_ends_that_step_only() -> None:
     results = run_distributed(_abort_propagates, 3)
-    assert results[1] == "aborted"
+    assert results[1] == ["aborted"]
+    assert results[0][1] == "step 2 ok" and len(results[2]) == 1
     for r in (0, 2):
-        assert "rank 1 aborted 'abortable': feature 'f' has id -3" in results[r]
+        assert "rank 1 aborted step 1 of 'abortable': feature 'f' has id -3" in results[r][0]
 
 
 def _disagreeing_alloc(rank: int, world: int) -> str:

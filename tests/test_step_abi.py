@@ -49,9 +49,9 @@ def test_the_header_describes_every_enumerator_it_declares(header_description: s
 
 
 def test_a_drifted_contract_is_refused(header_description: str) -> None:
-    moved = header_description.replace("field StepConfig rank 104 4", "field StepConfig rank 108 4")
+    moved = header_description.replace("field StepConfig rank 112 4", "field StepConfig rank 116 4")
     assert moved != header_description
-    with pytest.raises(PgasError, match=r"only there \['field StepConfig rank 108 4'\]"):
+    with pytest.raises(PgasError, match=r"only there \['field StepConfig rank 116 4'\]"):
         step_abi.check_against(moved, "a drifted build")
 
 

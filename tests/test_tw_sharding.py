@@ -159,23 +159,6 @@ def test_bad_inputs_raise_clear_errors() -> None:
     assert "above the capacity of 2" in r0["capacity"] + r1["capacity"]
 
 
-def _backward(rank: int, world: int) -> List[str]:
-    model = default_model()
-    sharded = shard(model, spread_tables(model, world), dist.group.WORLD, CPU, SMALL)
-    kjt, wkjt = sample_batches(model, rank)[0]
-    out = sharded(kjt, wkjt)
-    try:
-        sum(out[k].sum() for k in out.keys()).backward()
-    except NotImplementedError as e:
-        return [str(e)]
-    return []
-
-
-def test_backward_is_refused_with_the_stock_twin_named() -> None:
-    for msgs in run_distributed(_backward, 2):
-        assert msgs and "pgas_table_wise has no backward pass yet" in msgs[0] and "'table_wise'" in msgs[0]
-
-
 def _corrupt_peer(rank: int, world: int, kind: str) -> str:
     """Rank 1's ids put to rank 0 carry a row rank 0 does not hold (a corrupt peer, injected at its runtime
     put); rank 0 must refuse them before its TBE reads them, and abort rank 1 instead of hanging it."""

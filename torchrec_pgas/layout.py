@@ -11,6 +11,8 @@ Every rank holds the same buffer (sizes are plan-time constants)::
         weights  float32[C]        per-sample weights (weighted EBCs only)
     output region  [slot][owner] blocks, written by rank ``owner``
         partial  [Bmax, D] in the output dtype (<= 4 bytes), rows 0..B-1 used
+    gradient region  [slot][src] blocks, written by rank ``src`` in its backward (trainable layouts)
+        gradient [Bmax, D] like an output block: the rows of the bags this owner held ids of
 
 Reading rule for the owner, on both backends: bag ``fb`` is
 ``ids[offsets[fb] : offsets[fb] + lengths[fb]]`` and every position is below
@@ -20,9 +22,15 @@ owner's lengths); the GPU index-dist kernel compacts within tiles of 32 bags
 start of the tile's span in the requester's own CSR values, which needs no
 scan across tiles.
 
-``slot = epoch % num_slots`` (two slots: one step may be in flight ahead of the
-lookup). The signal pad holds one index slot and one output slot per peer;
-peers store the epoch there after the block is complete.
+``slot = epoch % num_slots``. A trainable layout has three slots: a step's
+blocks stay until its backward has consumed them, and TorchRec's train
+pipelines keep up to three steps in flight (``TrainPipelineSemiSync``: batch
+i+2's input dist and i+1's lookup before i's backward); an inference-only
+layout (``PgasConfig.training=False``) has two and no gradient region. The
+signal pad holds four epoch slots per peer (index, output, gradient, release:
+``step_abi.SignalGroup``); peers store the epoch there after the block is
+complete, and an owner releases a requester's blocks of a step once its lookup
+(no backward) or its backward is done with them.
 
 ``pgas_table_wise`` uses the same layout with whole-table row ids. On the
 host path an index block holds only the features of its owner's tables, and an
@@ -38,7 +46,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from torchrec_pgas.step_abi import BoundsMode, StepConfig, build
+from torchrec_pgas.step_abi import BoundsMode, SignalGroup, StepConfig, build
 
 _ALIGN = 16  # 16-byte aligned blocks: vector loads/stores on the GPU
 
@@ -80,7 +88,7 @@ class StepLayout:
     dim_sum: int
     weighted: bool
     id_bytes: int = 8  # 4: local rows as int32 (half the index bytes on NVLink)
-    num_slots: int = 2
+    trainable: bool = True  # a gradient region and three slots (module docstring)
     max_output_bytes: int = 4  # partials are stored in the TBE output dtype
 
     header_off: int = 0
@@ -107,16 +115,25 @@ class StepLayout:
         return _align(self.max_output_bytes * self.max_batch * self.dim_sum)
 
     @property
+    def num_slots(self) -> int:
+        return 3 if self.trainable else 2
+
+    @property
     def output_region_off(self) -> int:
         return self.num_slots * self.world_size * self.index_block_bytes
 
     @property
-    def nbytes(self) -> int:
+    def grad_region_off(self) -> int:
         return self.output_region_off + self.num_slots * self.world_size * self.output_block_bytes
 
     @property
+    def nbytes(self) -> int:
+        grads = self.num_slots * self.world_size * self.output_block_bytes if self.trainable else 0
+        return self.grad_region_off + grads
+
+    @property
     def num_signal_slots(self) -> int:
-        return 2 * self.world_size
+        return SignalGroup.SIGNAL_GROUPS * self.world_size
 
     @property
     def id_dtype(self) -> torch.dtype:
@@ -135,7 +152,8 @@ class StepLayout:
         return build(
             StepConfig,
             index_block_bytes=self.index_block_bytes, output_region_off=self.output_region_off,
-            output_block_bytes=self.output_block_bytes, offsets_off=self.offsets_off,
+            output_block_bytes=self.output_block_bytes, grad_region_off=self.grad_region_off,
+            offsets_off=self.offsets_off,
             lengths_off=self.lengths_off, ids_off=self.ids_off, weights_off=self.weights_off,
             num_slots=self.num_slots, max_batch=self.max_batch, capacity=self.ids_capacity,
             dim_sum=self.dim_sum, num_features=self.num_features, timeout_ns=timeout_ns,
@@ -150,8 +168,17 @@ class StepLayout:
     def output_block(self, slot: int, owner: int) -> int:
         return self.output_region_off + (slot * self.world_size + owner) * self.output_block_bytes
 
+    def grad_block(self, slot: int, src: int) -> int:
+        return self.grad_region_off + (slot * self.world_size + src) * self.output_block_bytes
+
     def index_signal(self, src: int) -> int:
-        return src
+        return SignalGroup.INDEX_SIGNALS * self.world_size + src
 
     def output_signal(self, owner: int) -> int:
-        return self.world_size + owner
+        return SignalGroup.OUTPUT_SIGNALS * self.world_size + owner
+
+    def grad_signal(self, src: int) -> int:
+        return SignalGroup.GRAD_SIGNALS * self.world_size + src
+
+    def release_signal(self, owner: int) -> int:
+        return SignalGroup.RELEASE_SIGNALS * self.world_size + owner

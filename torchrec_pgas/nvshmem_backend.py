@@ -85,14 +85,15 @@ class NvshmemRuntime(PgasRuntime):
         torch.ops.torchrec_pgas.signal(pad.words[word : word + 1], value, peer)
 
     def wait(
-        self, pad: SignalPad, slots: Sequence[int], epoch: int, timeout_s: float, what: str
+        self, pad: SignalPad, slots: Sequence[int], value: int, timeout_s: float, what: str, step: int = 0
     ) -> None:
-        """Stream-ordered: work enqueued after this sees the signals; see ``check``."""
+        """Stream-ordered: work enqueued after this sees the signals; see ``check``. (The reference wait
+        takes its step from the value: the runtime tests wait for epoch signals.)"""
         idx = torch.tensor([PAD_HEADER_WORDS + s for s in slots], dtype=torch.int64)
         torch.ops.torchrec_pgas.wait(
-            pad.words, idx.to(self.device, non_blocking=True), epoch, int(timeout_s * 1e9), self._status
+            pad.words, idx.to(self.device, non_blocking=True), value, int(timeout_s * 1e9), self._status
         )
-        self._last_wait = (pad, what, epoch)
+        self._last_wait = (pad, what, value)
 
     def check(self) -> None:
         """Raise a device-reported timeout or peer abort (call after a stream sync)."""
@@ -109,8 +110,8 @@ class NvshmemRuntime(PgasRuntime):
             f"slot {int(self._status[1])})"
         )
 
-    def abort(self, pad: SignalPad, reason: str) -> None:
-        word, msg = encode_abort(self.rank, reason)
+    def abort(self, pad: SignalPad, reason: str, step: int) -> None:
+        word, msg = encode_abort(self.rank, reason, step)
         header = torch.cat([torch.tensor([word]), msg]).to(self.device)
         for peer in range(self.world_size):
             # Reason first, then the abort word (put completes before the signal).

@@ -28,11 +28,13 @@ from typing import Dict, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from torchrec_pgas.step_abi import PadWord
+from torchrec_pgas.step_abi import ABORT_RANK_BITS, PadWord
 from torchrec_pgas.types import PgasBackendType, PgasError
 
-# Signal pads start with a small control area (PadWord): word 0 holds
-# ``aborting_rank + 1`` (0 = healthy); the next words hold the abort reason as UTF-8.
+# Signal pads start with a small control area (PadWord): word 0 holds the abort
+# word of the last step a rank gave up on, ``(epoch << ABORT_RANK_BITS) |
+# (aborting_rank + 1)`` (0 = healthy); the next words hold the reason as UTF-8.
+# An abort ends that step only: waits of later steps ignore it.
 ABORT_WORD: int = PadWord.ABORT
 PAD_HEADER_WORDS: int = PadWord.HEADER_WORDS
 ABORT_MSG_WORDS: int = PAD_HEADER_WORDS - PadWord.ABORT_MESSAGE
@@ -155,11 +157,12 @@ class PgasRuntime(abc.ABC):
 
     @abc.abstractmethod
     def wait(
-        self, pad: SignalPad, slots: Sequence[int], epoch: int, timeout_s: float, what: str
+        self, pad: SignalPad, slots: Sequence[int], value: int, timeout_s: float, what: str, step: int = 0
     ) -> None:
-        """Block until every local ``slot`` of ``pad`` is ``>= epoch``.
+        """Block until every local ``slot`` of ``pad`` is ``>= value``.
 
-        Raises ``PgasPeerAbortError`` if a peer aborted the pad, and
+        Raises ``PgasPeerAbortError`` if a peer aborted step ``step`` (default:
+        ``value``, the step an epoch signal belongs to), and
         ``PgasTimeoutError`` (naming ``what`` and the missing sources) after
         ``timeout_s``.
         """
@@ -168,8 +171,8 @@ class PgasRuntime(abc.ABC):
         """Raise an error a device-side wait recorded (no-op where waits block the host)."""
 
     @abc.abstractmethod
-    def abort(self, pad: SignalPad, reason: str) -> None:
-        """Tell every rank that waits on ``pad`` that this rank gave up, and why."""
+    def abort(self, pad: SignalPad, reason: str, step: int) -> None:
+        """Tell every rank that waits on ``pad`` for step ``step`` that this rank gave up on it, and why."""
 
     @abc.abstractmethod
     def barrier(self) -> None: ...
@@ -179,17 +182,22 @@ class PgasRuntime(abc.ABC):
         self._pads.clear()
 
 
-def encode_abort(rank: int, reason: str) -> Tuple[int, torch.Tensor]:
-    """The abort word and the reason packed into ABORT_MSG_WORDS int64 words."""
+def encode_abort(rank: int, reason: str, step: int) -> Tuple[int, torch.Tensor]:
+    """The abort word of ``step`` and the reason packed into ABORT_MSG_WORDS int64 words."""
     raw = reason.encode("utf-8")[: ABORT_MSG_WORDS * 8 - 1]
     buf = torch.zeros(ABORT_MSG_WORDS * 8, dtype=torch.uint8)
     buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    return rank + 1, buf.view(torch.int64)
+    return (step << ABORT_RANK_BITS) | (rank + 1), buf.view(torch.int64)
+
+
+def aborted_step(word: int) -> int:
+    """The step an abort word ends (0: none)."""
+    return word >> ABORT_RANK_BITS
 
 
 def decode_abort(words: torch.Tensor) -> Tuple[int, str]:
     """(aborting rank, reason) from a pad's control header on the CPU."""
-    rank = int(words[ABORT_WORD]) - 1
+    rank = (int(words[ABORT_WORD]) & ((1 << ABORT_RANK_BITS) - 1)) - 1
     raw = words[PadWord.ABORT_MESSAGE:PAD_HEADER_WORDS].contiguous().view(torch.uint8).tolist()
     msg = bytes(raw).split(b"\0", 1)[0].decode("utf-8", errors="replace")
     return rank, msg

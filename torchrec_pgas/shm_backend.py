@@ -32,6 +32,7 @@ from torchrec_pgas.runtime import (
     PgasRuntime,
     SignalPad,
     SymmetricBuffer,
+    aborted_step,
     decode_abort,
     encode_abort,
 )
@@ -95,32 +96,33 @@ class ShmRuntime(PgasRuntime):
         self._peer_words["sig:" + pad.name][peer][word] = value
 
     def wait(
-        self, pad: SignalPad, slots: Sequence[int], epoch: int, timeout_s: float, what: str
+        self, pad: SignalPad, slots: Sequence[int], value: int, timeout_s: float, what: str, step: int = 0
     ) -> None:
         words = self._peer_words["sig:" + pad.name][self.rank]
         idx = np.asarray([PAD_HEADER_WORDS + s for s in slots], dtype=np.int64)
+        step = step or value
         deadline = time.monotonic() + timeout_s
         spins = 0
         while True:
-            if words[ABORT_WORD] != 0:
+            if aborted_step(int(words[ABORT_WORD])) == step:
                 rank, msg = decode_abort(torch.from_numpy(words[:PAD_HEADER_WORDS].copy()))
-                raise PgasPeerAbortError(f"rank {rank} aborted '{pad.name}': {msg}")
-            if (words[idx] >= epoch).all():
+                raise PgasPeerAbortError(f"rank {rank} aborted step {step} of '{pad.name}': {msg}")
+            if (words[idx] >= value).all():
                 return
             spins += 1
             if spins > 200:
                 # Two CI cores may host three ranks: give the peer the CPU.
                 time.sleep(min(1e-3, 1e-6 * spins))
                 if time.monotonic() > deadline:
-                    missing = [s for s, i in zip(slots, idx) if words[i] < epoch]
+                    missing = [s for s, i in zip(slots, idx) if words[i] < value]
                     raise PgasTimeoutError(
                         f"rank {self.rank} waited {timeout_s:.0f}s on '{pad.name}' for {what} "
-                        f"(epoch {epoch}); still missing slots {missing}: a peer crashed, "
+                        f"(step {step}); still missing slots {missing}: a peer crashed, "
                         "diverged, or is not running this step"
                     )
 
-    def abort(self, pad: SignalPad, reason: str) -> None:
-        word, msg = encode_abort(self.rank, reason)
+    def abort(self, pad: SignalPad, reason: str, step: int) -> None:
+        word, msg = encode_abort(self.rank, reason, step)
         msg_np = msg.numpy()
         for words in self._peer_words["sig:" + pad.name]:
             words[1 : 1 + ABORT_MSG_WORDS] = msg_np

@@ -18,12 +18,22 @@ import torch
 from torchrec_pgas.types import PgasError
 
 MAX_WORLD = 64
+MAX_SLOTS = 4
+ABORT_RANK_BITS = 7  # abort word = (step epoch << ABORT_RANK_BITS) | (aborting rank + 1)
 
 
 class PadWord(IntEnum):
     ABORT = 0
     ABORT_MESSAGE = 1
     HEADER_WORDS = 32
+
+
+class SignalGroup(IntEnum):
+    INDEX_SIGNALS = 0
+    OUTPUT_SIGNALS = 1
+    GRAD_SIGNALS = 2
+    RELEASE_SIGNALS = 3
+    SIGNAL_GROUPS = 4
 
 
 class WeightDtype(IntEnum):
@@ -67,17 +77,20 @@ class StateWord(IntEnum):
     DONE_LOOKUP = 4
     DONE_COMBINE = 5
     CTR_COMBINE = 6
-    ERR_CODE = 8
+    DONE_GRAD = 7
     TRACE_BUF = 12
     TRACE_STEP = 13
     TRACE_CAP = 14
     TRACE_BYTES = 15
     DONE_SRC = 16
     BAG_CLAIMS = 16 + MAX_WORLD
-    STATE_WORDS = 16 + 2 * MAX_WORLD
+    ERR_RECORDS = 16 + 2 * MAX_WORLD
+    STEP_FAILED = ERR_RECORDS + 4 * MAX_SLOTS
+    STATE_WORDS = STEP_FAILED + MAX_SLOTS
 
 
-ENUMS: Sequence[Type[IntEnum]] = (PadWord, WeightDtype, PoolingMode, BoundsMode, ErrorCode, DeviceStatus, StateWord)
+ENUMS: Sequence[Type[IntEnum]] = (PadWord, SignalGroup, WeightDtype, PoolingMode, BoundsMode, ErrorCode,
+                                  DeviceStatus, StateWord)
 
 _i64, _i32 = ctypes.c_int64, ctypes.c_int32
 
@@ -97,6 +110,7 @@ class StepConfig(ctypes.Structure):
 
     _fields_ = [
         ("index_block_bytes", _i64), ("output_region_off", _i64), ("output_block_bytes", _i64),
+        ("grad_region_off", _i64),
         ("offsets_off", _i64), ("lengths_off", _i64), ("ids_off", _i64), ("weights_off", _i64),
         ("num_slots", _i64), ("max_batch", _i64), ("capacity", _i64), ("dim_sum", _i64),
         ("num_features", _i64), ("timeout_ns", _i64),
@@ -106,9 +120,10 @@ class StepConfig(ctypes.Structure):
 
 
 class ErrorRecord(ctypes.Structure):
-    """The step's error record (code: ``ErrorCode``), as the combine publishes it to pinned memory."""
+    """A step's error record (code: ``ErrorCode``), as its combine publishes it to pinned memory (one per
+    buffer slot)."""
 
-    _fields_ = [("code", _i64), ("a", _i64), ("b", _i64), ("c", _i64)]
+    _fields_ = [("epoch", _i64), ("code", _i64), ("a", _i64), ("b", _i64), ("c", _i64)]
 
 
 STRUCTS: Sequence[Type[ctypes.Structure]] = (FeatureDesc, StepConfig, ErrorRecord)
@@ -145,6 +160,8 @@ def cxx_name(member: str) -> str:
 
 def _lines() -> Iterator[str]:
     yield f"const kMaxWorld {MAX_WORLD}"
+    yield f"const kMaxSlots {MAX_SLOTS}"
+    yield f"const kAbortRankBits {ABORT_RANK_BITS}"
     for enum in ENUMS:
         for member in enum:
             yield f"enum {enum.__name__} {cxx_name(member.name)} {int(member)}"

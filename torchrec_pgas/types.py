@@ -44,12 +44,17 @@ class PgasConfig:
             covers.
         wait_timeout_s: how long a rank waits for a peer's signal before it
             raises (a peer that crashed or diverged must not hang the job).
+        training: keep what a backward needs: gradient blocks and a third
+            buffer slot, so that a step's ids stay until its backward (TorchRec's
+            train pipelines keep up to three steps in flight). ``False`` for
+            inference-only shardings: less memory, and a backward raises.
     """
 
     max_local_batch_size: int = 4096
     max_ids_per_rank: Optional[int] = None
     avg_pooling_capacity: int = 32
     wait_timeout_s: float = 120.0
+    training: bool = True
 
     def __post_init__(self) -> None:
         if self.max_local_batch_size <= 0:
@@ -92,7 +97,8 @@ def bounds_check_mode_from_fused_params(fused_params: Optional[Dict[str, Any]]) 
 
 
 class PgasError(RuntimeError):
-    """A PGAS step cannot proceed; the sharded module must be rebuilt."""
+    """A PGAS step cannot proceed. The step is given up on every rank (no weight changes); the next step
+    runs, unless the error says otherwise."""
 
 
 class PgasInputError(PgasError, ValueError):

@@ -80,7 +80,7 @@ class VirtualRanks:
                 features=as_words(descs, FeatureDesc).to(device),
                 state=torch.zeros(StateWord.STATE_WORDS, dtype=torch.int64, device=device),
                 bag_div=torch.zeros(self.layout.num_slots, self.layout.num_features * max_batch, device=device),
-                status=torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory(),
+                status=torch.zeros(self.layout.num_slots, ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory(),
                 config=as_tensor(self.layout.config(int(timeout_s * 1e9), r, BOUNDS_MODES[bounds_mode],
                                                     lookup_features=own.lookup, variable_batch=own.variable_batch)),
             ))
@@ -103,12 +103,13 @@ class VirtualRanks:
 
         for r, ((values, offsets, weights, batch), state) in enumerate(zip(inputs, self._state_args())):
             mark("index_dist", r)
-            ops.index_dist(values, offsets, weights, *state, batch)
+            ops.index_dist(values, offsets, weights, *state, batch, False)
         mark("index_dist", self.world)
         for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
             mark("lookup", r)
             # After exit: an index dist (a plain launch) lies between this and the rank's previous combine.
-            ops.pooled_lookup(*state, inp[3], self._max_dims[r], self.out_dtype, True)
+            # No backward follows: each source's blocks are released once served.
+            ops.pooled_lookup(*state, inp[3], self._max_dims[r], self.out_dtype, True, True)
         mark("lookup", self.world)
         outs = []
         for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
@@ -126,12 +127,13 @@ class VirtualRanks:
         return [self.stage_args(r) for r in range(self.world)]
 
     def errors(self) -> List[Tuple[int, int, int, int]]:
-        """Every rank's device error record of the last finished step (code, a, b, c; code 0: none),
+        """Every rank's latest device error record of the finished steps (code, a, b, c; code 0: none),
         after a sync; reading clears them."""
         torch.cuda.current_stream().synchronize()
         out = []
         for s in self._ranks:
-            code, a, b, c = s["status"].tolist()
+            records = [r for r in s["status"].tolist() if r[1] != 0]
+            _, code, a, b, c = max(records) if records else (0, 0, 0, 0, 0)
             out.append((code, a, b, c))
             s["status"].zero_()
         return out

@@ -7,12 +7,21 @@ each feature that way (``FeatureOwners``, one ``FeatureDesc`` per feature) and
 launches the same three kernels per step (index dist, pooled lookup, combine
 partials) on the current stream, whatever the number of tables: no host sync,
 graph capturable.
+
+A training step's backward (``csrc/grad_exchange.cu``): ``grad_dist`` stores
+the gradient rows into the owners that served each bag, ``await_grads`` waits
+for this owner's sources, the owner rebuilds the ids it kept (``PgasStep``) at
+the one host sync (the id count FBGEMM's backward needs, which brings the
+step's error record and the sources' flags along), replays the stock lookup
+under autograd and ``release_sources`` hands the slot back. A step that failed
+on any rank (device-side errors are recorded, not raised) changes no weight:
+its backward raises the error on every rank instead.
 """
 
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -23,8 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
-from torchrec_pgas.sharding.stages import no_backward
-from torchrec_pgas.sharding.step import PgasStep, PoolFn, StepSpec
+from torchrec_pgas.sharding.step import PgasStep, PoolFn, StepSpec, StepTicket, advance_tbe_iterations, gradient_divisor
 from torchrec_pgas.step_abi import (
     ERROR_RECORD_WORDS,
     BoundsMode,
@@ -145,7 +153,10 @@ class DeviceStep(PgasStep):
         self._col_feature = column_features(spec.dims, device)
         self._state = torch.zeros(StateWord.STATE_WORDS, dtype=torch.int64, device=device)
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=device)
-        self._status = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory()
+        self._status = torch.zeros(lay.num_slots, ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory()
+        self._grad_flags = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
+        self._grad_flags_host = torch.zeros(self.world_size + 1, dtype=torch.int64).pin_memory()
+        self._owners = owners
         self._config_args = dict(timeout_ns=int(spec.config.wait_timeout_s * 1e9), rank=self.rank,
                                  bounds_mode=BOUNDS_MODES[spec.bounds_check_mode],
                                  lookup_features=owners.lookup, variable_batch=owners.variable_batch)
@@ -157,6 +168,7 @@ class DeviceStep(PgasStep):
         # Recorded after each combine, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
         self._trace: Optional[torch.Tensor] = None
+        self._dropped_records: Set[int] = set()  # steps this rank gave up: their records were raised already
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
@@ -174,26 +186,48 @@ class DeviceStep(PgasStep):
                 self._status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        try:
-            self._raise_recorded()
-        except PgasError as e:  # peers wait for this step's data: tell them why it will not come
-            raise self.fail(e)
-        self.check_step(kjt)
+        self._raise_recorded()  # a finished step's error: this step has not started, nothing to abort
+        epoch = self.claim_slot()
+        err = self.input_error(kjt)
+        if err is not None:
+            raise self._give_up(err, epoch)
         weights = kjt.weights_or_none()
-        stream = torch.cuda.current_stream(self.device)
-        if not torch.cuda.is_current_stream_capturing():
-            # TorchRec's train pipelines run the input dist on their own stream:
-            # reusing a slot must wait for the combine that last read it.
-            stream.wait_event(self._slot_free[(self.issued + 1) % self.layout.num_slots])
+        stream = self._await_slot(epoch)
         try:
             torch.ops.torchrec_pgas.index_dist(
                 kjt.values(), kjt.offsets().to(torch.int64), weights.float() if weights is not None else None,
-                *self._state_args(), kjt.stride(),
+                *self._state_args(), kjt.stride(), False,
             )
         except RuntimeError as e:
-            raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}")) from e
-        self.issued += 1
+            raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}"), epoch) from e
+        self.issued = epoch
         self._dist_stream = stream
+
+    def _await_slot(self, epoch: int) -> torch.cuda.Stream:
+        """The current stream, made to wait for the last step that used ``epoch``'s slot on this rank (its
+        combine, or its backward): TorchRec's train pipelines run the input dist on their own stream."""
+        stream = torch.cuda.current_stream(self.device)
+        if not torch.cuda.is_current_stream_capturing():
+            stream.wait_event(self._slot_free[epoch % self.layout.num_slots])
+        return stream
+
+    def _give_up(self, err: PgasError, epoch: int) -> PgasError:
+        """Give step ``epoch`` up on every rank: abort it, then run its three kernels with no ids, so every
+        rank's epochs stay in step (peers skip this rank's data and record the abort) and the next step
+        runs; this rank's own record of the step is the error raised here, so it is dropped."""
+        self.fail(err, epoch)
+        ops, dev = torch.ops.torchrec_pgas, self.device
+        stream = self._await_slot(epoch)
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        offsets = torch.zeros(1, dtype=torch.int64, device=dev)
+        weights = torch.zeros(0, device=dev) if self.layout.weighted else None
+        ops.index_dist(empty, offsets, weights, *self._state_args(), 0, True)
+        ops.pooled_lookup(*self._state_args(), 0, self._max_dim, self.spec.out_dtype, False, True)
+        ops.combine_partials(*self._state_args(), self._col_feature, 0, self.spec.out_dtype)
+        self._slot_free[epoch % self.layout.num_slots].record(stream)
+        self.issued = self.looked_up = epoch
+        self._dropped_records.add(epoch)
+        return err
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -224,6 +258,7 @@ class DeviceStep(PgasStep):
 
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
         epoch = self.next_lookup_epoch()
+        trains = self.trains()
         ops = torch.ops.torchrec_pgas
         # The lookup may start before the kernel ahead of it on the stream has
         # completed (csrc/pgas_common.cuh: launch_after_exit) only if an index dist
@@ -234,16 +269,69 @@ class DeviceStep(PgasStep):
         self._dist_stream = None
         try:
             self._bind_weights(tbes)
-            ops.pooled_lookup(*self._state_args(), kjt.stride(), self._max_dim, self.spec.out_dtype, after_exit)
+            ops.pooled_lookup(*self._state_args(), kjt.stride(), self._max_dim, self.spec.out_dtype, after_exit,
+                              not trains)
             profiling.mark("lookup")
             out = ops.combine_partials(*self._state_args(), self._col_feature, kjt.stride(), self.spec.out_dtype)
         except PgasError as e:  # peers wait for this rank's pooled rows: abort them
-            raise self.fail(e)
+            raise self.fail(e, epoch)
         except RuntimeError as e:
-            raise self.fail(PgasError(f"{self.kind} lookup failed to launch: {e}")) from e
+            raise self.fail(PgasError(f"{self.kind} lookup failed to launch: {e}"), epoch) from e
         if not torch.cuda.is_current_stream_capturing():
             self._slot_free[epoch % self.layout.num_slots].record()
-        return no_backward(out, self.kind)
+        iters = advance_tbe_iterations(tbes)
+        return self.forward_output(out, StepTicket(epoch, kjt.stride(), pool, iters, tbes) if trains else None)
+
+    def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        ops, lay, epoch = torch.ops.torchrec_pgas, self.layout, ticket.epoch
+        slot = epoch % lay.num_slots
+        args = self._state_args()
+        ops.grad_dist(grad.to(self.spec.out_dtype), *args, epoch, ticket.batch, gradient_divisor(self.world_size),
+                      False)
+        ops.await_grads(*args, self._grad_flags, epoch)
+        whole = (self._grad_flags == 0).all()
+        self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
+        f_lo, f_hi = self.lookup_features
+        # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
+        rows = lay.max_batch if self._owners.variable_batch else ticket.batch
+        batches = torch.stack([self.buf.view(torch.int64, lay.index_block(slot, s) + lay.header_off + 8, 1)[0]
+                               for s in range(self.world_size)])
+        kjt = self.kept_ids(epoch, rows, (f_lo, f_hi - f_lo, lay.num_features), batches, whole)  # the sync
+        try:
+            problem = self._backward_problem(epoch)
+            if problem is not None:
+                raise problem
+            if f_hi > f_lo:
+                col_lo = self._descs[f_lo].out_col
+                col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
+                self.replay(ticket, kjt, self.kept_grads(epoch, rows, (col_lo, col_hi, lay.dim_sum),
+                                                         self.spec.out_dtype))
+        finally:
+            self.release(epoch)
+
+    def _backward_problem(self, epoch: int) -> Optional[PgasError]:
+        """Why step ``epoch``'s gradients must not be applied (after the sync), if they must not."""
+        flags = self._grad_flags_host.tolist()
+        if flags[self.world_size]:  # this rank's step failed: its record says why
+            record = self._status[epoch % self.layout.num_slots]
+            err = self._recorded_error(record.tolist()) if int(record[0]) == epoch else None
+            record.zero_()
+            return err or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
+        for src, flag in enumerate(flags[:self.world_size]):
+            if flag == 1:
+                return PgasPeerAbortError(f"rank {src} gave up on step {epoch} of {self.kind} (see its error): "
+                                          "no rank applies its gradients")
+            if flag == 2:
+                return PgasTimeoutError(
+                    f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for the gradients of step "
+                    f"{epoch} from rank {src}: a peer crashed, diverged, or skipped this step's backward")
+        return None
+
+    def release(self, epoch: int) -> None:
+        stream = self._await_slot(epoch)
+        torch.ops.torchrec_pgas.release_sources(*self._state_args(), epoch)
+        if not torch.cuda.is_current_stream_capturing():
+            self._slot_free[epoch % self.layout.num_slots].record(stream)
 
     def trace_comm(self, records: int, step_bytes: int) -> torch.Tensor:
         """Start the comm timeline: an int64 ``[records, 2]`` buffer of (ns, cumulative remote bytes)
@@ -278,31 +366,47 @@ class DeviceStep(PgasStep):
         self._raise_recorded()
 
     def _raise_recorded(self) -> None:
-        """Raise (or warn about) the error record of a finished step; no sync."""
-        code, a, b, c = self._status.tolist()
+        """Raise (or warn about) the error records of finished steps, the earliest first; no sync. A step
+        that waits for its backward keeps its record: the backward raises it."""
+        records = sorted(r for r in self._status.tolist() if r[1] != ErrorCode.NONE)
+        for epoch, *_ in records:
+            if epoch in self._awaiting_backward:
+                continue
+            record = self._status[epoch % self.layout.num_slots]
+            values = record.tolist()
+            record.zero_()
+            if epoch in self._dropped_records:  # this rank gave the step up and raised its error then
+                self._dropped_records.discard(epoch)
+                continue
+            err = self._recorded_error(values)
+            if err is not None:
+                raise err
+
+    def _recorded_error(self, record: Sequence[int]) -> Optional[PgasError]:
+        """The error an ErrorRecord (epoch, code, a, b, c) reports; a WARNING-mode bad id warns instead."""
+        _, code, a, b, c = record
         if code == ErrorCode.NONE:
-            return
-        self._status.zero_()
+            return None
         if code == ErrorCode.BAD_ID_WARN:
             if self.spec.bounds_check_mode == BoundsCheckMode.WARNING:
                 warnings.warn(self.bad_id_message(a, b) + "; such ids read row 0 (BoundsCheckMode.WARNING)")
-            return
+            return None
         if code == ErrorCode.BAD_ID:
-            raise PgasInputError(self.bad_id_message(a, b))
+            return PgasInputError(self.bad_id_message(a, b))
         if code == ErrorCode.BATCH_MISMATCH:
-            raise PgasInputError(
+            return PgasInputError(
                 f"{self.kind} requires equal local batch sizes on all ranks: rank "
                 f"{a} has {b}, rank {self.rank} has {c}"
             )
         if code == ErrorCode.TIMEOUT:
-            stage = ("index data", "index data", "pooled outputs")[a]
-            raise PgasTimeoutError(
+            stage = ("the release of its blocks", "index data", "pooled outputs")[a]
+            return PgasTimeoutError(
                 f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for {stage} from rank {b}: "
                 "a peer crashed, diverged, or is not running this step"
             )
         if code == ErrorCode.PEER_ABORT:
-            raise PgasPeerAbortError(f"rank {a} aborted the {self.kind} step (see its error)")
-        raise PgasError(f"{self.kind}: corrupt data from rank {a} (kind {b})")
+            return PgasPeerAbortError(f"rank {a} aborted the {self.kind} step (see its error)")
+        return PgasError(f"{self.kind}: corrupt data from rank {a} (kind {b})")
 
 
 def _per_feature(tbe: nn.Module) -> List[torch.Tensor]:

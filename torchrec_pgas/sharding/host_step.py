@@ -20,12 +20,19 @@ lengths, ids and weights into d's index block (no bucketize, no splits exchange)
 source's bags at that source's batch (from its header: ranks may feed different local batch sizes, as stock
 TW allows) with the stock TW lookup (MEAN included) and puts the ``[B_src, D_owner]`` block into the
 source's output block; the owners' blocks side by side, in rank order, are the stock TW output.
+
+Backward (``PgasStep``): the requester puts its gradient into every owner's gradient block (row-wise: the
+whole ``[B, D]`` block, divided by the MEAN divisor and the gradient division as stock's autograd does;
+table-wise: the owner's columns), signals ``2 * epoch``, and waits for its sources' gradients; the owner
+replays the stock lookup on the ids it kept, then releases the step's blocks. Any error raises during the
+forward on every rank (the failing rank aborts the step), so a failed step never reaches a backward.
 """
 
+import abc
 import bisect
 import itertools
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -34,8 +41,7 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
-from torchrec_pgas.sharding.stages import no_backward
-from torchrec_pgas.sharding.step import PgasStep, PoolFn, StepSpec
+from torchrec_pgas.sharding.step import PgasStep, PoolFn, StepSpec, StepTicket, advance_tbe_iterations, gradient_divisor
 from torchrec_pgas.types import PgasError, PgasInputError
 
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
@@ -53,10 +59,35 @@ class HostStep(PgasStep):
         """Remote peers first (their bytes travel), this rank last."""
         return [(self.rank + 1 + k) % self.world_size for k in range(self.world_size)]
 
-    def _checked_ids(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        """The step's checks before anything is written; its ids after the bounds mode (ids decide the
-        owner and the remote address)."""
-        self.check_step(kjt)
+    def begin_index_dist(self, kjt: KeyedJaggedTensor) -> Tuple[int, torch.Tensor]:
+        """The next step's epoch and its checked ids, once every owner has released this rank's blocks of
+        the step that last used the slot. Bad input gives the step up on every rank (it raises here, and
+        peers raise at their waits for this rank) and consumes its epoch, so the next step runs."""
+        epoch = self.claim_slot()
+        err = self.input_error(kjt)
+        values = self._checked_ids(kjt, epoch) if err is None else None
+        if err is not None or values is None:
+            raise self._give_up(err or PgasError(f"{self.kind}: no ids"), epoch)
+        lay = self.layout
+        if epoch > lay.num_slots:
+            self.rt.wait(self.pad, [lay.release_signal(d) for d in range(self.world_size)], epoch - lay.num_slots,
+                         self.spec.config.wait_timeout_s, "the release of this rank's blocks", step=epoch)
+        self.issued = epoch
+        return epoch, values
+
+    def _give_up(self, err: PgasError, epoch: int) -> PgasError:
+        self.fail(err, epoch)
+        self.issued = self.looked_up = epoch
+        self.release(epoch)
+        return err
+
+    def release(self, epoch: int) -> None:
+        for src in self._order():
+            self.rt.signal(self.pad, src, self.layout.release_signal(self.rank), epoch)
+
+    def _checked_ids(self, kjt: KeyedJaggedTensor, epoch: int) -> torch.Tensor:
+        """The ids after the bounds mode (ids decide the owner and the remote address); FATAL gives the
+        step up."""
         values = kjt.values().to(torch.int64)
         per_feature = kjt.length_per_key()
         hash_per_id = torch.repeat_interleave(self._hash_sizes, torch.tensor(per_feature, device=values.device))
@@ -67,7 +98,7 @@ class HostStep(PgasStep):
         f = bisect.bisect_right(list(itertools.accumulate(per_feature)), pos)
         msg = self.bad_id_message(f, int(values[pos]))
         if self.spec.bounds_check_mode == BoundsCheckMode.FATAL:
-            raise self.fail(PgasInputError(msg))
+            raise self._give_up(PgasInputError(msg), epoch)
         if self.spec.bounds_check_mode == BoundsCheckMode.WARNING and f not in self._warned:
             self._warned.add(f)
             warnings.warn(msg + "; such ids read row 0 (BoundsCheckMode.WARNING)")
@@ -99,7 +130,7 @@ class HostStep(PgasStep):
         self.rt.check()
         if h_epoch != epoch or not 0 <= h_batch <= lay.max_batch or not 0 <= nnz <= lay.ids_capacity:
             raise self.fail(PgasError(
-                f"corrupt index header from rank {src}: epoch {h_epoch}, batch {h_batch}, nnz {nnz}"))
+                f"corrupt index header from rank {src}: epoch {h_epoch}, batch {h_batch}, nnz {nnz}"), epoch)
         return block, h_batch, nnz
 
     def _await_outputs(self, epoch: int, what: str) -> None:
@@ -109,7 +140,7 @@ class HostStep(PgasStep):
                      self.spec.config.wait_timeout_s, what)
 
     def _received(self, src: int, src_block: int, keys: Sequence[str], key_rows: Sequence[int], nnz: int,
-                  batch: int) -> KeyedJaggedTensor:
+                  batch: int, epoch: int) -> KeyedJaggedTensor:
         """Source ``src``'s index block as a KJT for the stock lookup, after checking what a peer wrote:
         lengths sum to ``nnz`` and are >= 0, and every id is a row this rank holds (``key_rows`` per key).
         The TBE's own bounds check follows the user's mode, which may be off; these decide what is read."""
@@ -117,11 +148,12 @@ class HostStep(PgasStep):
         lengths = self.buf.view(torch.int32, src_block + lay.lengths_off, len(keys) * batch)
         ids = self.buf.view(lay.id_dtype, src_block + lay.ids_off, nnz).to(torch.int64)
         if bool((lengths < 0).any()) or int(lengths.sum()) != nnz:
-            raise self.fail(PgasError(f"corrupt index lengths from rank {src}: negative, or not summing to {nnz}"))
+            raise self.fail(PgasError(f"corrupt index lengths from rank {src}: negative, or not summing to {nnz}"),
+                            epoch)
         per_key = lengths.view(len(keys), batch).sum(1)
         limit = torch.repeat_interleave(torch.tensor(list(key_rows), dtype=torch.int64), per_key.to(torch.int64))
         if bool(((ids < 0) | (ids >= limit)).any()):
-            raise self.fail(PgasError(f"corrupt index data from rank {src}: a row outside this rank's shard"))
+            raise self.fail(PgasError(f"corrupt index data from rank {src}: a row outside this rank's shard"), epoch)
         return KeyedJaggedTensor(
             keys=list(keys),
             values=ids,
@@ -129,6 +161,64 @@ class HostStep(PgasStep):
             weights=self.buf.view(torch.float32, src_block + lay.weights_off, nnz) if lay.weighted else None,
             stride=batch,
         )
+
+    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+        epoch = self.next_lookup_epoch()
+        trains = self.trains()
+        try:
+            # The stock lookup runs once per source here: its TBEs' iteration counters move once a step.
+            iters = [int(t.iter_cpu) if hasattr(t, "iter_cpu") else None for t in tbes]
+            out, kept = self.serve_and_combine(kjt, pool, epoch, release=not trains)
+            for tbe, it in zip(tbes, iters):
+                if it is not None:
+                    tbe.iter_cpu.fill_(it)
+                    tbe.iter.fill_(it)
+            ticket_iters = advance_tbe_iterations(tbes)
+        except BaseException:
+            self.release(epoch)  # no backward will come for this step
+            raise
+        ticket = StepTicket(epoch, kjt.stride(), pool, ticket_iters, tbes, host=kept) if trains else None
+        return self.forward_output(out, ticket)
+
+    @abc.abstractmethod
+    def serve_and_combine(self, kjt: KeyedJaggedTensor, pool: PoolFn, epoch: int,
+                          release: bool) -> Tuple[torch.Tensor, Any]:
+        """Stages 2 and 3 of ``epoch``: the output, and what the backward keeps (releasing each source
+        once served when ``release``)."""
+
+    def _serve(self, src: int, epoch: int, out_block: Optional[torch.Tensor], release: bool) -> None:
+        """Put this owner's block of ``src``'s output (if any), then signal (and release) ``src``."""
+        lay = self.layout
+        if out_block is not None:
+            self.rt.put(self.buf, src, lay.output_block(epoch % lay.num_slots, self.rank), out_block)
+        self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
+        if release:
+            self.rt.signal(self.pad, src, lay.release_signal(self.rank), epoch)
+
+    def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        lay, epoch = self.layout, ticket.epoch
+        slot = epoch % lay.num_slots
+        try:
+            for dest, rows in self.gradient_blocks(grad, ticket):
+                if rows.numel():
+                    self.rt.put(self.buf, dest, lay.grad_block(slot, self.rank), rows)
+                self.rt.signal(self.pad, dest, lay.grad_signal(self.rank), 2 * epoch)
+            self.rt.wait(self.pad, [lay.grad_signal(s) for s in range(self.world_size)], 2 * epoch,
+                         self.spec.config.wait_timeout_s, f"the gradients of step {epoch}", step=epoch)
+            rows, block_features, columns, batches = self.owner_view(ticket)
+            kjt = self.kept_ids(epoch, rows, block_features, batches)
+            self.replay(ticket, kjt, self.kept_grads(epoch, rows, columns, self.spec.out_dtype))
+        finally:
+            self.release(epoch)
+
+    @abc.abstractmethod
+    def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:
+        """(owner, the gradient rows it gets) for every owner, remote ones first."""
+
+    @abc.abstractmethod
+    def owner_view(self, ticket: StepTicket) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int], torch.Tensor]:
+        """How this owner reads its kept ids and gradients (``PgasStep.kept_ids``, ``kept_grads``): rows per
+        source, the held features in an index block, the gradient columns, the sources' batches."""
 
 
 class HostRwStep(HostStep):
@@ -143,7 +233,7 @@ class HostRwStep(HostStep):
         self._dims = torch.tensor(spec.dims, device=device)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        values = self._checked_ids(kjt)
+        epoch, values = self.begin_index_dist(kjt)
         weights = kjt.weights_or_none()
         lengths, ids, bucket_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
             kjt.lengths().view(-1).to(torch.int64),
@@ -156,16 +246,15 @@ class HostRwStep(HostStep):
         )
         per_dest = lengths.view(self.world_size, -1)  # [dest][f][b]
         starts = [0] + per_dest.sum(1).cumsum(0).tolist()
-        self.issued += 1
-        block = self.layout.index_block(self.issued % self.layout.num_slots, self.rank)
+        block = self.layout.index_block(epoch % self.layout.num_slots, self.rank)
         for dest in self._order():
             span = slice(starts[dest], starts[dest + 1])
-            self._put_index_block(dest, block, self.issued, kjt.stride(), per_dest[dest], ids[span],
+            self._put_index_block(dest, block, epoch, kjt.stride(), per_dest[dest], ids[span],
                                   bucket_weights[span] if bucket_weights is not None else None)
 
-    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+    def serve_and_combine(self, kjt: KeyedJaggedTensor, pool: PoolFn, epoch: int,
+                          release: bool) -> Tuple[torch.Tensor, Any]:
         lay = self.layout
-        epoch = self.next_lookup_epoch()
         slot = epoch % lay.num_slots
         batch = kjt.stride()
         out_dtype = self.spec.out_dtype
@@ -175,20 +264,33 @@ class HostRwStep(HostStep):
                 raise self.fail(PgasInputError(
                     "pgas_row_wise requires equal local batch sizes on all ranks: rank "
                     f"{src} has {h_batch}, rank {self.rank} has {batch}"
-                ))
+                ), epoch)
             with torch.no_grad():
-                partial = pool(self._received(src, block, self.feature_names, self._local_rows, nnz, batch))
+                partial = pool(self._received(src, block, self.feature_names, self._local_rows, nnz, batch, epoch))
             out_dtype = partial.dtype
-            self.rt.put(self.buf, src, lay.output_block(slot, self.rank), partial)
-            self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
+            self._serve(src, epoch, partial, release)
         profiling.mark("lookup")
         self._await_outputs(epoch, "partial pooled outputs")
         out = torch.zeros(batch, lay.dim_sum, dtype=torch.float32, device=self.device)
         for s in range(self.world_size):  # rank order: deterministic sums
             out += self.buf.view(out_dtype, lay.output_block(slot, s), batch * lay.dim_sum).view(batch, lay.dim_sum)
-        if any(self.spec.is_mean):
-            out = out / self._mean_divisor(kjt)
-        return no_backward(out.to(out_dtype), self.kind)
+        divisor = self._mean_divisor(kjt) if any(self.spec.is_mean) else None
+        if divisor is not None:
+            out = out / divisor
+        return out.to(out_dtype), divisor
+
+    def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Stock's autograd of the RW output: divided by the MEAN divisor, then by the gradient division;
+        every owner gets the whole block (a masked copy costs more than it saves on the host)."""
+        g = grad / ticket.host if ticket.host is not None else grad
+        g = g / gradient_divisor(self.world_size)
+        for dest in self._order():
+            yield dest, g
+
+    def owner_view(self, ticket: StepTicket) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int], torch.Tensor]:
+        num, dim_sum = self.spec.num_features, self.layout.dim_sum
+        batches = torch.full((self.world_size,), ticket.batch, dtype=torch.int64)
+        return ticket.batch, (0, num, num), (0, dim_sum, dim_sum), batches
 
     def _mean_divisor(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """[B, D] divisor, like TorchRec RW: bag length (or weight sum) + eps; 1 for sum."""
@@ -214,35 +316,48 @@ class HostTwStep(HostStep):
         self._local_rows = spec.shard_rows[lo:hi]  # whole tables
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        values = self._checked_ids(kjt)
+        epoch, values = self.begin_index_dist(kjt)
         batch = kjt.stride()
         weights = kjt.weights_or_none()
         lengths, offsets = kjt.lengths().to(torch.int64), kjt.offsets()
-        self.issued += 1
-        block = self.layout.index_block(self.issued % self.layout.num_slots, self.rank)
+        block = self.layout.index_block(epoch % self.layout.num_slots, self.rank)
         for dest in self._order():
             f0, f1 = self._first[dest] * batch, self._first[dest + 1] * batch
             span = slice(int(offsets[f0]), int(offsets[f1]))
-            self._put_index_block(dest, block, self.issued, batch, lengths[f0:f1], values[span],
+            self._put_index_block(dest, block, epoch, batch, lengths[f0:f1], values[span],
                                   weights[span] if weights is not None else None)
 
-    def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+    def serve_and_combine(self, kjt: KeyedJaggedTensor, pool: PoolFn, epoch: int,
+                          release: bool) -> Tuple[torch.Tensor, Any]:
         lay = self.layout
-        epoch = self.next_lookup_epoch()
         slot = epoch % lay.num_slots
         out_dtype = self.spec.out_dtype
+        batches = [0] * self.world_size
         for src in self._order():
-            block, h_batch, nnz = self._source_index(src, epoch)
-            received = self._received(src, block, self._local_features, self._local_rows, nnz, h_batch)
+            block, batches[src], nnz = self._source_index(src, epoch)
+            received = self._received(src, block, self._local_features, self._local_rows, nnz, batches[src], epoch)
+            pooled = None
             if self._local_features:
                 with torch.no_grad():
                     pooled = pool(received).to(out_dtype)
-                self.rt.put(self.buf, src, lay.output_block(slot, self.rank), pooled)
-            self.rt.signal(self.pad, src, lay.output_signal(self.rank), epoch)
+            self._serve(src, epoch, pooled, release)
         profiling.mark("lookup")
         self._await_outputs(epoch, "pooled outputs")
         batch = kjt.stride()
         blocks = [self.buf.view(out_dtype, lay.output_block(slot, owner), batch * d).view(batch, d)
                   for owner, d in enumerate(self.spec.dim_sum_per_rank) if d > 0]
         out = torch.cat(blocks, dim=1) if blocks else torch.empty(batch, 0, dtype=out_dtype)
-        return no_backward(out, self.kind)
+        return out, batches
+
+    def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Stock's autograd of the TW output: divided by the gradient division; owner d gets its columns."""
+        g = grad / gradient_divisor(self.world_size)
+        cols = list(itertools.accumulate([0, *self.spec.dim_sum_per_rank]))
+        for dest in self._order():
+            yield dest, g[:, cols[dest]:cols[dest + 1]].contiguous()
+
+    def owner_view(self, ticket: StepTicket) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int], torch.Tensor]:
+        held = len(self._local_features)
+        width = self.spec.dim_sum_per_rank[self.rank]
+        batches = torch.tensor(ticket.host, dtype=torch.int64)
+        return max(ticket.host), (0, held, held), (0, width, width), batches

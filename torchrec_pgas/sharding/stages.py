@@ -27,30 +27,6 @@ if TYPE_CHECKING:
     from torchrec_pgas.sharding.step import PgasStep
 
 
-class _NoBackward(torch.autograd.Function):
-    """Makes a training step fail loudly instead of silently skipping embedding grads."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, kind: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.kind = kind
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        stock = ctx.kind[len("pgas_"):]
-        raise NotImplementedError(
-            f"{ctx.kind} has no backward pass yet: shard the tables you train "
-            f"with '{stock}' (the state_dict is the same, so checkpoints move freely)"
-        )
-
-
-def no_backward(out: torch.Tensor, kind: str) -> torch.Tensor:
-    """``out`` as the result of a ``kind`` forward that must not be trained through."""
-    if torch.is_grad_enabled():  # a backward through here must raise, not skip
-        return _NoBackward.apply(out.requires_grad_(), kind)
-    return out
-
-
 def _require(step: Optional["PgasStep"], kind: str) -> "PgasStep":
     if step is None:
         raise PgasError(f"{kind} module was sharded on the meta device")

@@ -1,19 +1,32 @@
 """One PGAS sharding's step: what it is built from (``StepSpec``) and the state every backend shares.
 
 A step is three stages (index dist, lookup, combine; see ``torchrec_pgas/layout.py`` for the buffer they
-share). ``PgasStep`` holds the symmetric buffer, the signal pad, the host-side checks that need no device
-sync and the FIFO stage counters; ``HostStep`` (``host_step.py``, the ``shm`` CPU backend) and
-``DeviceStep`` (``device_step.py``, the fused kernels) run the stages. ``stages.py`` plugs a step into
-TorchRec's ``EmbeddingSharding`` slots.
+share), and, when it trains, a backward. ``PgasStep`` holds the symmetric buffer, the signal pad, the
+host-side checks that need no device sync, the FIFO stage counters and the steps that wait for their
+backward; ``HostStep`` (``host_step.py``, the ``shm`` CPU backend) and ``DeviceStep`` (``device_step.py``,
+the fused kernels) run the stages. ``stages.py`` plugs a step into TorchRec's ``EmbeddingSharding`` slots.
+
+The backward of a step (both backends): the requester's gradient of its pooled output goes one-sided into
+the gradient blocks of the owners that served its bags; each owner rebuilds, from the ids it kept in the
+step's index blocks, the KJT stock TorchRec would have handed its TBE (feature-major, then source rank,
+then sample, :meth:`PgasStep.kept_ids`), and replays the stock TBE-backed lookup on it under autograd with
+the received gradients (:meth:`PgasStep.replay`): FBGEMM's own fused backward and optimizer update the
+weights in place, as in stock TorchRec. Replaying the forward (one more gather of the rows) rather than
+calling FBGEMM's backward op is what keeps every optimizer, weight decay, gradient clipping and learning
+rate of ``fused_optimizer`` working: its backward ops differ per optimizer and FBGEMM release, the lookup
+invokers do not.
 """
 
 import abc
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
+from torchrec.distributed import comm_ops
 from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -22,6 +35,95 @@ from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
 
 PoolFn = Callable[[KeyedJaggedTensor], torch.Tensor]
+
+
+@dataclass(eq=False)
+class StepTicket:
+    """What a training step keeps for its backward. The autograd graph of the step's output holds it: when
+    the graph goes without a backward (an eval forward with grad enabled), the step's blocks are released
+    at the next index dist."""
+
+    epoch: int
+    batch: int
+    pool: PoolFn  # the stock TBE-backed lookup, replayed by the owner
+    tbe_iters: List[Optional[int]]  # each TBE's iteration counter as stock's forward of this step left it
+    tbes: Sequence[nn.Module]
+    host: Any = None  # what the host path keeps (its MEAN divisor, the sources' batches)
+    done: bool = False
+
+
+class _StepBackward(torch.autograd.Function):
+    """The autograd node of a training step's pooled output; its backward is the step's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, out: torch.Tensor, step: "PgasStep",  # type: ignore[override]
+                ticket: StepTicket) -> torch.Tensor:
+        ctx.step, ctx.ticket = step, ticket
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.step.backward(ctx.ticket, grad)
+        return None, None, None, None
+
+
+class _NoBackward(torch.autograd.Function):
+    """The output of a sharding built without what a backward needs: a backward through it raises."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, kind: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.kind = kind
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        raise PgasError(f"{ctx.kind} was sharded with PgasConfig(training=False), which keeps no gradient "
+                        "buffers: shard it with training=True (the default) to train through it")
+
+
+@contextlib.contextmanager
+def _tbe_iterations(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> Iterator[None]:
+    """The TBEs' iteration counters as they were before stock's forward of the replayed step (FBGEMM's
+    forward adds one and hands it to the optimizer, e.g. Adam's bias correction), restored after."""
+    saved = []
+    for tbe, it in zip(tbes, iters):
+        if it is not None:
+            saved.append((tbe, int(tbe.iter_cpu)))
+            tbe.iter_cpu.fill_(it - 1)
+            tbe.iter.fill_(it - 1)
+    try:
+        yield
+    finally:
+        for tbe, it in saved:
+            tbe.iter_cpu.fill_(it)
+            tbe.iter.fill_(it)
+
+
+def advance_tbe_iterations(tbes: Sequence[nn.Module]) -> List[Optional[int]]:
+    """What stock's forward does to each TBE's iteration counter (the optimizers past EXACT_ADAGRAD count
+    forwards, ``no_grad`` ones too), done on the host copy only; the replay sets the device copy."""
+    out: List[Optional[int]] = []
+    for tbe in tbes:
+        if not _counts_iterations(tbe):
+            out.append(None)
+            continue
+        if int(tbe.iter_cpu) == 0:  # a loaded checkpoint's count, once (as FBGEMM's forward does)
+            tbe.iter_cpu.fill_(int(tbe.iter.cpu()))
+        out.append(int(tbe.iter_cpu.add_(1)))
+    return out
+
+
+def _counts_iterations(tbe: nn.Module) -> bool:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return hasattr(tbe, "iter_cpu") and getattr(tbe, "optimizer", None) not in (
+        EmbOptimType.NONE, EmbOptimType.EXACT_SGD, EmbOptimType.LARS_SGD, EmbOptimType.EXACT_ADAGRAD)
+
+
+def gradient_divisor(world_size: int) -> float:
+    """What stock's output dist divides the gradient by: the world size while TorchRec's gradient
+    division is on (its default), else 1."""
+    return float(world_size) if comm_ops.get_gradient_division() else 1.0
 
 
 @dataclass(frozen=True)
@@ -53,9 +155,9 @@ class PgasStep(abc.ABC):
     """State shared by the stage modules of one PGAS sharding.
 
     Each stage keeps its own FIFO step counter, the way a GPU stream would; the
-    k-th lookup consumes the k-th index dist. Two buffer slots (epoch parity)
-    let one index dist run ahead of the lookup, as TorchRec's train pipelines
-    do; deeper run-ahead raises.
+    k-th lookup consumes the k-th index dist. A step's blocks live in buffer
+    slot ``epoch % num_slots`` until its lookup (no backward) or its backward is
+    done with them; an index dist that would need a slot still held raises.
     """
 
     def __init__(self, spec: StepSpec, env: ShardingEnv, device: torch.device, block_dim_sum: int) -> None:
@@ -70,6 +172,7 @@ class PgasStep(abc.ABC):
             dim_sum=block_dim_sum,
             weighted=spec.weighted,
             id_bytes=id_bytes_for(spec.shard_rows),
+            trainable=spec.config.training,
         )
         self.rt = init_runtime(env.process_group, device=device, heap_hint=self.layout.nbytes)
         self.rank = self.rt.rank
@@ -80,6 +183,9 @@ class PgasStep(abc.ABC):
         self.issued = 0  # index dists issued (epochs are 1-based)
         self.looked_up = 0  # lookups completed
         self._input_order: Optional[List[int]] = None
+        self._awaiting_backward: Set[int] = set()  # training steps whose blocks their backward still needs
+        self._dropped: List[int] = []  # of those, steps whose output went without a backward
+        self._anchor = torch.zeros((), requires_grad=True)  # makes a training step's output require grad
 
     @property
     def feature_names(self) -> Tuple[str, ...]:
@@ -98,9 +204,10 @@ class PgasStep(abc.ABC):
         """True once the module's KJT is read in its input order (``read_input_order``), not permuted."""
         return self._input_order is not None
 
-    def fail(self, err: PgasError) -> PgasError:
-        """Abort the pad so peers waiting on this rank raise instead of hanging; returns ``err``."""
-        self.rt.abort(self.pad, str(err))
+    def fail(self, err: PgasError, epoch: int) -> PgasError:
+        """Abort step ``epoch`` on every peer, so that peers waiting on this rank for it raise instead of
+        hanging (later steps run); returns ``err``."""
+        self.rt.abort(self.pad, str(err), epoch)
         return err
 
     def bad_id_message(self, f: int, value: int) -> str:
@@ -110,33 +217,152 @@ class PgasStep(abc.ABC):
             f"'{spec.feature_tables[f]}') has id {value} outside [0, {spec.hash_sizes[f]})"
         )
 
-    def check_step(self, kjt: KeyedJaggedTensor) -> None:
-        """Checks on host-known sizes only (no device sync), before anything is written."""
+    def input_error(self, kjt: KeyedJaggedTensor) -> Optional[PgasError]:
+        """What is wrong with the next step's input on host-known sizes (no device sync), if anything."""
         lay = self.layout
         if kjt.variable_stride_per_key():
-            raise self.fail(PgasInputError(f"{self.kind} does not support variable batch size per feature"))
+            return PgasInputError(f"{self.kind} does not support variable batch size per feature")
         batch = kjt.stride()
         if batch > lay.max_batch:
-            raise self.fail(PgasCapacityError(
+            return PgasCapacityError(
                 f"{self.kind}: local batch size {batch} exceeds PgasConfig.max_local_batch_size={lay.max_batch}"
-            ))
-        if self.issued - self.looked_up >= lay.num_slots:
-            raise self.fail(PgasError(
-                f"{self.kind}: {self.issued - self.looked_up} index dists are already "
-                f"in flight; at most {lay.num_slots} may run ahead of the lookup"
-            ))
+            )
         nnz = kjt.values().numel()
         if nnz > lay.ids_capacity:
-            raise self.fail(PgasCapacityError(
+            return PgasCapacityError(
                 f"{self.kind}: rank {self.rank} has {nnz} ids in one step, above the capacity of "
                 f"{lay.ids_capacity} (PgasConfig.max_ids_per_rank / avg_pooling_capacity)"
-            ))
+            )
+        return None
+
+    def claim_slot(self) -> int:
+        """The epoch of the next index dist, once its buffer slot is free on this rank: the step that last
+        used it has had its lookup (and backward, if it trains). Releases the slots of dropped steps."""
+        epoch, lay = self.issued + 1, self.layout
+        if self.issued - self.looked_up >= lay.num_slots:
+            raise PgasError(f"{self.kind}: {self.issued - self.looked_up} index dists are already in flight; "
+                            f"at most {lay.num_slots} may run ahead of the lookup")
+        for dropped in self._dropped:
+            if dropped in self._awaiting_backward:
+                self._awaiting_backward.discard(dropped)
+                self.release(dropped)
+        self._dropped.clear()
+        if epoch - lay.num_slots in self._awaiting_backward:
+            raise PgasError(
+                f"{self.kind}: step {epoch - lay.num_slots}'s output still waits for its backward, whose ids "
+                f"this step's buffer slot holds: at most {lay.num_slots} steps may be in flight (TorchRec's "
+                "TrainPipelineSparseDist and TrainPipelineSemiSync keep up to 3); run a forward that will "
+                "not be backpropagated under torch.no_grad()"
+            )
+        return epoch
 
     def next_lookup_epoch(self) -> int:
         if self.looked_up >= self.issued:
-            raise self.fail(PgasError(f"{self.kind}: lookup called without an index dist"))
+            raise self.fail(PgasError(f"{self.kind}: lookup called without an index dist"), self.issued + 1)
         self.looked_up += 1
         return self.looked_up
+
+    def trains(self) -> bool:
+        """Whether the step being looked up will have a backward: grad is enabled and the layout keeps
+        what a backward needs (``PgasConfig.training``)."""
+        return torch.is_grad_enabled() and self.layout.trainable
+
+    def forward_output(self, out: torch.Tensor, ticket: Optional[StepTicket]) -> torch.Tensor:
+        """``out`` as a step's output: with ``ticket`` (a training step), its backward runs this step's
+        (``backward``); with grad enabled on a layout that cannot train, a backward raises."""
+        if ticket is not None:
+            self._awaiting_backward.add(ticket.epoch)
+            weakref.finalize(ticket, self._dropped.append, ticket.epoch)
+            return _StepBackward.apply(self._anchor, out, self, ticket)
+        if torch.is_grad_enabled():
+            return _NoBackward.apply(out.requires_grad_(), self.kind)
+        return out
+
+    def backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        """The step's backward on this rank: send the gradient, and, as owner, apply its sources'."""
+        if ticket.done:
+            raise PgasError(f"{self.kind}: a second backward through step {ticket.epoch}'s output "
+                            "(retain_graph): its gradients were applied by the first")
+        ticket.done = True
+        self._awaiting_backward.discard(ticket.epoch)
+        self.run_backward(ticket, grad.contiguous())
+
+    @abc.abstractmethod
+    def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        """Exchange the gradients of ``ticket``'s step and apply the received ones; release its slot."""
+
+    @abc.abstractmethod
+    def release(self, epoch: int) -> None:
+        """Tell every source that this rank is done with its blocks of step ``epoch``."""
+
+    def kept_ids(self, epoch: int, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
+                 whole: Optional[torch.Tensor] = None) -> KeyedJaggedTensor:
+        """The ids this rank kept of step ``epoch`` for the features it holds, as stock hands them to its
+        TBE: feature-major, then source rank, then sample (``rows`` per source, padded with empty bags).
+
+        ``block_features``: where those features sit in an index block (first, count, features per
+        block); ``batches``: each source's batch (a tensor: it may live on the device). Every bag is read
+        by the owners' reading rule (``layout.py``); the one host sync is the total id count.
+        """
+        lay, world = self.layout, self.world_size
+        first, count, per_block = block_features
+        slot_off = lay.index_block(epoch % lay.num_slots, 0)
+        region = self.buf.local[slot_off:slot_off + world * lay.index_block_bytes]
+        dev = region.device
+
+        def per_source(off: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+            return torch.stack([region[s * lay.index_block_bytes + off:][:n * dtype.itemsize].view(dtype)
+                                for s in range(world)])
+
+        lengths = per_source(lay.lengths_off, torch.int32, per_block * lay.max_batch)
+        starts = per_source(lay.offsets_off, torch.int64, per_block * lay.max_batch + 1)
+        f = torch.arange(first, first + count, device=dev)[:, None, None]
+        src = torch.arange(world, device=dev)[None, :, None]
+        b = torch.arange(rows, device=dev)[None, None, :]
+        batches = batches.to(dev).clamp(0, lay.max_batch)  # a failed step's headers may be stale
+        bag = (f * batches[None, :, None] + b).expand(count, world, rows)  # the bag in its source's block
+        valid = b < batches[None, :, None]
+        if whole is not None:
+            valid = valid & whole
+        bag = torch.where(valid, bag, 0)
+        src = src.expand_as(bag)
+        new_lengths = torch.where(valid, lengths[src, bag].to(torch.int64), 0).reshape(-1)
+        # where each bag's ids start, as an element of the slot's ids, source by source
+        id_base = (torch.arange(world, device=dev) * lay.index_block_bytes + lay.ids_off) // lay.id_bytes
+        first_id = (starts[src, bag] + id_base[src]).reshape(-1)
+        new_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(new_lengths)
+        total = int(new_offsets[-1])
+        within = torch.arange(total, device=dev) - torch.repeat_interleave(new_offsets[:-1], new_lengths, output_size=total)
+        pos = torch.repeat_interleave(first_id, new_lengths, output_size=total) + within
+        ids = region.view(lay.id_dtype)[pos].to(torch.int64)
+        weights = None
+        if lay.weighted:
+            w_base = (torch.arange(world, device=dev) * lay.index_block_bytes + lay.weights_off) // 4
+            w_pos = torch.repeat_interleave((starts[src, bag] + w_base[src]).reshape(-1), new_lengths,
+                                            output_size=total) + within
+            weights = region.view(torch.float32)[w_pos]
+        lo, hi = self.lookup_features
+        return KeyedJaggedTensor(keys=list(self.feature_names[lo:hi]), values=ids, lengths=new_lengths,
+                                 offsets=new_offsets, weights=weights, stride=world * rows)
+
+    def kept_grads(self, epoch: int, rows: int, columns: Tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        """The gradient rows this rank's sources stored for it in step ``epoch``, ``[W * rows, D_held]`` in
+        the order of :meth:`kept_ids` (``columns``: first, end and row width of a gradient block)."""
+        lay = self.layout
+        lo, hi, width = columns
+        slot = epoch % lay.num_slots
+        blocks = [self.buf.view(dtype, lay.grad_block(slot, s), rows * width).view(rows, width)[:, lo:hi]
+                  for s in range(self.world_size)]
+        return torch.cat(blocks)
+
+    def replay(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
+        """Stock's lookup of the kept ids under autograd, then its backward with the received gradients:
+        FBGEMM's fused backward + optimizer update the weights and optimizer state in place."""
+        if kjt.values().numel() == 0:
+            return  # no row to update
+        with torch.enable_grad(), _tbe_iterations(ticket.tbes, ticket.tbe_iters):
+            out = ticket.pool(kjt)
+        torch.autograd.backward(out, grads.to(out.dtype))
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """Take the module's KJT in its input order: feature f of this sharding is input feature

@@ -1,0 +1,176 @@
+// The backward of a step: the requester's pooled-output gradient goes one-sided
+// to the owners that served each bag (grad_dist), each owner waits for its
+// sources' gradients (await_grads) and, once its TBE's backward has consumed
+// them with the ids it kept, releases the sources' blocks of the step
+// (release_sources). The owner's TBE backward itself runs in FBGEMM.
+//
+// Layout written: the gradient region [slot][src] of every owner holds source
+// src's gradient, [Bmax][D] in the output dtype, at the positions of the
+// output block (row b, the feature's columns): the rows of the bags this owner
+// held ids of, as the requester's own copy of the owner's lengths (in the
+// owner's index block [slot][src]) says; other rows are not written.
+//
+// Arithmetic, as stock TorchRec's autograd does it: a row-wise MEAN feature's
+// gradient is divided by the bag's divisor (length or weight sum, + 1e-6),
+// then every gradient by the gradient division (the world size, or 1).
+//
+// Protocol: grad_dist stores the rows, fences (last-CTA pattern) and stores
+// 2e into every owner's grad slot for this rank, 2e + 1 if this rank gives up
+// on the step (a failed step: kStepFailed, or `abort`), having stored nothing.
+// await_grads spins on the W grad slots (acquire) unless this rank's own step
+// failed, and writes per source 0 (arrived), 1 (the source gave up), 2 (timed
+// out) or 3 (not waited: this rank's step failed), and then 1 if this rank's
+// step failed, to device memory (the owner's rebuild of its ids reads nothing
+// of a step that is not whole).
+// release_sources stores e into every source's release slot: the source's
+// next index dist into this slot waits for it.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+
+#include "step_protocol.cuh"
+
+namespace torchrec_pgas {
+namespace {
+
+constexpr int kThreads = 256;
+
+enum GradSource : int64_t { kArrived = 0, kGaveUp = 1, kTimedOut = 2, kNotWaited = 3 };
+
+// A warp's tile: 32 consecutive bags of one feature. For each owner of the
+// feature, lane i reads the length of bag i that the owner holds (one
+// coalesced read of the owner's index block), and the warp stores the rows of
+// the bags with ids there, 4 columns a lane.
+template <typename out_t>
+__device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __restrict__ grad, int64_t slot, float divisor,
+                                          int f, int b0) {
+  const int lane = threadIdx.x % 32;
+  const FeatureDesc& feat = p.features[f];
+  const int batch = static_cast<int>(p.batch);
+  const int b = b0 + lane;
+  const bool valid = b < batch;
+  const int bag = f * batch + b;
+  const bool mean = feat.pooling == PoolingMode::kMeanByRequester;
+  const float bag_div = valid && mean ? p.bag_div[slot * p.num_features * p.max_batch + bag] + kMeanEps : 1.f;
+  const int vecs = static_cast<int>(feat.dim / 4);
+  for (int o = 0; o < static_cast<int>(feat.owner_count); ++o) {
+    const int owner = static_cast<int>(feat.owner_base) + o;
+    const uint8_t* block = reinterpret_cast<const uint8_t*>(p.peer_bufs[owner]) + index_block(p, slot, p.rank);
+    const int32_t len = valid ? __ldcg(reinterpret_cast<const int32_t*>(block + p.lengths_off) + bag) : 0;
+    unsigned held = __ballot_sync(0xffffffffu, len > 0);
+    out_t* dst = reinterpret_cast<out_t*>(reinterpret_cast<uint8_t*>(p.peer_bufs[owner]) + p.grad_region_off +
+                                          (slot * p.world + p.rank) * p.output_block_bytes);
+    while (held != 0) {
+      const int i = __ffs(held) - 1;
+      held &= held - 1;
+      const float div_i = __shfl_sync(0xffffffffu, bag_div, i);
+      const int64_t row = static_cast<int64_t>(b0 + i) * p.dim_sum + feat.out_col;
+      for (int v = lane; v < vecs; v += 32) {
+        float4 x = load4_cg(grad + row + 4 * v);
+        if (mean) x = make_float4(x.x / div_i, x.y / div_i, x.z / div_i, x.w / div_i);
+        if (divisor != 1.f) x = make_float4(x.x / divisor, x.y / divisor, x.z / divisor, x.w / divisor);
+        store4(dst + row + 4 * v, x);
+      }
+    }
+  }
+}
+
+// Warps take tiles of 32 bags (a grid stride); the last CTA signals every owner.
+template <typename out_t>
+__global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const out_t* __restrict__ grad, int64_t epoch,
+                                                            float divisor, int abort) {
+  const int64_t slot = epoch % p.num_slots;
+  const bool failed = abort || p.state[kStepFailed + slot] == epoch;
+  const int batch = static_cast<int>(p.batch);
+  const int tiles_per_feature = (batch + 31) / 32;
+  const int num_tiles = static_cast<int>(p.num_features) * tiles_per_feature;
+  const int warps = static_cast<int>(gridDim.x * blockDim.x / 32);
+  for (int t = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); !failed && t < num_tiles; t += warps) {
+    const int f = t / tiles_per_feature;
+    send_tile(p, grad, slot, divisor, f, (t - f * tiles_per_feature) * 32);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneGrad, gridDim.x)) {
+    for (int d = 0; d < p.world; ++d) st_release_sys(peer_signal(p, d, kGradSignals), 2 * epoch + (failed ? 1 : 0));
+  }
+}
+
+// Thread s: source s's gradient of step `epoch` (see GradSource); thread W: this rank's step.
+__global__ void await_grads_kernel(StepParams p, int64_t* flags, int64_t epoch) {
+  const int s = threadIdx.x;
+  const bool failed = p.state[kStepFailed + epoch % p.num_slots] == epoch;
+  if (s == p.world) flags[s] = failed ? 1 : 0;
+  if (s >= p.world) return;
+  if (failed) {
+    flags[s] = kNotWaited;
+    return;
+  }
+  const int64_t* slot = my_signal(p, kGradSignals, s);
+  const uint64_t start = global_timer_ns();
+  int64_t seen = ld_acquire_sys(slot);
+  while (seen < 2 * epoch && global_timer_ns() - start <= static_cast<uint64_t>(p.timeout_ns)) seen = ld_acquire_sys(slot);
+  flags[s] = seen < 2 * epoch ? kTimedOut : seen == 2 * epoch + 1 ? kGaveUp : kArrived;
+}
+
+__global__ void release_sources_kernel(StepParams p, int64_t epoch) {
+  for (int s = 0; s < p.world; ++s) st_release_sys(peer_signal(p, s, kReleaseSignals), epoch);
+}
+
+template <typename out_t>
+void launch_grad_dist(const StepParams& p, const at::Tensor& grad, int64_t epoch, float divisor, int abort) {
+  static const int resident = resident_ctas(grad_dist_kernel<out_t>, kThreads);
+  const int64_t tiles = p.num_features * ((p.batch + 31) / 32);
+  const unsigned grid = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((tiles + kThreads / 32 - 1) / (kThreads / 32), resident)));
+  grad_dist_kernel<out_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      p, reinterpret_cast<const out_t*>(grad.data_ptr()), epoch, divisor, abort);
+}
+
+}  // namespace
+
+void grad_dist(const at::Tensor& grad, const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+               const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+               const at::Tensor& status, const at::Tensor& config, int64_t epoch, int64_t batch, double divisor,
+               bool abort) {
+  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
+  PGAS_CHECK(grad.is_cuda() && grad.is_contiguous() && grad.dim() == 2 && grad.size(0) == batch &&
+                 grad.size(1) == p.dim_sum,
+             "grad_dist: the gradient must be a contiguous CUDA [%lld, %lld] tensor", static_cast<long long>(batch),
+             static_cast<long long>(p.dim_sum));
+  PGAS_CHECK(epoch >= 1 && divisor >= 1.0, "grad_dist: epoch %lld, divisor %f", static_cast<long long>(epoch),
+             divisor);
+  const int a = abort ? 1 : 0;
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      launch_grad_dist<float>(p, grad, epoch, static_cast<float>(divisor), a);
+      break;
+    case at::kHalf:
+      launch_grad_dist<c10::Half>(p, grad, epoch, static_cast<float>(divisor), a);
+      break;
+    case at::kBFloat16:
+      launch_grad_dist<c10::BFloat16>(p, grad, epoch, static_cast<float>(divisor), a);
+      break;
+    default:
+      PGAS_CHECK(false, "grad_dist: gradients must be float32, float16 or bfloat16");
+  }
+  PGAS_CUDA_CHECK(cudaGetLastError());
+}
+
+void await_grads(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
+                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
+                 const at::Tensor& config, const at::Tensor& flags, int64_t epoch) {
+  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
+  PGAS_CHECK(flags.is_cuda() && flags.scalar_type() == at::kLong && flags.numel() >= p.world + 1,
+             "await_grads: flags must be CUDA int64, one per rank and one for this rank's step");
+  await_grads_kernel<<<1, kMaxWorld + 1, 0, at::cuda::getCurrentCUDAStream()>>>(p, flags.data_ptr<int64_t>(), epoch);
+  PGAS_CUDA_CHECK(cudaGetLastError());
+}
+
+void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
+                     const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
+                     const at::Tensor& status, const at::Tensor& config, int64_t epoch) {
+  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
+  release_sources_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(p, epoch);
+  PGAS_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace torchrec_pgas
