@@ -3,7 +3,10 @@
 Builds a model of two EBCs (one weighted) from identical weights, shards it
 twice with ``DistributedModelParallel`` (the reference plan maps every PGAS type
 to its stock twin, e.g. ``pgas_row_wise`` -> ``row_wise``), feeds both the same
-per-rank inputs and compares outputs per key.
+per-rank inputs and compares outputs per key (``compare_with_stock``), or
+trains both on the same inputs and upstream gradients and compares every local
+weight shard and fused-optimizer state tensor after every step
+(``train_against_stock``).
 
 Tolerance: row-wise sums partial pools from several ranks, and stock TorchRec's
 reduce-scatter and our rank-ordered sum add them in different orders, so RW is
@@ -16,7 +19,7 @@ import dataclasses
 import datetime
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,8 @@ from torchrec.distributed.sharding_plan import (
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.streamable import Pipelineable
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
 from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
@@ -98,11 +102,12 @@ class TwoEbcModel(nn.Module):
         return out
 
 
-def default_model(seed: int = 0) -> TwoEbcModel:
-    """``default_tables`` unweighted, and a weighted copy with SUM pooling (the
-    unsharded EBC has no weighted MEAN to compare with)."""
+def default_model(seed: int = 0, all_sum: bool = False) -> TwoEbcModel:
+    """``default_tables`` unweighted (``all_sum``: with SUM pooling), and a weighted copy with SUM pooling
+    (the unsharded EBC has no weighted MEAN to compare with)."""
     wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    return TwoEbcModel(default_tables("t"), wtables, seed=seed)
+    tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("t")] if all_sum else None
+    return TwoEbcModel(tables or default_tables("t"), wtables, seed=seed)
 
 
 def random_kjt(
@@ -171,14 +176,16 @@ def build_plan(
     world_size: int,
     device_type: str,
     sharder: EmbeddingBagCollectionSharder,
+    path: str = "",
 ) -> ShardingPlan:
+    """The plan of both EBCs; ``path``: where ``model`` sits in the module sharded (e.g. "model.")."""
     plan = {}
     local_size = rank_placement(world_size, device_type).local_size(world_size)
-    for path, ebc in (("ebc", model.ebc), ("webc", model.webc)):
+    for name, ebc in (("ebc", model.ebc), ("webc", model.webc)):
         gens = {
             cfg.name: _generator(types[cfg.name]) for cfg in ebc.embedding_bag_configs()
         }
-        plan[path] = construct_module_sharding_plan(
+        plan[path + name] = construct_module_sharding_plan(
             ebc, gens, sharder=sharder, local_size=local_size, world_size=world_size,
             device_type=device_type,
         )
@@ -186,18 +193,19 @@ def build_plan(
 
 
 def shard(
-    model: TwoEbcModel,
+    model: nn.Module,
     types: Dict[str, str],
     pg: dist.ProcessGroup,
     device: torch.device,
     config: Optional[PgasConfig] = None,
     fused_params: Optional[Dict[str, Any]] = None,
     stock: bool = False,
+    path: str = "",
 ) -> DistributedModelParallel:
     """DMP over a deep copy of ``model`` with the given per-table sharding types.
 
     ``stock=True`` uses TorchRec's own sharder (the reference); the plan must
-    then name stock types only.
+    then name stock types only. ``path``: where the ``TwoEbcModel`` sits in ``model``.
     """
     sharder = (
         EmbeddingBagCollectionSharder(fused_params=fused_params)
@@ -208,7 +216,8 @@ def shard(
         copy.deepcopy(model),
         env=ShardingEnv.from_process_group(pg),
         device=device,
-        plan=build_plan(model, types, dist.get_world_size(pg), device.type, sharder),
+        plan=build_plan(model.get_submodule(path.rstrip(".")) if path else model, types, dist.get_world_size(pg),
+                        device.type, sharder, path),
         sharders=[sharder],
     )
     copy_state_dict(dmp.state_dict(), model.state_dict())
@@ -290,6 +299,161 @@ def compare_with_stock(
                 diffs[k] = max(diffs.get(k, 0.0), float((a - b).abs().max()) if a.numel() else 0.0)
     n = max(1, len(batches))
     return Comparison(diffs, 1e3 * times["pgas"] / n, 1e3 * times["stock"] / n)
+
+
+# ---- training against stock ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TrainBatch(Pipelineable):
+    """One step's input of ``LossModel`` (TorchRec's train pipelines move and stream-mark it)."""
+
+    kjt: KeyedJaggedTensor
+    wkjt: KeyedJaggedTensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "TrainBatch":
+        return TrainBatch(self.kjt.to(device, non_blocking=non_blocking), self.wkjt.to(device, non_blocking=non_blocking))
+
+    def record_stream(self, stream: Any) -> None:
+        if isinstance(stream, torch.cuda.Stream):  # CPU tensors have no streams to mark
+            self.kjt.record_stream(stream)
+            self.wkjt.record_stream(stream)
+
+
+def upstream_gradient(key: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A fixed, key-dependent gradient for a pooled output: the same on both models, whatever their key order."""
+    n = int(torch.tensor(shape).prod())
+    salt = sum(map(ord, key)) % 101
+    return torch.cos(torch.arange(n, device=device, dtype=torch.float32) * 0.37 + salt).view(*shape)
+
+
+@torch.fx.wrap  # a leaf for the FX trace of TorchRec's train pipelines
+def keyed_loss(pooled: KeyedTensor, weighted: KeyedTensor) -> torch.Tensor:
+    """The sum over every pooled output of itself times ``upstream_gradient``, by key (``w:`` prefixed for the
+    weighted EBC, as ``TwoEbcModel`` names them)."""
+    out = {**pooled.to_dict(), **{"w:" + k: v for k, v in weighted.to_dict().items()}}
+    return sum(((v.float() * upstream_gradient(k, v.shape, v.device)).sum() for k, v in sorted(out.items())),
+               torch.zeros(()))
+
+
+class LossModel(nn.Module):
+    """``TwoEbcModel`` with a loss whose gradient is ``upstream_gradient`` for every pooled output."""
+
+    def __init__(self, model: TwoEbcModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TrainBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+        pooled, weighted = self.model.ebc(batch.kjt), self.model.webc(batch.wkjt)
+        return keyed_loss(pooled, weighted), pooled.values()
+
+
+def local_state(dmp: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every local weight shard and fused-optimizer state tensor of ``dmp``, by name (flushed first)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, st in dmp.state_dict().items():
+        for i, shard_ in enumerate(st.local_shards() if isinstance(st, ShardedTensor) else []):
+            out[f"{name}#{i}"] = shard_.tensor.detach().clone()
+    for param, states in dmp.fused_optimizer.state_dict()["state"].items():
+        for key, st in states.items():
+            for i, shard_ in enumerate(st.local_shards() if isinstance(st, ShardedTensor) else []):
+                out[f"{param}/{key}#{i}"] = shard_.tensor.detach().clone()
+    return out
+
+
+def _three_in_flight(dmp: nn.Module, batches: Sequence[TrainBatch], device: torch.device) -> Iterator[None]:
+    """``TrainPipelineSemiSync``'s order through the sharded modules' own stages (TorchRec 1.6's pipeline
+    marks CPU tensors' streams, which CPU tensors refuse): step i+2's input dist and step i+1's lookup run
+    before step i's backward, so three steps' ids are in flight."""
+    ebcs = (dmp.module.model.ebc, dmp.module.model.webc)
+
+    def input_dist(i: int) -> Any:
+        batch = batches[i].to(device)
+        ctxs = [e.create_context() for e in ebcs]
+        return ctxs, [e.input_dist(c, x).wait().wait() for e, c, x in zip(ebcs, ctxs, (batch.kjt, batch.wkjt))]
+
+    def loss(dists: Any) -> torch.Tensor:
+        return keyed_loss(*(e.compute_and_output_dist(c, d).wait() for e, c, d in zip(ebcs, *dists)))
+
+    n = len(batches)
+    dists = {i: input_dist(i) for i in range(min(2, n))}
+    losses = {0: loss(dists.pop(0))}
+    for i in range(n):
+        if i + 2 < n:
+            dists[i + 2] = input_dist(i + 2)
+        if i + 1 < n:
+            losses[i + 1] = loss(dists.pop(i + 1))
+        losses.pop(i).backward()
+        dmp.fused_optimizer.step()
+        yield
+
+
+def _train_steps(dmp: nn.Module, batches: Sequence[TrainBatch], loop: str, device: torch.device,
+                 semi_sync_start: int, eval_every: int, eval_grad: bool) -> Iterator[None]:
+    """Train ``dmp`` on ``batches``, yielding after each step's update (plain loop, three steps in flight,
+    or a TorchRec train pipeline)."""
+    if loop == "three_in_flight":
+        yield from _three_in_flight(dmp, batches, device)
+        return
+    if loop == "plain":
+        for i, batch in enumerate(batches):
+            loss, _ = dmp(batch.to(device))
+            loss.backward()
+            dmp.fused_optimizer.step()
+            if eval_every and i % eval_every == 0:  # an eval forward between training steps
+                with torch.set_grad_enabled(eval_grad):  # with grad: its output goes without a backward
+                    dmp(batch.to(device))
+            yield
+        return
+    from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync, TrainPipelineSparseDist
+
+    pipe = (TrainPipelineSparseDist(dmp, dmp.fused_optimizer, device) if loop == "sparse_dist" else
+            TrainPipelineSemiSync(dmp, dmp.fused_optimizer, device, start_batch=semi_sync_start))
+    it = iter(batches)
+    for _ in batches:
+        pipe.progress(it)
+        yield
+
+
+def train_against_stock(
+    model: TwoEbcModel,
+    types: Dict[str, str],
+    batches: Sequence[TrainBatch],
+    pg: dist.ProcessGroup,
+    device: torch.device,
+    fused_params: Dict[str, Any],
+    config: Optional[PgasConfig] = None,
+    loop: str = "plain",
+    semi_sync_start: int = 2,
+    eval_every: int = 0,
+    eval_grad: bool = False,
+) -> List[float]:
+    """Train ``model`` sharded with ``types`` and with their stock twins on the same batches and upstream
+    gradients (``LossModel``); after every step, the largest |pgas - stock| over every local weight shard
+    and fused-optimizer state tensor. ``loop``: "plain", "three_in_flight" (stock runs "plain"),
+    "sparse_dist" (``TrainPipelineSparseDist``) or "semi_sync" (``TrainPipelineSemiSync`` from batch
+    ``semi_sync_start``). ``eval_every``: a forward of the step's batch after every that many steps, under
+    ``no_grad`` or, with ``eval_grad``, with grad enabled and its output dropped."""
+    stock_types = {t: stock_twin(st) for t, st in types.items()}
+    wrapped = LossModel(model)
+    sides = {
+        "pgas": shard(wrapped, types, pg, device, config, fused_params, path="model."),
+        "stock": shard(wrapped, stock_types, pg, device, fused_params=fused_params, stock=True, path="model."),
+    }
+    loops = {"pgas": loop, "stock": "plain" if loop == "three_in_flight" else loop}
+    runs = {name: _train_steps(dmp, batches, loops[name], device, semi_sync_start, eval_every, eval_grad)
+            for name, dmp in sides.items()}
+    diffs = []
+    for _ in batches:
+        for run in runs.values():
+            next(run)
+        check_errors(sides["pgas"])
+        got, ref = local_state(sides["pgas"]), local_state(sides["stock"])
+        if got.keys() != ref.keys():
+            raise AssertionError(f"state names differ: {sorted(got.keys() ^ ref.keys())}")
+        diffs.append(max((float((got[k].double() - ref[k].double()).abs().max()) for k in ref if ref[k].numel()),
+                         default=0.0))
+    return diffs
 
 
 # ---- multi-process launcher ------------------------------------------------------

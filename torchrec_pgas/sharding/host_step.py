@@ -42,7 +42,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.step import PgasStep, PoolFn, StepSpec, StepTicket, advance_tbe_iterations, gradient_divisor
-from torchrec_pgas.types import PgasError, PgasInputError
+from torchrec_pgas.runtime import PAD_HEADER_WORDS
+from torchrec_pgas.types import PgasError, PgasInputError, PgasTimeoutError
 
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
 
@@ -203,13 +204,24 @@ class HostStep(PgasStep):
                 if rows.numel():
                     self.rt.put(self.buf, dest, lay.grad_block(slot, self.rank), rows)
                 self.rt.signal(self.pad, dest, lay.grad_signal(self.rank), 2 * epoch)
-            self.rt.wait(self.pad, [lay.grad_signal(s) for s in range(self.world_size)], 2 * epoch,
-                         self.spec.config.wait_timeout_s, f"the gradients of step {epoch}", step=epoch)
+            self._await_gradients(epoch)
             rows, block_features, columns, batches = self.owner_view(ticket)
             kjt = self.kept_ids(epoch, rows, block_features, batches)
             self.replay(ticket, kjt, self.kept_grads(epoch, rows, columns, self.spec.out_dtype))
         finally:
             self.release(epoch)
+
+    def _await_gradients(self, epoch: int) -> None:
+        lay, timeout = self.layout, self.spec.config.wait_timeout_s
+        slots = [lay.grad_signal(s) for s in range(self.world_size)]
+        try:
+            self.rt.wait(self.pad, slots, 2 * epoch, timeout, f"the gradients of step {epoch}", step=epoch)
+        except PgasTimeoutError as e:
+            words = self.pad.words[PAD_HEADER_WORDS:].tolist()
+            missing = [s for s, slot in enumerate(slots) if words[slot] < 2 * epoch]
+            raise PgasTimeoutError(
+                f"rank {self.rank} waited {timeout:.0f}s for the gradients of step {epoch} from rank(s) {missing}: "
+                "a peer crashed, diverged, or skipped this step's backward") from e
 
     @abc.abstractmethod
     def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:

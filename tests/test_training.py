@@ -1,0 +1,146 @@
+"""Training through pgas_row_wise and pgas_table_wise against stock TorchRec (CPU, shm backend, gloo).
+
+Both models start from the same weights and take the same batches and upstream gradients; after every
+step every local weight shard and fused-optimizer state tensor is compared (``train_against_stock``).
+Bit-exact where stock is deterministic: table-wise (the owner's TBE sees what stock's sees), and row-wise
+whose EBC has no MEAN table. A row-wise EBC with a MEAN table: stock's mean callback divides the EBC's
+SUM features by 1 + 1e-6 as well, pgas_row_wise by 1, so gradients differ by that factor: rtol 1e-5.
+
+A representative subset runs in ``make test``; the whole matrix is marked ``slow``.
+"""
+
+import dataclasses
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from torchrec.modules.embedding_configs import DataType, PoolingType
+
+from torchrec_pgas.testing import (
+    TrainBatch,
+    TwoEbcModel,
+    all_tables,
+    default_tables,
+    random_kjt,
+    rank_device,
+    run_distributed,
+    seeded,
+    spread_tables,
+    train_against_stock,
+)
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
+
+STEPS = 20
+CONFIG = PgasConfig(max_local_batch_size=16, avg_pooling_capacity=12, wait_timeout_s=60)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One training comparison: its plan, optimizer, tables and loop."""
+
+    kind: str  # PGAS_ROW_WISE, PGAS_TABLE_WISE or "mixed"
+    optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    weight_decay: float = 0.0
+    pooling: str = "sum"  # "sum", or "mixed": default_tables' MEAN tables
+    data_type: DataType = DataType.FP32
+    output_dtype: SparseType = SparseType.FP32
+    loop: str = "plain"
+    eval_every: int = 0  # an eval forward after every that many steps
+    eval_grad: bool = False  # ... with grad enabled, its output dropped
+
+    @property
+    def tolerance(self) -> float:
+        """0 (bit-exact; fp16 weights too, stochastic rounding off) unless a row-wise EBC has a MEAN table
+        (module docstring)."""
+        return 1e-5 if self.pooling == "mixed" and self.kind != PGAS_TABLE_WISE else 0.0
+
+
+def _model(case: Case, seed: int) -> TwoEbcModel:
+    def tables(prefix: str, weighted: bool) -> List[Any]:
+        out = []
+        for t in default_tables(prefix):
+            pooling = PoolingType.SUM if case.pooling == "sum" or weighted else t.pooling
+            out.append(dataclasses.replace(t, pooling=pooling, data_type=case.data_type))
+        return out
+
+    return TwoEbcModel(tables("t", False), tables("w", True), seed=seed)
+
+
+def _types(case: Case, model: TwoEbcModel, world: int) -> Dict[str, str]:
+    if case.kind == PGAS_TABLE_WISE:
+        return spread_tables(model, world)
+    types = all_tables(model, PGAS_ROW_WISE)
+    if case.kind == "mixed":  # all four types in one EBC each
+        types.update({"t0": "row_wise", "t1": "pgas_table_wise@1", "t3": "table_wise@0",
+                      "w0": "pgas_table_wise@0", "w2": "table_wise@1"})
+    return types
+
+
+def _batches(model: TwoEbcModel, rank: int, steps: int) -> List[TrainBatch]:
+    """Bags of 0-6 ids, every third step all empty on rank 1 (a rank with nothing to look up)."""
+    gen = seeded(77 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    return [TrainBatch(random_kjt(t, 8, gen, 6, empty=rank == 1 and i % 3 == 2),
+                       random_kjt(w, 8, gen, 6, weighted=True)) for i in range(steps)]
+
+
+def _train_cases(rank: int, world: int, cases: List[Case], device_type: str) -> List[Tuple[str, float, float]]:
+    """(case, worst |pgas - stock| over the steps, its tolerance) for every case, one process group."""
+    out = []
+    for i, case in enumerate(cases):
+        model = _model(case, seed=i)
+        fused: Dict[str, Any] = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3,
+                                 "weight_decay": case.weight_decay, "stochastic_rounding": False,
+                                 "output_dtype": case.output_dtype}
+        diffs = train_against_stock(model, _types(case, model, world), _batches(model, rank, STEPS),
+                                    dist.group.WORLD, rank_device(rank, device_type), fused, CONFIG,
+                                    loop=case.loop, eval_every=case.eval_every, eval_grad=case.eval_grad)
+        out.append((repr(case), max(diffs), case.tolerance))
+    return out
+
+
+def _assert_equal(results: List[List[Tuple[str, float, float]]]) -> None:
+    for rank_results in results:
+        for case, worst, tol in rank_results:
+            assert worst <= tol * (1 + 1e-9) + (0 if tol == 0 else 1e-7), f"{case}: |pgas - stock| {worst} > {tol}"
+
+
+QUICK = [
+    Case(PGAS_ROW_WISE),
+    Case(PGAS_TABLE_WISE, pooling="mixed"),
+    Case(PGAS_ROW_WISE, EmbOptimType.EXACT_SGD, pooling="mixed"),
+    Case("mixed", weight_decay=0.01, eval_every=4),
+    Case(PGAS_ROW_WISE, eval_every=3, eval_grad=True),
+    Case(PGAS_ROW_WISE, loop="sparse_dist"),
+    Case(PGAS_TABLE_WISE, loop="three_in_flight"),
+    Case(PGAS_ROW_WISE, EmbOptimType.EXACT_ADAGRAD, data_type=DataType.FP16, output_dtype=SparseType.FP16),
+]
+
+
+def test_training_matches_stock_at_two_ranks() -> None:
+    """Row-wise and table-wise, SGD and row-wise Adagrad (weight decay), SUM and MEAN, weighted features, a
+    shared table, empty bags, tables smaller than W, a mixed plan, eval forwards between steps (no_grad, and
+    with grad whose output is dropped: its buffer slot is released at the next step), fp16 weights and outputs,
+    TorchRec's TrainPipelineSparseDist, and TrainPipelineSemiSync's order (three steps in flight; the
+    pipeline itself runs on GPUs only, tests/test_gpu_training.py): every weight and optimizer state equal."""
+    _assert_equal(run_distributed(_train_cases, 2, QUICK, "cpu"))
+
+
+# FBGEMM's CPU TBE trains with SGD and the Adagrads only; Adam and LAMB run on GPUs (test_gpu_training.py).
+FULL = [Case(kind, opt, wd, pooling, data_type, out, loop=loop)
+        for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE, "mixed")
+        for opt, wd in ((EmbOptimType.EXACT_SGD, 0.0), (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0),
+                        (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01), (EmbOptimType.EXACT_ADAGRAD, 0.0))
+        for pooling in ("sum", "mixed")
+        for data_type, out in ((DataType.FP32, SparseType.FP32), (DataType.FP16, SparseType.FP16),
+                               (DataType.FP32, SparseType.BF16))
+        for loop in ("plain", "sparse_dist", "three_in_flight")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_training_matrix_matches_stock(world: int) -> None:
+    """Every sharding x optimizer x pooling x dtypes x loop (216 cases) at 2 and 3 ranks."""
+    _assert_equal(run_distributed(_train_cases, world, FULL, "cpu"))
