@@ -102,12 +102,14 @@ class TwoEbcModel(nn.Module):
         return out
 
 
-def default_model(seed: int = 0, all_sum: bool = False) -> TwoEbcModel:
+def default_model(seed: int = 0, all_sum: bool = False, min_rows: int = 1) -> TwoEbcModel:
     """``default_tables`` unweighted (``all_sum``: with SUM pooling), and a weighted copy with SUM pooling
-    (the unsharded EBC has no weighted MEAN to compare with)."""
-    wtables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("w")]
-    tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in default_tables("t")] if all_sum else None
-    return TwoEbcModel(tables or default_tables("t"), wtables, seed=seed)
+    (the unsharded EBC has no weighted MEAN to compare with); tables of fewer than ``min_rows`` rows grow."""
+    def tables(prefix: str, sum_only: bool) -> List[EmbeddingBagConfig]:
+        return [dataclasses.replace(t, pooling=PoolingType.SUM if sum_only else t.pooling,
+                                    num_embeddings=max(t.num_embeddings, min_rows)) for t in default_tables(prefix)]
+
+    return TwoEbcModel(tables("t", all_sum), tables("w", True), seed=seed)
 
 
 def random_kjt(
