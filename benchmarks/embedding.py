@@ -573,6 +573,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
+    parser.add_argument("--inference-only", action="store_true",
+                        help="PgasConfig(training=False): two slots, no gradient region (the forwards are no-grad)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     presets = args.preset or ["quick"]
@@ -607,6 +609,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
+            "pgas_training_layout": not args.inference_only,
             "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
             "argv": sys.argv,
         }
@@ -619,7 +622,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     with torch.no_grad():
         for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
             ws = list(group)
-            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key])
+            config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
+                                training=not args.inference_only)
             stock = shard_ebc(ws[0], False, args.pair, config, device)
             pgas = shard_ebc(ws[0], True, args.pair, config, device)
             for w in ws:

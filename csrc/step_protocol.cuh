@@ -14,7 +14,7 @@
 // source of truth for the offsets, passed in as StepConfig):
 //
 //   index region   [slot][src] blocks, written by requester `src`
-//     header   int64[4]         epoch, local batch B, nnz, reserved
+//     header   int64[4]         epoch, local batch B, nnz, 1 if `src` gave the step up
 //     offsets  int64[F*Bmax+1]  where bag fb's ids start in this owner's ids
 //     lengths  int32[F*Bmax]    ids of bag fb that this owner holds
 //     ids      row_t[C]         local rows; the ids of a tile of <= 32 bags that this
@@ -24,13 +24,24 @@
 //     weights  float[C]         per-sample weights (weighted only)
 //   output region  [slot][owner] blocks, written by owner `owner`
 //     partial  out_t[Bmax][D]   the owner's partial pool of every bag, final layout
+//   gradient region [slot][src] blocks, written by requester `src` in its
+//     backward (trainable layouts only; grad_exchange.cu)
+//     gradient out_t[Bmax][D]   rows of the bags this owner held ids of
 //
-// slot = epoch % num_slots. Signal pad (int64, PadWord): [0] abort word, [1..31]
-// abort reason, then 2W epoch slots: index slot `src` (requester -> owner) and
-// output slot `W + owner` (owner -> requester).
+// slot = epoch % num_slots: 3 slots when training (a step's index block stays
+// until its backward; TorchRec's pipelines keep up to three steps in flight),
+// else 2. Signal pad (int64, PadWord): [0] abort word ((epoch << 7) | rank + 1
+// of the last step a rank gave up: aborts are per step, the next step runs),
+// [1..31] abort reason, then 4W epoch slots (SignalGroup): index `src`
+// (requester -> owner), output `owner` (owner -> requester), gradient `src`
+// (2e, or 2e + 1 if the source gave the step's backward up) and release
+// `owner` (the owner is done with this requester's blocks of step e).
 //
 // Synchronization protocol, one step = three kernels on the current stream:
-//   index_dist (requester): every CTA stores ids/lengths/offsets straight into
+//   index_dist (requester): the first CTA waits until every owner has released
+//     this slot's previous step (epoch - num_slots; on a timeout the step
+//     fails and its owners are aborted);
+//     every CTA stores ids/lengths/offsets straight into
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
 //     the epoch into every owner's index slot (st.release.sys).
@@ -53,7 +64,12 @@
 // give up after `timeout_ns` or when the pad's abort word is set (checked again
 // once the signal has arrived); errors go to the state's ErrorRecord, which the
 // combine copies to pinned host memory (DeviceStep decodes it). A rank that
-// skips a source's data aborts that source before signalling it.
+// skips a source's data aborts that source before signalling it. A rank that
+// gives a step up (bad input seen on the host, or owners not released) still
+// publishes its index blocks, empty, with header[3] = 1, so every epoch stays
+// in step; kStepFailed[slot] = epoch marks a failed step, and its backward
+// (grad_exchange.cu) applies nothing on any rank. Without a backward
+// (inference, eval) the lookup releases each source once served.
 #pragma once
 
 #include <cstdint>

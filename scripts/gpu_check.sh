@@ -20,6 +20,9 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case (on a one-GPU machine both ranks share it)
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
+#   dlrm-train the DLRM example training with --sharding pgas --validate (the stock twin trained on the same
+#              batches) at each of DLRM_WORLDS (default "1 2"; ranks share GPUs when they outnumber them),
+#              DLRM_STEPS (50) steps; each run's loss trajectories in <out>/dlrm_train_w<W>.json
 #   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
 #              GPU (VIRTUAL_ARGS, default s000-weak and s000-strong at W = 1 and 2, both pairs); with
 #              AB_VARIANTS="dir ...", again for each dir: a scratch copy of the tree (/tmp/ab-<dir name>)
@@ -226,10 +229,11 @@ NCUEOF
 fi
 
 if has tests || has quick-tests; then
-  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py -m gpu)
+  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py -m gpu)
   has quick-tests && TESTS+=(-k "out_of_range or mismatch or ignore or graph or bit_exact or comm")
   [ -n "${TEST_K:-}" ] && TESTS+=(-k "$TEST_K")  # e.g. TEST_K="table_wise or comm"
   log "GPU tests at world size $PGAS_TEST_WORLD"
+  export PGAS_TEST_REPORT=$OUT  # the training tests' measured differences: training_diffs.json
   # Per-test limits (tests use short PGAS wait timeouts), so a stuck test still leaves its traceback.
   timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning --tb=short \
     --timeout "${PER_TEST_TIMEOUT:-150}" "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
@@ -304,6 +308,17 @@ if has dlrm; then
     echo "torchx dlrm $sharding exit $?" | tee -a "$OUT/summary.txt"
     { echo "### torchx dlrm --sharding $sharding"; cat /tmp/dlrm.log; } >> "$OUT/torchx_dlrm.log"
     grep -E "DLRM|validate|job finished|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has dlrm-train; then
+  for n in ${DLRM_WORLDS:-1 2}; do
+    log "DLRM training, --sharding pgas --validate, $n ranks"
+    timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc_per_node="$n" -m examples.dlrm.run --sharding pgas \
+      --train --batch-size "${DLRM_BATCH:-2048}" --steps "${DLRM_STEPS:-50}" --max-rows 1000000 --validate \
+      --report "$OUT/dlrm_train_w$n.json" > /tmp/dlrm.log 2>&1
+    echo "dlrm train w$n exit $?" | tee -a "$OUT/summary.txt"
+    { echo "### dlrm train, $n ranks"; cat /tmp/dlrm.log; } >> "$OUT/dlrm_train.log"
+    grep -E "DLRM|validate|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
   done
 fi
 log "done"

@@ -8,17 +8,29 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_torchx_local_cwd_runs_the_dlrm_example() -> None:
+def _torchx_dlrm(*script_args: str) -> str:
     bin_dir = str(pathlib.Path(sys.executable).parent)  # torchx and torchrun of this environment
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [os.path.join(bin_dir, "torchx"), "run", "-s", "local_cwd", "torchrec_pgas/components.py:dlrm",
          "--nproc_per_node", "2", "--",
-         "--sharding", "pgas", "--batch-size", "32", "--steps", "4", "--max-rows", "2000", "--validate"],
+         *script_args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "job finished: SUCCEEDED" in log, log[-4000:]
+    return log
+
+
+def test_torchx_local_cwd_runs_the_dlrm_example() -> None:
+    log = _torchx_dlrm("--sharding", "pgas", "--batch-size", "32", "--steps", "4", "--max-rows", "2000", "--validate")
     assert "DLRM inference, sharding=pgas (shm), world 2" in log
     assert "validate: first 3 steps" in log and "-> PASS" in log
+
+
+def test_torchx_local_cwd_trains_the_dlrm_example_with_pgas() -> None:
+    log = _torchx_dlrm("--sharding", "pgas", "--train", "--batch-size", "32", "--steps", "4", "--max-rows", "2000",
+                       "--validate")
+    assert "DLRM train, sharding=pgas (shm), world 2" in log
+    assert "validate: 4 training steps" in log and "-> PASS" in log

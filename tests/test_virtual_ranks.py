@@ -144,3 +144,48 @@ def test_stage_ops_refuse_a_config_that_does_not_match() -> None:
     state[-1] = state[-1][:-8]  # a config of another size
     with pytest.raises(RuntimeError, match="config must be the"):
         torch.ops.torchrec_pgas.pooled_lookup(*state, batch, 8, torch.float32, True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("table_wise", [False, True], ids=["rw", "tw"])
+def test_virtual_ranks_gradients_reach_exactly_the_owners_that_served_each_bag(world: int, table_wise: bool) -> None:
+    """grad_dist at W ranks: owner d's gradient block from source s holds, for every bag of s that d held
+    ids of, s's gradient row of the bag (MEAN features divided by the bag's divisor, then all by W), and
+    nothing else: a bag d held no ids of leaves the block's sentinel. Two training steps, then a released
+    slot's next use."""
+    from torchrec_pgas.virtual_ranks import VirtualRanks
+
+    dev = torch.device("cuda", 0)
+    rnd = random.Random(7 * world + table_wise)
+    hash_sizes = [max(1, world - 1), 37, 1000]
+    tables = [torch.randn(n, 8, device=dev) for n in hash_sizes]
+    is_mean = [False, True, False]
+    owners = sorted(rnd.randrange(world) for _ in tables) if table_wise else None
+    vr = VirtualRanks(tables, world, max_batch=8, ids_capacity=8 * _MAX_LEN * 3, owners=owners, is_mean=is_mean)
+    for step in range(3):
+        inputs = [_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)]
+        vr.step(inputs, trains=True)
+        vr.check()
+        for d in range(world):
+            for s in range(world):
+                vr.gradient_rows(d, s, 8).fill_(123.0)  # sentinel: rows no bag of s sends to d
+        grads = [torch.randn(8, 24, device=dev) for _ in range(world)]
+        flags = vr.exchange_gradients(grads, float(world))
+        assert flags == [[0] * (world + 1)] * world, flags
+        for s, (values, offsets, _, batch) in enumerate(inputs):
+            for f, n in enumerate(hash_sizes):
+                block = n if table_wise else (n + world - 1) // world
+                for b in range(batch):
+                    ids = values[offsets[f * batch + b]:offsets[f * batch + b + 1]].long()
+                    held = ({owners[f]} if table_wise else set((ids // block).tolist())) if len(ids) else set()
+                    want = grads[s][b, 8 * f:8 * f + 8]
+                    if is_mean[f] and not table_wise:  # the kernel's fp32 arithmetic: (length + 1e-6f), then / W
+                        want = want / (torch.tensor(float(len(ids))) + torch.tensor(1e-6)).to(dev)
+                    want = want / world
+                    for d in range(world):
+                        got = vr.gradient_rows(d, s, batch)[b, 8 * f:8 * f + 8]
+                        if d in held:
+                            torch.testing.assert_close(got, want, atol=0, rtol=0)
+                        else:
+                            assert bool((got == 123.0).all()), (step, s, f, b, d)
+        vr.release()

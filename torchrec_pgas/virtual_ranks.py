@@ -64,6 +64,7 @@ class VirtualRanks:
                                id_bytes=id_bytes_for(shard_rows))
         self.out_dtype = out_dtype
         self._col_feature = column_features(dims, device)
+        self.epoch = 0  # steps run
         self._ranks: List[Dict[str, torch.Tensor]] = []
         self._configs: List[torch.Tensor] = []
         self._max_dims: List[int] = []
@@ -89,10 +90,11 @@ class VirtualRanks:
                                     [s["pad"].data_ptr() for s in self._ranks]], dtype=torch.int64, device=device)
 
     def step(self, inputs: Sequence[RankInput],
-             events: Optional[Dict[str, List[torch.cuda.Event]]] = None) -> List[torch.Tensor]:
+             events: Optional[Dict[str, List[torch.cuda.Event]]] = None, trains: bool = False) -> List[torch.Tensor]:
         """One step of every rank; each rank's pooled ``[B, sum(D)]`` output. ``events``: per stage, W + 1
         timing events recorded around that stage's launches (an event between two kernels also makes the
-        second wait for the first to complete)."""
+        second wait for the first to complete). ``trains``: a backward follows (``exchange_gradients``), so
+        the owners keep the sources' blocks until it releases them."""
         if len(inputs) != self.world:
             raise ValueError(f"{len(inputs)} inputs for {self.world} ranks")
         ops = torch.ops.torchrec_pgas
@@ -108,15 +110,40 @@ class VirtualRanks:
         for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
             mark("lookup", r)
             # After exit: an index dist (a plain launch) lies between this and the rank's previous combine.
-            # No backward follows: each source's blocks are released once served.
-            ops.pooled_lookup(*state, inp[3], self._max_dims[r], self.out_dtype, True, True)
+            # Without a backward, each source's blocks are released once served.
+            ops.pooled_lookup(*state, inp[3], self._max_dims[r], self.out_dtype, True, not trains)
         mark("lookup", self.world)
         outs = []
         for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
             mark("combine", r)
             outs.append(ops.combine_partials(*state, self._col_feature, inp[3], self.out_dtype))
         mark("combine", self.world)
+        self.epoch += 1
         return outs
+
+    def exchange_gradients(self, grads: Sequence[torch.Tensor], divisor: float) -> List[List[int]]:
+        """The backward's exchange of the last (training) step: every rank sends its gradient ``[B, D]``
+        (grad_dist), then every rank waits for its sources' (await_grads); each rank's flags per source
+        (0: arrived) and for its own step. The owners' blocks stay until ``release``."""
+        ops = torch.ops.torchrec_pgas
+        for r, (grad, state) in enumerate(zip(grads, self._state_args())):
+            ops.grad_dist(grad.to(self.out_dtype).contiguous(), *state, self.epoch, grad.size(0), divisor, False)
+        flags = [torch.zeros(self.world + 1, dtype=torch.int64, device=self._peers.device) for _ in range(self.world)]
+        for f, state in zip(flags, self._state_args()):
+            ops.await_grads(*state, f, self.epoch)
+        return [f.tolist() for f in flags]
+
+    def gradient_rows(self, owner: int, src: int, batch: int) -> torch.Tensor:
+        """The gradient block ``src`` stored into ``owner`` in the last step, ``[batch, D]``."""
+        lay = self.layout
+        block = lay.grad_block(self.epoch % lay.num_slots, src)
+        nbytes = batch * lay.dim_sum * self.out_dtype.itemsize
+        return self._ranks[owner]["buf"][block:block + nbytes].view(self.out_dtype).view(batch, lay.dim_sum)
+
+    def release(self) -> None:
+        """Every owner done with the last step's blocks (release_sources)."""
+        for state in self._state_args():
+            torch.ops.torchrec_pgas.release_sources(*state, self.epoch)
 
     def stage_args(self, rank: int) -> Tuple[torch.Tensor, ...]:
         """What every stage op of ``rank`` takes after its own inputs (as ``DeviceStep``'s ops do)."""

@@ -2,23 +2,26 @@
 
     torchrun --nproc_per_node=2 -m examples.dlrm.run --sharding pgas --batch-size 512 --steps 50 --validate
 
---sharding pgas   every table pgas_row_wise: inference (forward + eval metrics).
-                  pgas_row_wise has no backward pass yet, so --train is refused.
---sharding nccl   every table stock row_wise (NCCL, or gloo on CPU): inference,
-                  or training with --train (fused SGD for the tables).
+--sharding pgas   every table pgas_row_wise.
+--sharding nccl   every table stock row_wise (NCCL, or gloo on CPU).
 --sharding auto   per table, whichever of the two the planner (PgasEnumerator and
-                  its calibrated cost model, run by collective_plan) prices lower;
-                  with --train it can only pick row_wise.
+                  its calibrated cost model, run by collective_plan) prices lower
+                  (forward, or forward + backward with --train).
 
-Prints samples/s (global) and AUC / log loss over the run; --validate also
-shards the same model the other way and compares the first steps' predictions.
+Inference by default; --train trains (fused SGD for the tables, SGD for the dense
+layers). Prints samples/s (global) and AUC / log loss over the run. --validate
+shards the same model the other way: for inference it compares the first steps'
+predictions; with --train it trains that twin on the same batches and compares
+the loss after every step (within 1e-4 relative) and the final AUC (within 1e-3).
 """
 
 import argparse
 import copy
+import dataclasses
+import json
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,8 +95,8 @@ def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: b
     names = [c.name for c in ebc.embedding_bag_configs()]
     types = types or {t: PGAS_ROW_WISE if sharding == "pgas" else ShardingType.ROW_WISE.value for t in names}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
-    if PGAS_ROW_WISE in types.values():
-        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=batch))
+    if PGAS_ROW_WISE in types.values():  # inference only: no slot or buffer kept for a backward
+        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=batch, training=train))
     plan = construct_module_sharding_plan(
         ebc, {t: pgas_row_wise() if types[t] == PGAS_ROW_WISE else row_wise(compute_kernel="fused") for t in names},
         sharder=sharder, local_size=local_size, world_size=world, device_type=device.type)
@@ -103,14 +106,21 @@ def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: b
     return dmp
 
 
+@dataclasses.dataclass
+class RunResult:
+    samples_per_s: float  # global, over the steps after the warmup
+    preds: List[torch.Tensor]  # this rank's, per step
+    labels: List[torch.Tensor]
+    losses: List[float]  # the global mean log loss of each step (before its update)
+
+
 def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool, lr: float,
-        warmup: int) -> Tuple[float, List[torch.Tensor], List[torch.Tensor]]:
-    """(samples/s over the steps after ``warmup``, predictions, labels)."""
+        warmup: int) -> RunResult:
     dense_opt = None
     if train:
         dense = [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
         dense_opt = torch.optim.SGD(dense, lr=lr)
-    preds, labels = [], []
+    preds, labels, losses = [], [], []
     start, timed = 0.0, 0
     for step, batch in enumerate(data):
         if step == warmup:
@@ -121,17 +131,23 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
         batch = batch.to(device)
         with torch.set_grad_enabled(train):
             logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         if dense_opt is not None:
-            nn.functional.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+            loss.backward()  # the tables' fused optimizer runs inside it
             dense_opt.step()
             dense_opt.zero_grad()
+        losses.append(loss.detach())
         preds.append(torch.sigmoid(logits.detach()))
         labels.append(batch.labels)
         timed += step >= warmup
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    return dist.get_world_size() * data.batch_size * timed / max(elapsed, 1e-9), preds, labels
+    world = dist.get_world_size()
+    global_losses = torch.stack(losses).float()
+    dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
+    return RunResult(world * data.batch_size * timed / max(elapsed, 1e-9), preds, labels,
+                     (global_losses / world).tolist())
 
 
 def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, float]:
@@ -147,6 +163,42 @@ def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, 
     return {"auc": float(auc), "logloss": float(logloss)}
 
 
+def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.Module, data: SyntheticCriteo,
+                      device: torch.device, args: argparse.Namespace) -> bool:
+    """Train the twin on the same batches: the loss of every step within 1e-4 relative, the AUC within 1e-3."""
+    theirs = run(twin, data, device, True, args.lr, args.warmup)
+    their_metrics = metrics(theirs.preds, theirs.labels)
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours.losses, theirs.losses)]
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    auc_diff = abs(our_metrics["auc"] - their_metrics["auc"])
+    ok = rel[worst] <= 1e-4 and auc_diff <= 1e-3
+    if dist.get_rank() == 0 and args.report:
+        with open(args.report, "w") as f:
+            json.dump({"args": vars(args), "world": dist.get_world_size(), "pass": ok, "max_rel_loss_diff": rel[worst],
+                       "auc_diff": auc_diff, "losses": ours.losses, "stock_losses": theirs.losses,
+                       "metrics": our_metrics, "stock_metrics": their_metrics}, f, indent=1)
+    if dist.get_rank() == 0:
+        print(f"validate: {len(rel)} training steps, loss per step max rel diff {rel[worst]:.2e} (step {worst}: "
+              f"{ours.losses[worst]:.6f} vs stock {theirs.losses[worst]:.6f}), final loss {ours.losses[-1]:.6f} vs "
+              f"{theirs.losses[-1]:.6f}, AUC {our_metrics['auc']:.4f} vs {their_metrics['auc']:.4f} "
+              f"-> {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def validate_inference(dmp: nn.Module, twin: nn.Module, device: torch.device, args: argparse.Namespace) -> bool:
+    """The first steps' predictions of both shardings within 1e-5."""
+    rank = dist.get_rank()
+    first = SyntheticCriteo(args.batch_size, args.validate_steps, args.max_rows, seed=1000 * args.seed + rank)
+    ours, theirs = run(dmp, first, device, False, 0.0, 0), run(twin, first, device, False, 0.0, 0)
+    diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(ours.preds, theirs.preds)), device=device)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    ok = float(diff) <= 1e-5
+    if rank == 0:
+        print(f"validate: first {args.validate_steps} steps, max |pgas - stock| prediction = "
+              f"{float(diff):.2e} -> {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sharding", choices=["pgas", "nccl", "auto"], default="pgas")
@@ -155,15 +207,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s")
     parser.add_argument("--embedding-dim", type=int, default=64)
     parser.add_argument("--max-rows", type=int, default=100_000, help="cap on every table's rows")
-    parser.add_argument("--train", action="store_true", help="train (stock sharding only)")
+    parser.add_argument("--train", action="store_true", help="train (embeddings and dense layers)")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--validate", action="store_true",
-                        help="compare the first steps' predictions with the other sharding of the same model")
-    parser.add_argument("--validate-steps", type=int, default=3)
+                        help="compare with the other sharding of the same model (see above)")
+    parser.add_argument("--validate-steps", type=int, default=3, help="inference: steps whose predictions compare")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report", help="with --train --validate: write both loss trajectories here (JSON)")
     args = parser.parse_args()
-    if args.train and args.sharding == "pgas":
-        parser.error("--train needs --sharding nccl: pgas_row_wise has no backward pass yet")
 
     rank = int(os.environ["RANK"])
     placement = best_placement(int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -180,9 +231,9 @@ def main() -> None:
     dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr, types)
     data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
 
-    samples_per_s, preds, labels = run(dmp, data, device, args.train, args.lr, args.warmup)
+    result = run(dmp, data, device, args.train, args.lr, args.warmup)
     check_errors(dmp)
-    m = metrics(preds, labels)
+    m = metrics(result.preds, result.labels)
     mode = "train" if args.train else "inference"
     backend = ("nvshmem" if on_gpu else "shm") if args.sharding == "pgas" else placement.backend
     if types is not None:
@@ -190,24 +241,14 @@ def main() -> None:
         backend = f"{pgas} tables pgas_row_wise, {len(types) - pgas} row_wise"
     if rank == 0:
         print(f"DLRM {mode}, sharding={args.sharding} ({backend}), world {dist.get_world_size()}, "
-              f"batch {args.batch_size}/rank, {args.steps} steps: {samples_per_s:,.0f} samples/s, "
+              f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
               f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
-
     if reference is not None:
         # the other side: stock for pgas and auto, PGAS for nccl
-        other = shard(reference, "pgas" if args.sharding == "nccl" else "nccl", device, args.batch_size, False, 0.0)
-        first = SyntheticCriteo(args.batch_size, args.validate_steps, args.max_rows, seed=1000 * args.seed + rank)
-        if args.train:  # compare the untrained model: rebuild ours the same way
-            dmp = shard(build_model(args.embedding_dim, args.max_rows, device, args.seed), args.sharding,
-                        device, args.batch_size, False, 0.0, types)
-        _, ours, _ = run(dmp, first, device, False, 0.0, 0)
-        _, theirs, _ = run(other, first, device, False, 0.0, 0)
-        diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(ours, theirs)), device=device)
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        ok = float(diff) <= 1e-5
-        if rank == 0:
-            print(f"validate: first {args.validate_steps} steps, max |pgas - stock| prediction = "
-                  f"{float(diff):.2e} -> {'PASS' if ok else 'FAIL'}", flush=True)
+        other = "pgas" if args.sharding == "nccl" else "nccl"
+        twin = shard(reference, other, device, args.batch_size, args.train, args.lr)
+        ok = (validate_training(result, m, twin, data, device, args) if args.train
+              else validate_inference(dmp, twin, device, args))
         if not ok:
             raise SystemExit(1)
     dist.destroy_process_group()

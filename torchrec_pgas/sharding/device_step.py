@@ -21,7 +21,7 @@ its backward raises the error on every rank instead.
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -168,7 +168,9 @@ class DeviceStep(PgasStep):
         # Recorded after each combine, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
         self._trace: Optional[torch.Tensor] = None
-        self._dropped_records: Set[int] = set()  # steps this rank gave up: their records were raised already
+        # Steps this rank gave up (bad input seen on the host): the error to raise for each, in place of the
+        # record its kernels leave (a peer abort by this rank).
+        self._gave_up: Dict[int, PgasError] = {}
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
@@ -189,17 +191,18 @@ class DeviceStep(PgasStep):
         self._raise_recorded()  # a finished step's error: this step has not started, nothing to abort
         epoch = self.claim_slot()
         err = self.input_error(kjt)
-        if err is not None:
-            raise self._give_up(err, epoch)
-        weights = kjt.weights_or_none()
         stream = self._await_slot(epoch)
-        try:
-            torch.ops.torchrec_pgas.index_dist(
-                kjt.values(), kjt.offsets().to(torch.int64), weights.float() if weights is not None else None,
-                *self._state_args(), kjt.stride(), False,
-            )
-        except RuntimeError as e:
-            raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}"), epoch) from e
+        if err is not None:
+            self._give_up(err, epoch)
+        else:
+            weights = kjt.weights_or_none()
+            try:
+                torch.ops.torchrec_pgas.index_dist(
+                    kjt.values(), kjt.offsets().to(torch.int64), weights.float() if weights is not None else None,
+                    *self._state_args(), kjt.stride(), False,
+                )
+            except RuntimeError as e:
+                raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}"), epoch) from e
         self.issued = epoch
         self._dist_stream = stream
 
@@ -211,23 +214,18 @@ class DeviceStep(PgasStep):
             stream.wait_event(self._slot_free[epoch % self.layout.num_slots])
         return stream
 
-    def _give_up(self, err: PgasError, epoch: int) -> PgasError:
-        """Give step ``epoch`` up on every rank: abort it, then run its three kernels with no ids, so every
-        rank's epochs stay in step (peers skip this rank's data and record the abort) and the next step
-        runs; this rank's own record of the step is the error raised here, so it is dropped."""
+    def _give_up(self, err: PgasError, epoch: int) -> None:
+        """Give step ``epoch`` up on every rank, as device-side errors are: abort it, then run its stages with
+        no ids (the index dist says it gave up; the lookup and combine run at batch 0), so every rank's
+        epochs stay in step, every sharding of the model runs the step, and its backward (or the next
+        forward, or ``check_errors``) raises ``err`` here and the abort on the peers."""
         self.fail(err, epoch)
-        ops, dev = torch.ops.torchrec_pgas, self.device
-        stream = self._await_slot(epoch)
+        dev = self.device
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        offsets = torch.zeros(1, dtype=torch.int64, device=dev)
         weights = torch.zeros(0, device=dev) if self.layout.weighted else None
-        ops.index_dist(empty, offsets, weights, *self._state_args(), 0, True)
-        ops.pooled_lookup(*self._state_args(), 0, self._max_dim, self.spec.out_dtype, False, True)
-        ops.combine_partials(*self._state_args(), self._col_feature, 0, self.spec.out_dtype)
-        self._slot_free[epoch % self.layout.num_slots].record(stream)
-        self.issued = self.looked_up = epoch
-        self._dropped_records.add(epoch)
-        return err
+        torch.ops.torchrec_pgas.index_dist(empty, torch.zeros(1, dtype=torch.int64, device=dev), weights,
+                                           *self._state_args(), 0, True)
+        self._gave_up[epoch] = err
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -259,6 +257,7 @@ class DeviceStep(PgasStep):
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
         epoch = self.next_lookup_epoch()
         trains = self.trains()
+        batch = 0 if epoch in self._gave_up else kjt.stride()
         ops = torch.ops.torchrec_pgas
         # The lookup may start before the kernel ahead of it on the stream has
         # completed (csrc/pgas_common.cuh: launch_after_exit) only if an index dist
@@ -269,10 +268,11 @@ class DeviceStep(PgasStep):
         self._dist_stream = None
         try:
             self._bind_weights(tbes)
-            ops.pooled_lookup(*self._state_args(), kjt.stride(), self._max_dim, self.spec.out_dtype, after_exit,
-                              not trains)
+            ops.pooled_lookup(*self._state_args(), batch, self._max_dim, self.spec.out_dtype, after_exit, not trains)
             profiling.mark("lookup")
-            out = ops.combine_partials(*self._state_args(), self._col_feature, kjt.stride(), self.spec.out_dtype)
+            out = ops.combine_partials(*self._state_args(), self._col_feature, batch, self.spec.out_dtype)
+            if batch != kjt.stride():  # a given-up step: the forward's shape, its error raised later
+                out = torch.zeros(kjt.stride(), self.layout.dim_sum, dtype=self.spec.out_dtype, device=self.device)
         except PgasError as e:  # peers wait for this rank's pooled rows: abort them
             raise self.fail(e, epoch)
         except RuntimeError as e:
@@ -312,10 +312,11 @@ class DeviceStep(PgasStep):
     def _backward_problem(self, epoch: int) -> Optional[PgasError]:
         """Why step ``epoch``'s gradients must not be applied (after the sync), if they must not."""
         flags = self._grad_flags_host.tolist()
-        if flags[self.world_size]:  # this rank's step failed: its record says why
+        if flags[self.world_size]:  # this rank's step failed: its record (or what it gave up for) says why
             record = self._status[epoch % self.layout.num_slots]
             err = self._recorded_error(record.tolist()) if int(record[0]) == epoch else None
             record.zero_()
+            err = self._gave_up.pop(epoch, err)
             return err or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
         for src, flag in enumerate(flags[:self.world_size]):
             if flag == 1:
@@ -375,10 +376,7 @@ class DeviceStep(PgasStep):
             record = self._status[epoch % self.layout.num_slots]
             values = record.tolist()
             record.zero_()
-            if epoch in self._dropped_records:  # this rank gave the step up and raised its error then
-                self._dropped_records.discard(epoch)
-                continue
-            err = self._recorded_error(values)
+            err = self._gave_up.pop(epoch, None) or self._recorded_error(values)
             if err is not None:
                 raise err
 

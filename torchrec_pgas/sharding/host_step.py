@@ -166,19 +166,22 @@ class HostStep(PgasStep):
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
         epoch = self.next_lookup_epoch()
         trains = self.trains()
+        # The stock lookup runs once per source here: its TBEs' iteration counters move once a step, as
+        # stock's forward moves them, and not at all for a step that fails.
+        iters = [int(t.iter_cpu) if hasattr(t, "iter_cpu") else None for t in tbes]
         try:
-            # The stock lookup runs once per source here: its TBEs' iteration counters move once a step.
-            iters = [int(t.iter_cpu) if hasattr(t, "iter_cpu") else None for t in tbes]
             out, kept = self.serve_and_combine(kjt, pool, epoch, release=not trains)
+        except BaseException:
+            self.release(epoch)  # no backward will come for this step
+            raise
+        finally:
             for tbe, it in zip(tbes, iters):
                 if it is not None:
                     tbe.iter_cpu.fill_(it)
                     tbe.iter.fill_(it)
-            ticket_iters = advance_tbe_iterations(tbes)
-        except BaseException:
-            self.release(epoch)  # no backward will come for this step
-            raise
-        ticket = StepTicket(epoch, kjt.stride(), pool, ticket_iters, tbes, host=kept) if trains else None
+        ticket = StepTicket(epoch, kjt.stride(), pool, advance_tbe_iterations(tbes), tbes, host=kept) if trains else None
+        if ticket is None:
+            advance_tbe_iterations(tbes)
         return self.forward_output(out, ticket)
 
     @abc.abstractmethod

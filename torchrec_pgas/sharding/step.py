@@ -279,13 +279,21 @@ class PgasStep(abc.ABC):
         return out
 
     def backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
-        """The step's backward on this rank: send the gradient, and, as owner, apply its sources'."""
+        """The step's backward on this rank: send the gradient, and, as owner, apply its sources'. A step
+        that failed changes nothing: not its weights, nor (unless a later forward moved them since) its
+        TBEs' iteration counters."""
         if ticket.done:
             raise PgasError(f"{self.kind}: a second backward through step {ticket.epoch}'s output "
                             "(retain_graph): its gradients were applied by the first")
         ticket.done = True
         self._awaiting_backward.discard(ticket.epoch)
-        self.run_backward(ticket, grad.contiguous())
+        try:
+            self.run_backward(ticket, grad.contiguous())
+        except PgasError:
+            for tbe, it in zip(ticket.tbes, ticket.tbe_iters):
+                if it is not None and int(tbe.iter_cpu) == it:
+                    tbe.iter_cpu.fill_(it - 1)
+            raise
 
     @abc.abstractmethod
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
