@@ -1,4 +1,5 @@
-"""Latency-aware cost model of one sharded embedding-bag forward, per backend.
+"""Latency-aware cost model of one sharded embedding-bag step, per backend: the forward, and for training
+its backward.
 
 TorchRec's estimator prices communication by bandwidth alone, which cannot tell NCCL from PGAS on the small
 messages where they differ most. Here a step of a backend costs::
@@ -17,13 +18,19 @@ Four backends: row-wise (every rank holds a block of each table and pays for it 
 table-wise (one owner gathers every rank's bags of the table), each over NCCL (stock TorchRec) or PGAS.
 A table-wise table's bytes are its owner's; a step of table-wise tables costs its busiest rank, with the
 tables placed largest first on the least-loaded rank (what TorchRec's greedy partitioner does).
+
+Training (``CostModel(..., training=True)``) prices forward + backward, stock and PGAS alike, so that they
+compare fairly. The backward is a bytes model (``backward_bytes``: the pooled-output gradient crossing
+back, and the owner's fused TBE backward + optimizer; PGAS also replays the lookup) mapped to ms with the
+backend's backward coefficients where a training benchmark fitted them (``<backend>_bwd`` next to the
+forward's in a profile), else with its forward per-byte coefficients and no fixed cost.
 """
 
 import dataclasses
 import json
 import os
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 NCCL_RW = "nccl_rw"
 PGAS_RW = "pgas_rw"
@@ -32,6 +39,7 @@ PGAS_TW = "pgas_tw"
 BACKENDS = (NCCL_RW, PGAS_RW, NCCL_TW, PGAS_TW)
 TABLE_WISE = (NCCL_TW, PGAS_TW)
 STOCK = (NCCL_RW, NCCL_TW)  # ties go to the stock path
+BWD = "_bwd"  # a profile's backward coefficients of backend b are its entry b + BWD
 # Bytes of one id on the wire: TorchRec's values all-to-all sends int64; PGAS sends int32 local rows.
 ID_BYTES = {NCCL_RW: 8, PGAS_RW: 4, NCCL_TW: 8, PGAS_TW: 4}
 PROFILES = os.path.join(os.path.dirname(__file__), "profiles")
@@ -52,7 +60,8 @@ class Coefficients:
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
-    """Fitted coefficients per backend and mode ("eager", "graph"), with where they came from."""
+    """Fitted coefficients per backend and mode ("eager", "graph"), with where they came from; optionally
+    a backend's backward ones, under ``<backend>_bwd`` (see ``backward``)."""
 
     name: str
     device: str
@@ -67,6 +76,17 @@ class HardwareProfile:
         if mode not in self.coefficients or backend not in self.coefficients[mode]:
             raise KeyError(f"profile '{self.name}' has no {backend} coefficients for mode '{mode}'")
         return self.coefficients[mode][backend]
+
+    def has_backward(self, backend: str, mode: str = "eager") -> bool:
+        return backend + BWD in self.coefficients.get(mode, {})
+
+    def backward(self, backend: str, mode: str) -> Coefficients:
+        """The backward's coefficients: fitted ones when the profile has them, else the forward's per-byte
+        coefficients with no fixed cost (which of the forward's launches and syncs a backward repeats is
+        what a training benchmark has to measure; until then it is not guessed)."""
+        if self.has_backward(backend, mode):
+            return self.coefficients[mode][backend + BWD]
+        return dataclasses.replace(self.get(backend, mode), alpha_ms=0.0)
 
     def to_json(self) -> Dict[str, object]:
         return {
@@ -135,25 +155,71 @@ def table_bytes(t: TableLoad, batch_per_rank: int, world_size: int, backend: str
     )
 
 
-class CostModel:
-    """Per-table and per-step estimates for one world size, batch and timing mode."""
+def expected_owners(pooling: float, world_size: int) -> float:
+    """Expected number of the W row blocks that a bag of ``pooling`` uniform ids touches: W(1 - (1 - 1/W)^L)
+    (1 for L = 1, towards W for large L)."""
+    return world_size * (1 - (1 - 1 / world_size) ** pooling)
 
-    def __init__(self, profile: HardwareProfile, world_size: int, batch_per_rank: int, mode: str = "eager") -> None:
+
+def backward_bytes(t: TableLoad, batch_per_rank: int, world_size: int, backend: str) -> StepBytes:
+    """Per-rank bytes of one table's backward (TW: the owner's), pooled gradient rows in fp32.
+
+    Every owner runs FBGEMM's fused backward + optimizer on the rows its forward gathered (read and write
+    them: twice the forward's HBM bytes) and reads the gradient of the W ranks' bags it pooled for. Stock
+    RW all-gathers the pooled gradient (every rank receives the other W-1 ranks' bags); PGAS RW sends each
+    bag's gradient row only to the owners that hold ids of it (``expected_owners``, (W-1)/W of them
+    remote). TW, stock and PGAS: the owner receives the other ranks' bags (PGAS one-sided). PGAS owners
+    also replay the lookup under autograd to drive FBGEMM's backward: one more gather of the rows, a real
+    cost of that design."""
+    fwd = table_bytes(t, batch_per_rank, world_size, backend)
+    bags = batch_per_rank * len(t.pooling)
+    grad_row = 4 * t.dim
+    hbm = 2 * fwd.hbm + world_size * bags * grad_row + (0 if backend in STOCK else fwd.hbm)
+    if backend == PGAS_RW:
+        owners = sum(batch_per_rank * expected_owners(p, world_size) for p in t.pooling)  # (bag, owner) pairs
+        return StepBytes(hbm=hbm, wire=owners * grad_row * (world_size - 1) / world_size,
+                         local=owners * grad_row / world_size)
+    return StepBytes(hbm=hbm, wire=(world_size - 1) * bags * grad_row, local=bags * grad_row)
+
+
+class TablePrice(NamedTuple):
+    """A table's price on one rank, split as TorchRec's ``Perf`` (ms)."""
+
+    fwd_compute: float
+    fwd_comms: float
+    bwd_compute: float
+    bwd_comms: float
+
+
+class CostModel:
+    """Per-table and per-step estimates for one world size, batch and timing mode; with ``training``, of
+    forward + backward."""
+
+    def __init__(self, profile: HardwareProfile, world_size: int, batch_per_rank: int, mode: str = "eager",
+                 training: bool = False) -> None:
         self.profile = profile
         self.world_size = world_size
         self.batch_per_rank = batch_per_rank
         self.mode = mode
+        self.training = training
+
+    def _pass(self, t: TableLoad, backend: str, backward: bool) -> Tuple[float, float, float]:
+        """One pass of table ``t``: the backend's fixed cost, the HBM part, the wire + local part (ms);
+        zeros for the backward of an inference step."""
+        if backward and not self.training:
+            return 0.0, 0.0, 0.0
+        c = self.profile.backward(backend, self.mode) if backward else self.profile.get(backend, self.mode)
+        b = (backward_bytes if backward else table_bytes)(t, self.batch_per_rank, self.world_size, backend)
+        return c.alpha_ms, b.hbm * c.k_hbm, b.wire * c.k_wire + b.local * c.k_local
+
+    def alpha_ms(self, backend: str) -> float:
+        """The fixed cost of a step on ``backend`` (training: forward's + backward's)."""
+        bwd = self.profile.backward(backend, self.mode).alpha_ms if self.training else 0.0
+        return self.profile.get(backend, self.mode).alpha_ms + bwd
 
     def marginal_ms(self, t: TableLoad, backend: str) -> float:
-        """What adding table ``t`` to a backend costs a step (no fixed part)."""
-        c = self.profile.get(backend, self.mode)
-        b = table_bytes(t, self.batch_per_rank, self.world_size, backend)
-        return b.hbm * c.k_hbm + b.wire * c.k_wire + b.local * c.k_local
-
-    def lookup_ms(self, t: TableLoad, backend: str) -> float:
-        """The HBM (gather) part of ``marginal_ms``: the planner's "compute"."""
-        return table_bytes(t, self.batch_per_rank, self.world_size, backend).hbm * self.profile.get(
-            backend, self.mode).k_hbm
+        """What adding table ``t`` to a backend costs a step (no fixed part; training: forward + backward)."""
+        return sum(sum(self._pass(t, backend, bwd)[1:]) for bwd in (False, True))
 
     @property
     def backends(self) -> List[str]:
@@ -170,24 +236,34 @@ class CostModel:
             for c in sorted(costs, reverse=True):  # largest first onto the least-loaded rank
                 load[load.index(min(load))] += c
             costs = [max(load)]
-        return self.profile.get(backend, self.mode).alpha_ms + sum(costs)
+        return self.alpha_ms(backend) + sum(costs)
 
-    def table_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
+    def table_price(self, t: TableLoad, backend: str, num_tables: int) -> TablePrice:
         """Per-table price for a planner that sums tables per rank: the marginal cost (on every rank for
         RW, on the owner for TW) plus a share of the fixed cost, which every rank pays once per step: 1 /
         ``num_tables`` of it on each rank for RW, W / ``num_tables`` on the owner for TW (so that W
-        balanced owners again carry all of it)."""
-        alpha = self.profile.get(backend, self.mode).alpha_ms
-        share = self.world_size if backend in TABLE_WISE else 1
-        return alpha * share / max(1, num_tables) + self.marginal_ms(t, backend)
+        balanced owners again carry all of it). Per pass: HBM is compute, the rest comms."""
+        share = (self.world_size if backend in TABLE_WISE else 1) / max(1, num_tables)
+        (fa, fh, fc), (ba, bh, bc) = (self._pass(t, backend, bwd) for bwd in (False, True))
+        return TablePrice(fh, fa * share + fc, bh, ba * share + bc)
+
+    def table_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
+        """``table_price`` summed: what the partitioner adds up per rank."""
+        return sum(self.table_price(t, backend, num_tables))
+
+    def contribution_parts(self, t: TableLoad, backend: str, num_tables: int) -> Tuple[float, float]:
+        """What a table adds to the step when tables balance over the ranks, (forward, backward):
+        ``table_price``, with a table-wise owner's cost spread over the W ranks."""
+        if backend not in TABLE_WISE:
+            p = self.table_price(t, backend, num_tables)
+            return p.fwd_compute + p.fwd_comms, p.bwd_compute + p.bwd_comms
+        fwd, bwd = (a / max(1, num_tables) + (h + c) / self.world_size
+                    for a, h, c in (self._pass(t, backend, b) for b in (False, True)))
+        return fwd, bwd
 
     def contribution_ms(self, t: TableLoad, backend: str, num_tables: int) -> float:
-        """What a table adds to the step when tables balance over the ranks: ``table_ms``, with a
-        table-wise owner's cost spread over the W ranks. The per-table comparison of the four backends."""
-        if backend not in TABLE_WISE:
-            return self.table_ms(t, backend, num_tables)
-        alpha = self.profile.get(backend, self.mode).alpha_ms
-        return alpha / max(1, num_tables) + self.marginal_ms(t, backend) / self.world_size
+        """``contribution_parts`` summed: the per-table comparison of the four backends."""
+        return sum(self.contribution_parts(t, backend, num_tables))
 
     def choose(self, tables: Sequence[TableLoad]) -> Dict[str, str]:
         """Per table, the backend with the lowest contribution (ties go to the stock path), unless putting

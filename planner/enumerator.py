@@ -20,7 +20,12 @@ parallel (no forward communication) is unchanged.
 ``ParameterConstraints.sharding_types`` still restricts choices, and
 ``backends="pgas"`` / ``"nccl"`` takes one side within each family (row-wise, table-wise) whose two types
 a table's constraints allow; a family the constraints allow only one type of keeps it.
-PGAS has no backward pass yet, so ``training=True`` offers no PGAS option.
+
+``training=True`` offers the same options and prices each of the four as forward + backward with one
+model (``CostModel(training=True)``): ``Perf.bwd_compute`` is the owner's fused TBE backward (PGAS: plus
+the replayed lookup), ``Perf.bwd_comms`` the pooled gradient's way back (stock: all-gather / all-to-all;
+PGAS: one-sided, row-wise only to the owners that served each bag). The other types keep TorchRec's
+forward + backward estimates, plus the same fixed-cost share.
 """
 
 import copy
@@ -45,8 +50,17 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.planner.cost_model import NCCL_RW, NCCL_TW, PGAS_TW, CostModel, HardwareProfile, TableLoad, load_profile
-from torchrec_pgas.planner.report import HEADER, SHARDING_TYPE, decision_row
+from torchrec_pgas.planner.cost_model import (
+    NCCL_RW,
+    NCCL_TW,
+    PGAS_TW,
+    CostModel,
+    HardwareProfile,
+    TableLoad,
+    TablePrice,
+    load_profile,
+)
+from torchrec_pgas.planner.report import SHARDING_TYPE, decision_row, header
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 
 logger = logging.getLogger(__name__)
@@ -80,9 +94,9 @@ class PgasEnumerator(EmbeddingEnumerator):
         if backends not in ("auto", "pgas", "nccl"):
             raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)
-        self.model = CostModel(profile or load_profile(world_size=topology.world_size), topology.world_size, batch_size, mode)
+        self.model = CostModel(profile or load_profile(world_size=topology.world_size), topology.world_size, batch_size,
+                               mode, training)
         self.backends = backends
-        self.training = training
         self.decisions: List[Decision] = []
         self._offer: Dict[str, List[str]] = {}  # table -> the RW/TW-family types it may get
         self._why: Dict[str, str] = {}  # table -> why it may not get them all
@@ -100,16 +114,14 @@ class PgasEnumerator(EmbeddingEnumerator):
         if sharder_key in self._pgas_modules:  # it lists stock types only (see its doc)
             allowed += [PGAS_TWIN[f] for f in families if f in allowed]
         kept = super()._filter_sharding_types(name, allowed, sharder_key)
-        # Constraints win over the backend preference; training has no PGAS backward.
+        # Constraints win over the backend preference.
         offer: List[str] = []
         for family in families:
             twin = PGAS_TWIN[family]
-            pgas = twin in kept and not self.training and (self.backends != "nccl" or family not in kept)
+            pgas = twin in kept and (self.backends != "nccl" or family not in kept)
             stock = family in kept and (self.backends != "pgas" or not pgas)
             offer += [t for t, ok in ((family, stock), (twin, pgas)) if ok]
-            if twin in kept and self.training:
-                self._why[name] = "training (no PGAS bwd)"
-            elif twin in kept and family in kept and self.backends != "auto":
+            if twin in kept and family in kept and self.backends != "auto":
                 self._why[name] = f"backends={self.backends}"
         if name not in self._why and 0 < len(offer) < 2 * len(families):
             self._why[name] = "constraints"
@@ -136,14 +148,12 @@ class PgasEnumerator(EmbeddingEnumerator):
                 load = loads[o.name] = _load(o)
                 for st in (t for t in offer if t in (o.sharding_type, PGAS_TWIN[o.sharding_type])):
                     opt = o if st == o.sharding_type else _clone(o, st)
-                    if not self.training:  # training keeps TorchRec's forward + backward estimates
-                        ms = self.model.table_ms(load, BACKEND[st], num_tables)
-                        _price(opt, compute_ms=self.model.lookup_ms(load, BACKEND[st]), total_ms=ms)
+                    _price(opt, self.model.table_price(load, BACKEND[st], num_tables))
                     out.append(opt)
                 continue
             if o.sharding_type in families and o.sharding_type not in offer:
                 continue  # a non-fused option of a family the table may only get as PGAS
-            if not self.training and o.sharding_type != ShardingType.DATA_PARALLEL.value:
+            if o.sharding_type != ShardingType.DATA_PARALLEL.value:
                 # TW/CW/TWRW and non-fused RW run TorchRec's input and output dists: the same
                 # fixed cost (host syncs, collective latency) its bandwidth-only estimate leaves out.
                 for shard in o.shards:
@@ -167,11 +177,11 @@ def _clone(o: ShardingOption, sharding_type: str) -> ShardingOption:
     return c
 
 
-def _price(o: ShardingOption, compute_ms: float, total_ms: float) -> None:
+def _price(o: ShardingOption, price: TablePrice) -> None:
     """Every shard costs its rank the table's time on that rank (RW: each rank; TW: the owner's;
     inference: no backward)."""
     for s in o.shards:
-        s.perf = Perf(fwd_compute=compute_ms, fwd_comms=total_ms - compute_ms, bwd_compute=0.0, bwd_comms=0.0)
+        s.perf = Perf(**price._asdict())
 
 
 class PgasDecisionStats(Stats):
@@ -189,7 +199,9 @@ class PgasDecisionStats(Stats):
         chosen = {o.name: o.sharding_type for o in best_plan}
         if not isinstance(enumerator, PgasEnumerator):
             return
-        self.lines = [HEADER] + [decision_row(enumerator.model, d.load, enumerator.num_tables,
-                                              chosen.get(d.load.name, "?"), d.reason,
-                                              [BACKEND[t] for t in d.offered]) for d in enumerator.decisions]
+        model = enumerator.model
+        self.lines = [header(model.training)] + [decision_row(model, d.load, enumerator.num_tables,
+                                                              chosen.get(d.load.name, "?"), d.reason,
+                                                              [BACKEND[t] for t in d.offered])
+                                                 for d in enumerator.decisions]
         logger.info("torchrec_pgas planner (%d plans, %.2fs):\n%s", num_plans, run_time, "\n".join(self.lines))

@@ -7,6 +7,7 @@ The config is YAML or JSON::
     world_size: 2
     batch_per_rank: 4096
     mode: eager            # or graph (PGAS captured in a CUDA graph)
+    training: false        # true: price forward + backward (cells "fwd+bwd" ms)
     profile: null          # a calibrated profile JSON; default: the shipped H200 NVLink profile
     tables:
       - {name: user_id, rows: 10000000, dim: 64, pooling: 1}
@@ -18,7 +19,7 @@ import json
 from typing import Any, Dict, List
 
 from torchrec_pgas.planner.cost_model import CostModel, TableLoad, load_profile
-from torchrec_pgas.planner.report import HEADER, SHARDING_TYPE, decision_row
+from torchrec_pgas.planner.report import SHARDING_TYPE, decision_row, header
 
 
 def tables_from_config(cfg: Dict[str, Any]) -> List[TableLoad]:
@@ -32,17 +33,27 @@ def tables_from_config(cfg: Dict[str, Any]) -> List[TableLoad]:
 
 
 def explain(cfg: Dict[str, Any]) -> str:
-    model = CostModel(load_profile(cfg.get("profile"), world_size=int(cfg["world_size"])), int(cfg["world_size"]), int(cfg["batch_per_rank"]),
-                      cfg.get("mode", "eager"))
+    model = CostModel(load_profile(cfg.get("profile"), world_size=int(cfg["world_size"])), int(cfg["world_size"]),
+                      int(cfg["batch_per_rank"]), cfg.get("mode", "eager"), bool(cfg.get("training", False)))
     tables = tables_from_config(cfg)
     choice = model.choose(tables)
     lines = [f"profile {model.profile.name} ({model.profile.device}), world {model.world_size}, "
-             f"batch/rank {model.batch_per_rank}, mode {model.mode}", HEADER]
+             f"batch/rank {model.batch_per_rank}, mode {model.mode}" + _training_note(model), header(model.training)]
     lines += [decision_row(model, t, len(tables), SHARDING_TYPE[choice[t.name]]) for t in tables]
     mixed = model.plan_ms(tables, choice)
     lines.append("step: " + ", ".join(f"all {SHARDING_TYPE[b]} {model.step_ms(tables, b):.3f} ms"
                                       for b in model.backends) + f", chosen {mixed:.3f} ms")
     return "\n".join(lines)
+
+
+def _training_note(model: CostModel) -> str:
+    """Which coefficients price the backward (fitted or the forward's stand-ins), per backend."""
+    if not model.training:
+        return ""
+    fitted = [b for b in model.backends if model.profile.has_backward(b, model.mode)]
+    stand_in = "the forward's per-byte coefficients, no fixed cost"
+    how = f"fitted for {', '.join(fitted)}, else {stand_in}" if fitted else f"{stand_in} (no training fit)"
+    return f", training: fwd+bwd (bwd: {how})"
 
 
 def main() -> None:

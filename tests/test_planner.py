@@ -1,5 +1,6 @@
 """The planner extension on CPU: cost-model arithmetic, the fit, PgasEnumerator in TorchRec's planner."""
 
+import dataclasses
 import glob
 import os
 import re
@@ -22,12 +23,16 @@ from torchrec_pgas.planner.cost_model import (
     Coefficients,
     CostModel,
     HardwareProfile,
+    StepBytes,
     TableLoad,
+    backward_bytes,
+    expected_owners,
     fit_coefficients,
     load_profile,
     table_bytes,
 )
 from torchrec_pgas.planner.enumerator import PgasDecisionStats, PgasEnumerator
+from torchrec_pgas.planner.explain import explain
 from torchrec_pgas.testing import default_model, random_kjt, run_distributed, seeded, shard
 
 
@@ -41,6 +46,61 @@ def test_bytes_per_table_by_hand() -> None:
     pgas = table_bytes(t, 10, 4, PGAS_RW)
     assert (pgas.hbm, pgas.wire, pgas.local) == (50 * 32, 50 * 4 * 0.75 + 20 * 32 * 3, 20 * 32 * 4)
     assert table_bytes(t, 10, 4, NCCL_RW).wire == 50 * 8 * 0.75 + 20 * 32 * 3
+
+
+def test_expected_owners_per_bag() -> None:
+    assert expected_owners(1.0, 8) == pytest.approx(1.0)  # one id: one owner
+    assert expected_owners(0.0, 8) == 0.0
+    assert expected_owners(2.0, 4) == pytest.approx(4 * (1 - 0.75 ** 2))  # 1.75
+    assert expected_owners(500.0, 4) == pytest.approx(4.0)  # many ids: every owner
+    assert expected_owners(7.0, 1) == 1.0  # table-wise: the one owner
+
+
+def test_backward_bytes_by_hand() -> None:
+    """Same table as the forward's: 50 ids, 20 bags per rank, W=4, 32-byte fp32 gradient rows and rows."""
+    t = TableLoad("t", rows=100, dim=8, pooling=[2.0, 3.0])
+    tbe = 2 * 50 * 32 + 4 * 20 * 32  # read + write the 50 rows this owner serves, read W ranks' bag gradients
+    # stock RW: the reduce-scatter's backward all-gathers the gradient: W-1 ranks' bags in, its own copied
+    assert backward_bytes(t, 10, 4, NCCL_RW) == StepBytes(hbm=tbe, wire=3 * 20 * 32, local=20 * 32)
+    # PGAS RW: a bag's row goes only to the owners of its ids (1.75 of 4 for L=2, 2.3125 for L=3), 3/4
+    # of them remote; the owner also replays the lookup (one more gather of its 50 rows)
+    owners = 10 * (1.75 + 2.3125)  # (bag, owner) pairs: 40.625
+    pgas = backward_bytes(t, 10, 4, PGAS_RW)
+    assert (pgas.hbm, pgas.wire, pgas.local) == pytest.approx((tbe + 50 * 32, owners * 32 * 0.75, owners * 32 / 4))
+    assert (pgas.hbm, pgas.wire, pgas.local) == pytest.approx((7360, 975, 325))  # all-gather: 5760, 1920, 640
+    # TW: the owner updates all 4 ranks' 200 rows and receives the other 3 ranks' bags (PGAS one-sided)
+    tw = StepBytes(hbm=2 * 200 * 32 + 4 * 20 * 32, wire=3 * 20 * 32, local=20 * 32)
+    assert backward_bytes(t, 10, 4, NCCL_TW) == tw
+    assert backward_bytes(t, 10, 4, PGAS_TW) == StepBytes(tw.hbm + 200 * 32, tw.wire, tw.local)
+
+
+def test_training_prices_forward_and_backward_and_fitted_backward_coefficients_win() -> None:
+    """Without backward coefficients the backward's bytes go at the forward's per-byte prices and no fixed
+    cost; a profile's "<backend>_bwd" entry replaces them (and survives the JSON round trip)."""
+    fwd = Coefficients(1.0, 1e-9, 2e-9, 3e-9)
+    prof = _profile(fwd, fwd)
+    t = TableLoad("t", rows=100, dim=8, pooling=[2.0, 3.0])
+    infer, train = CostModel(prof, 4, 10), CostModel(prof, 4, 10, training=True)
+    assert infer.table_price(t, PGAS_RW, 2)[2:] == (0.0, 0.0)
+    b = backward_bytes(t, 10, 4, PGAS_RW)
+    price = train.table_price(t, PGAS_RW, 2)
+    assert price[:2] == infer.table_price(t, PGAS_RW, 2)[:2]  # the forward is as in inference
+    assert price.bwd_compute == pytest.approx(b.hbm * 1e-9)
+    assert price.bwd_comms == pytest.approx(b.wire * 2e-9 + b.local * 3e-9)  # no fixed cost
+    assert train.table_ms(t, PGAS_RW, 2) == pytest.approx(infer.table_ms(t, PGAS_RW, 2) + b.hbm * 1e-9
+                                                          + b.wire * 2e-9 + b.local * 3e-9)
+    assert train.step_ms([t], NCCL_RW) == pytest.approx(infer.step_ms([t], NCCL_RW) + sum(
+        x * k for x, k in zip(dataclasses.astuple(backward_bytes(t, 10, 4, NCCL_RW)), (1e-9, 2e-9, 3e-9))))
+    bwd = Coefficients(0.5, 1e-8, 0.0, 0.0)
+    fitted = HardwareProfile.from_json(HardwareProfile(
+        "bwd", "test", 4, "hand-made", {"eager": {NCCL_RW: fwd, PGAS_RW: fwd, PGAS_RW + "_bwd": bwd}}).to_json())
+    model = CostModel(fitted, 4, 10, training=True)
+    assert model.backends == [NCCL_RW, PGAS_RW] and fitted.has_backward(PGAS_RW) and not fitted.has_backward(NCCL_RW)
+    got = model.table_price(t, PGAS_RW, 2)
+    assert (got.bwd_compute, got.bwd_comms) == pytest.approx((b.hbm * 1e-8, 0.5 / 2))  # half the fixed cost
+    assert model.alpha_ms(PGAS_RW) == 1.5 and model.alpha_ms(NCCL_RW) == 1.0
+    assert model.table_price(t, NCCL_RW, 2) == train.table_price(t, NCCL_RW, 2)  # not fitted: forward's
+    assert not any(load_profile(world_size=w).has_backward(b) for w in (2, 8) for b in (NCCL_RW, PGAS_RW))
 
 
 def test_step_and_table_prices_and_the_choice() -> None:
@@ -167,9 +227,8 @@ def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str
                                        stats=[stats])
     plan = planner.plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
     types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
-    if not training:  # the stats table names every RW- and TW-family table with its choice
-        rows = {line.split()[0]: line.split()[-1] for line in stats.lines[1:]}
-        assert rows == types
+    rows = {line.split()[0]: line.split()[-1] for line in stats.lines[1:]}
+    assert rows == types  # the stats table names every RW- and TW-family table with its choice
     return types
 
 
@@ -180,8 +239,8 @@ def test_enumerator_prices_both_and_honours_constraints_and_modes() -> None:
                     **{f"w{i}": "pgas_row_wise" for i in range(4)}}
     nccl = _plan_types("nccl")  # t3's constraint (PGAS only) wins over the preference
     assert nccl == {**auto, "t0": "row_wise", **{f"w{i}": "row_wise" for i in range(4)}}
-    with pytest.raises(RuntimeError, match="t3"):  # t3 allows only PGAS, which training cannot use
-        _plan_types(training=True)
+    # training offers the PGAS types too (t3 allows only PGAS); at batch 8 the backward changes nothing
+    assert _plan_types(training=True) == auto and _plan_types("nccl", training=True) == nccl
     with pytest.raises(ValueError, match="backends"):
         PgasEnumerator(Topology(world_size=2, compute_device="cuda"), 8, backends="mpi")
 
@@ -213,6 +272,17 @@ def test_explain_cli(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, "-m", "torchrec_pgas.planner.explain", str(cfg)],
                          capture_output=True, text=True, check=True).stdout
     assert "pgas_row_wise" in out and out.count("\n") >= 4 and "all table_wise" in out
+
+
+def test_explain_training() -> None:
+    """Training: every price cell is "fwd+bwd", the header says so and which coefficients priced the backward."""
+    cfg = {"world_size": 2, "batch_per_rank": 8192, "tables": [{"name": "a", "rows": 10**6, "dim": 128, "pooling": 32}]}
+    infer, train = explain(cfg).splitlines(), explain({**cfg, "training": True}).splitlines()
+    assert "training" not in infer[0] and "bwd: the forward's per-byte coefficients" in train[0]
+    assert "pgas_rw ms f+b" in train[1] and "f+b" not in infer[1]
+    cells, plain = train[2].split()[6:10], infer[2].split()[6:10]
+    assert all(float(c.split("+")[1]) > 0 for c in cells)
+    assert [float(c.split("+")[0]) for c in cells] == [float(c) for c in plain]  # the forward as in inference
 
 
 def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
@@ -296,6 +366,40 @@ def test_four_options_per_table() -> None:
     for t in ("tiny", "wide"):  # four prices, nothing constrains the choice
         assert "-" not in rows[t][6:10] and rows[t][10:12] != ["constraints"], rows[t]
     assert rows["heavy"][7] == rows["heavy"][9] == "-" and rows["heavy"][10] == "constraints"
+
+
+def test_training_prices_the_backward_in_the_plan() -> None:
+    """training=True: every fused RW/TW option, stock and PGAS, carries the model's backward in its Perf
+    (inference: none), and the plan follows the totals. A made-up machine where PGAS's fixed cost is a bit
+    lower and gathers cost the same: PGAS wins the forward, but its backward replays the lookup, which
+    costs this gather-heavy table more than the fixed-cost saving, so training keeps it stock."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    coeffs = {NCCL_RW: Coefficients(0.5, 1e-9, 1e-10, 1e-10), PGAS_RW: Coefficients(0.4, 1e-9, 1e-10, 1e-10),
+              NCCL_TW: Coefficients(5.0, 1e-9, 1e-9, 0.0), PGAS_TW: Coefficients(5.0, 1e-9, 1e-9, 0.0)}
+    prof = HardwareProfile("train", "test", 2, "hand-made", {"eager": coeffs})
+    four = ["row_wise", "pgas_row_wise", "table_wise", "pgas_table_wise"]
+    constraints = {"big": ParameterConstraints(sharding_types=four, pooling_factors=[100.0])}
+    topo = Topology(world_size=2, compute_device="cuda")
+
+    def planned(training: bool) -> str:
+        ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+            name="big", num_embeddings=1_000_000, embedding_dim=128, feature_names=["f"])], device=torch.device("meta"))
+        enumerator = PgasEnumerator(topo, 4096, constraints=constraints, profile=prof, training=training)
+        options = enumerator.enumerate(ebc, [PgasEmbeddingBagCollectionSharder()])
+        fused = [o for o in options if o.compute_kernel == "fused" and o.sharding_type in four]
+        assert {o.sharding_type for o in fused} == set(four)
+        for o in fused:
+            for shard in o.shards:
+                assert (shard.perf.bwd_compute > 0 and shard.perf.bwd_comms > 0) if training else \
+                    shard.perf.bwd_compute == shard.perf.bwd_comms == 0.0, (o.sharding_type, shard.perf)
+        plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
+                                        stats=[PgasDecisionStats()]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
+        return plan.plan[""]["big"].sharding_type  # type: ignore[index]
+
+    assert planned(training=False) == "pgas_row_wise"
+    assert planned(training=True) == "row_wise"
 
 
 def test_table_wise_fixed_cost_is_paid_by_every_rank() -> None:
