@@ -2,7 +2,8 @@
 
 ``TORCH_PGAS_NO_CUDA=1`` (or no nvcc) gives a pure-Python install whose ``shm``
 backend runs on CPU. The extension compiles against the torch of the build
-environment: build with ``pip install --no-build-isolation``.
+environment, so build with ``pip install --no-build-isolation`` once a stack is
+installed (README, "Install and supported stacks").
 """
 
 import glob
@@ -100,9 +101,17 @@ setup(
     description="TorchRec sharding plugin: NVSHMEM one-sided communication fused into embedding kernels",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"torchrec_pgas.planner": ["profiles/*.json"]},
-    install_requires=ext_requires,
+    package_data={"torchrec_pgas": ["stacks/*.txt"], "torchrec_pgas.planner": ["profiles/*.json"]},
+    # The tested ranges (stacks 1.6 and 1.9). FBGEMM and TorchRec come through an extra, pinned to one
+    # stack by its constraints file: pip cannot pair FBGEMM with torch, nor keep TorchRec's unpinned
+    # fbgemm-gpu off a CPU install (torchrec_pgas/stack.py checks what it cannot).
+    install_requires=["torch>=2.11,<2.15", "numpy>=1.26,<3", "pyyaml>=6,<7", *ext_requires],
     extras_require={
+        "gpu": ["torchrec>=1.6.1,<1.10", "fbgemm-gpu>=1.6,<1.10"],
+        # TorchRec itself then goes in with --no-deps (its metadata asks for fbgemm-gpu): these are its
+        # other requirements, torchmetrics pinned as TorchRec pins it.
+        "cpu": ["fbgemm-gpu-cpu>=1.6,<1.10", "tensordict", "torchmetrics==1.0.3", "tqdm", "pyre-extensions",
+                "iopath"],
         # torchx 0.7.0 (the last release) pins urllib3<1.27; the nightly installs cleanly.
         "torchx": ["torchx-nightly==2026.10.26"],
         # benchmarks/: progress bars and the PNG figures of a result folder.
