@@ -114,6 +114,8 @@ def _requires() -> Dict[str, Requirement]:
 
 def test_tested_stacks_are_the_readme_two() -> None:
     assert stack.tested_stacks() == ["1.6", "1.9"] and stack.DEFAULT_STACK == "1.6"
+    makefile, script = (ROOT / "Makefile").read_text(), (ROOT / "scripts" / "install_deps.sh").read_text()
+    assert f"STACK ?= {stack.DEFAULT_STACK}\n" in makefile and f"STACK=${{2:-{stack.DEFAULT_STACK}}}\n" in script
 
 
 @pytest.mark.parametrize("name", ["1.6", "1.9"])
