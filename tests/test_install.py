@@ -12,7 +12,8 @@ import pathlib
 import re
 import subprocess
 import sys
-from typing import Dict, List
+import tarfile
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -44,10 +45,12 @@ print(json.dumps(sorted({line.split()[-1] for line in open("/proc/self/maps") if
 """
 
 
-def _run(args: List[str], cwd: pathlib.Path, env_dir: pathlib.Path) -> str:
-    """A command of the fresh environment: its bin/ first on PATH, nothing of the checkout's on sys.path."""
+def _run(args: List[str], cwd: pathlib.Path, env_dir: Optional[pathlib.Path] = None) -> str:
+    """A command, in env_dir's environment where one is given: its bin/ first on PATH, nothing of the
+    checkout's on sys.path."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = f"{env_dir / 'bin'}:{env['PATH']}"
+    if env_dir is not None:
+        env["PATH"] = f"{env_dir / 'bin'}:{env['PATH']}"
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"{args}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -66,8 +69,7 @@ def _fresh_env(path: pathlib.Path) -> pathlib.Path:
 def dists(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, pathlib.Path]:
     """The sdist, and the wheel built from it (so with the extension: nvcc and CUDA torch are here)."""
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
-                   check=True, capture_output=True, env=dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2")))
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)], out)
     return {"sdist": next(out.glob("*.tar.gz")), "wheel": next(out.glob("*.whl"))}
 
 
@@ -136,6 +138,10 @@ def test_sdist_builds_and_installs_away_from_the_checkout(dists: Dict[str, pathl
                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
     """The sdist carries what the extension's build needs (csrc/, headers included): torch first, since the
     extension compiles against the torch it will run with (--no-build-isolation)."""
+    with tarfile.open(dists["sdist"]) as sdist:
+        members = {pathlib.Path(*pathlib.Path(name).parts[1:]) for name in sdist.getnames()}
+    tracked = _run(["git", "ls-files", "csrc", "torchrec_pgas/stacks"], ROOT).split()
+    assert {pathlib.Path(f) for f in tracked} <= members, sorted(members)
     env_dir = _fresh_env(tmp_path_factory.mktemp("sdist") / "env")
     _pip(env_dir, "torch", "setuptools", "wheel", "ninja", "-c", CONSTRAINTS)
     _pip(env_dir, "--no-build-isolation", f"{dists['sdist']}[cpu]", "-c", CONSTRAINTS)
