@@ -10,10 +10,11 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -60,11 +61,6 @@ def _pip(env_dir: pathlib.Path, *args: str) -> None:
     _run(["bash", str(ROOT / "scripts" / "pip_install.sh"), str(env_dir / "bin" / "python"), *args], env_dir, env_dir)
 
 
-def _fresh_env(path: pathlib.Path) -> pathlib.Path:
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-    return path
-
-
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, pathlib.Path]:
     """The sdist, and the wheel built from it (so with the extension: nvcc and CUDA torch are here)."""
@@ -74,8 +70,23 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def wheel_env(dists: Dict[str, pathlib.Path], tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    env_dir = _fresh_env(tmp_path_factory.mktemp("wheel") / "env")
+def fresh_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], pathlib.Path]]:
+    """Makes empty venvs, removed after this module's tests: installed, each holds gigabytes."""
+    made: List[pathlib.Path] = []
+
+    def make(name: str) -> pathlib.Path:
+        made.append(tmp_path_factory.mktemp(name) / "env")
+        subprocess.run([sys.executable, "-m", "venv", str(made[-1])], check=True)
+        return made[-1]
+
+    yield make
+    for path in made:
+        shutil.rmtree(path)
+
+
+@pytest.fixture(scope="module")
+def wheel_env(dists: Dict[str, pathlib.Path], fresh_env: Callable[[str], pathlib.Path]) -> pathlib.Path:
+    env_dir = fresh_env("wheel")
     _pip(env_dir, f"{dists['wheel']}[cpu]", "-c", CONSTRAINTS)
     _pip(env_dir, "--no-deps", "torchrec", "-c", CONSTRAINTS)
     return env_dir
@@ -135,14 +146,14 @@ def test_mismatched_fbgemm_is_refused_and_the_printed_command_fixes_it(wheel_env
 
 
 def test_sdist_builds_and_installs_away_from_the_checkout(dists: Dict[str, pathlib.Path],
-                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+                                                          fresh_env: Callable[[str], pathlib.Path]) -> None:
     """The sdist carries what the extension's build needs (csrc/, headers included): torch first, since the
     extension compiles against the torch it will run with (--no-build-isolation)."""
     with tarfile.open(dists["sdist"]) as sdist:
         members = {pathlib.Path(*pathlib.Path(name).parts[1:]) for name in sdist.getnames()}
     tracked = _run(["git", "ls-files", "csrc", "torchrec_pgas/stacks"], ROOT).split()
     assert {pathlib.Path(f) for f in tracked} <= members, sorted(members)
-    env_dir = _fresh_env(tmp_path_factory.mktemp("sdist") / "env")
+    env_dir = fresh_env("sdist")
     _pip(env_dir, "torch", "setuptools", "wheel", "ninja", "-c", CONSTRAINTS)
     _pip(env_dir, "--no-build-isolation", f"{dists['sdist']}[cpu]", "-c", CONSTRAINTS)
     _pip(env_dir, "--no-deps", "torchrec", "-c", CONSTRAINTS)

@@ -6,7 +6,7 @@ each other's files (``fbgemm-gpu``, ``fbgemm-gpu-cpu``), and TorchRec, whose rel
 requires ``fbgemm-gpu`` unpinned, so a plain ``pip install torchrec`` pulls the newest. A mismatch fails
 late and obscurely inside TorchRec; ``check_stack`` raises first, with the installed versions and the pip
 commands that install a tested stack from the constraints files shipped in ``stacks/``. It reads package
-metadata only, imports nothing, and takes about a millisecond.
+metadata only, imports nothing, and takes a few milliseconds.
 """
 
 import dataclasses
