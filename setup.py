@@ -1,13 +1,17 @@
 """Build torchrec-pgas; the CUDA extension ``torchrec_pgas._C`` when nvcc and CUDA torch exist.
 
 ``TORCH_PGAS_NO_CUDA=1`` (or no nvcc) gives a pure-Python install whose ``shm``
-backend runs on CPU.
+backend runs on CPU. The extension compiles against the torch of the build
+environment, so build with ``pip install --no-build-isolation`` once a stack is
+installed (README, "Install and supported stacks").
 """
 
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import shutil
+from typing import Any, Dict, List, Tuple
 
 from setuptools import setup
 
@@ -25,14 +29,30 @@ def _nvshmem_root() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-def _extensions():  # type: ignore[no-untyped-def]
+def _nvshmem_requirement(cuda: str) -> List[str]:
+    """_C carries NVSHMEM's device library and loads the host library of the same wheel, which must be
+    the same release: a wheel of _C requires the nvidia-nvshmem wheel it was built against."""
+    if os.environ.get("NVSHMEM_DIR"):
+        return []
+    name = f"nvidia-nvshmem-cu{cuda.split('.')[0]}"
+    return [f"{name}=={importlib.metadata.version(name)}"]
+
+
+def _extensions() -> Tuple[List[Any], Dict[str, Any], List[str]]:
+    """The extension, its build command and what it adds to the requirements (nothing without nvcc)."""
     if os.environ.get("TORCH_PGAS_NO_CUDA") == "1" or shutil.which("nvcc") is None:
-        return [], {}
-    import torch
+        return [], {}, []
+    try:
+        import torch
+    except ModuleNotFoundError as e:  # pip's isolated build environment has no torch
+        raise RuntimeError(
+            "building torchrec_pgas._C needs the torch it will run with: install a stack, then "
+            "pip install --no-build-isolation (or set TORCH_PGAS_NO_CUDA=1 for the pure-Python package)"
+        ) from e
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     if torch.version.cuda is None:
-        return [], {}
+        return [], {}, []
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     root = _nvshmem_root()
     ext = CUDAExtension(
@@ -41,13 +61,14 @@ def _extensions():  # type: ignore[no-untyped-def]
         include_dirs=[os.path.abspath("csrc"), f"{root}/include"],
         library_dirs=[f"{root}/lib"],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            # No -std: torch's BuildExtension adds the standard its headers need (C++17 up to
+            # torch 2.13, C++20 from 2.14).
+            "cxx": ["-O3"],
             # -rdc: NVSHMEM device calls are resolved by the device link below.
             "nvcc": [
                 "-O3",
                 "-lineinfo",  # source-level ncu profiles; no effect on the code
                 "-rdc=true",
-                "-std=c++17",
                 "--expt-relaxed-constexpr",
                 # torch defines these to keep half arithmetic out of its own
                 # kernels; NVSHMEM's reduction headers need it.
@@ -62,13 +83,17 @@ def _extensions():  # type: ignore[no-untyped-def]
             "-lcuda",
             "-l:libnvshmem_host.so.3",
             "-l:libnvshmem_device.a",
-            f"-Wl,-rpath,{root}/lib",
+            # Installed, _C sits in site-packages/torchrec_pgas/ and the host library in
+            # site-packages/nvidia/nvshmem/lib/ (torch's own libraries carry the same relative
+            # path). `import torch` loads that library first anyway, which is what serves an
+            # in-tree build.
+            "-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib",
         ],
     )
-    return [ext], {"build_ext": BuildExtension}
+    return [ext], {"build_ext": BuildExtension}, _nvshmem_requirement(torch.version.cuda)
 
 
-ext_modules, cmdclass = _extensions()
+ext_modules, cmdclass, ext_requires = _extensions()
 
 setup(
     name="torchrec-pgas",
@@ -76,8 +101,17 @@ setup(
     description="TorchRec sharding plugin: NVSHMEM one-sided communication fused into embedding kernels",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"torchrec_pgas.planner": ["profiles/*.json"]},
+    package_data={"torchrec_pgas": ["stacks/*.txt"], "torchrec_pgas.planner": ["profiles/*.json"]},
+    # The tested ranges (stacks 1.6 and 1.9). FBGEMM and TorchRec come through an extra, pinned to one
+    # stack by its constraints file: pip cannot pair FBGEMM with torch, nor keep TorchRec's unpinned
+    # fbgemm-gpu off a CPU install (torchrec_pgas/stack.py checks what it cannot).
+    install_requires=["torch>=2.11,<2.15", "numpy>=1.26,<3", "pyyaml>=6,<7", *ext_requires],
     extras_require={
+        "gpu": ["torchrec>=1.6.1,<1.10", "fbgemm-gpu>=1.6,<1.10"],
+        # TorchRec itself then goes in with --no-deps (its metadata asks for fbgemm-gpu): these are its
+        # other requirements, torchmetrics pinned as TorchRec pins it.
+        "cpu": ["fbgemm-gpu-cpu>=1.6,<1.10", "tensordict", "torchmetrics==1.0.3", "tqdm", "pyre-extensions",
+                "iopath"],
         # torchx 0.7.0 (the last release) pins urllib3<1.27; the nightly installs cleanly.
         "torchx": ["torchx-nightly==2026.10.26"],
         # benchmarks/: progress bars and the PNG figures of a result folder.

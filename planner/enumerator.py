@@ -6,7 +6,8 @@ Use it in place of ``EmbeddingEnumerator``::
     enumerator = PgasEnumerator(topology, batch_per_rank, constraints=constraints)
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_per_rank, enumerator=enumerator,
-        constraints=constraints, stats=[PgasDecisionStats()])
+        constraints=constraints, stats=[PgasDecisionStats()],
+        storage_reservation=FixedPercentageStorageReservation(percentage=0.15))  # TorchRec 1.9 warns without
     plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], pg)
 
 TorchRec cannot compute shard sizes for a sharding type it does not know, so each PGAS type is enumerated

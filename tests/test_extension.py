@@ -5,6 +5,8 @@ so CI proves it compiles; loading it needs no device.
 """
 
 import pathlib
+import re
+import subprocess
 
 import pytest
 import torch
@@ -69,3 +71,13 @@ def test_combine_partials_meta_impl() -> None:
     out = torch.ops.torchrec_pgas.combine_partials(torch.empty(lay.nbytes, dtype=torch.uint8, device=meta),
                                                   t, t, t, t, t, t, config, col_feature, 5, torch.bfloat16)
     assert out.shape == (5, 24) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+@needs_ext
+def test_nvshmem_is_found_beside_the_package_not_in_the_build_environment() -> None:
+    """Installed, $ORIGIN/../nvidia/nvshmem/lib is site-packages/nvidia/nvshmem/lib (tests/test_install.py
+    resolves it from a wheel); in place, torch has loaded that library already and _C shares it."""
+    dynamic = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True, check=True).stdout
+    assert re.findall(r"R(?:UN)?PATH.*\[(.*)\]", dynamic) == ["$ORIGIN/../nvidia/nvshmem/lib"], dynamic
+    loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libnvshmem_host" in line}
+    assert len(loaded) == 1, loaded

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.planner.calibrate import fit, prediction_table, validate
@@ -34,6 +35,13 @@ from torchrec_pgas.planner.cost_model import (
 from torchrec_pgas.planner.enumerator import PgasDecisionStats, PgasEnumerator
 from torchrec_pgas.planner.explain import explain
 from torchrec_pgas.testing import default_model, random_kjt, run_distributed, seeded, shard
+
+
+def _planner(topo: Topology, batch: int, **kwargs: Any) -> EmbeddingShardingPlanner:
+    """TorchRec's planner, its storage reservation given: without one TorchRec 1.9 warns (FutureWarning, an
+    error here) that its default, HeuristicalStorageReservation, is known to cause issues."""
+    return EmbeddingShardingPlanner(topology=topo, batch_size=batch,
+                                    storage_reservation=FixedPercentageStorageReservation(percentage=0.15), **kwargs)
 
 
 def _profile(nccl: Coefficients, pgas: Coefficients) -> HardwareProfile:
@@ -203,9 +211,9 @@ def _plan_reasons(backends: str) -> Dict[str, str]:
     """The reason column of the decision table, per table."""
     topo = Topology(world_size=2, compute_device="cuda")
     stats = PgasDecisionStats()
-    EmbeddingShardingPlanner(topology=topo, batch_size=8, constraints=CONSTRAINTS, stats=[stats],
-                             enumerator=PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends),
-                             ).plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
+    _planner(topo, 8, constraints=CONSTRAINTS, stats=[stats],
+             enumerator=PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends),
+             ).plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
     assert stats.lines[0].split()[:6] == ["table", "rows", "dim", "pool", "HBM", "MB"]
     # name, rows, dim, pool, HBM, wire, four prices, reason..., choice
     return {line.split()[0]: " ".join(line.split()[10:-1]) for line in stats.lines[1:]}
@@ -223,8 +231,7 @@ def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str
     topo = Topology(world_size=2, compute_device="cuda")
     enumerator = PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends, training=training)
     stats = PgasDecisionStats()
-    planner = EmbeddingShardingPlanner(topology=topo, batch_size=8, enumerator=enumerator, constraints=CONSTRAINTS,
-                                       stats=[stats])
+    planner = _planner(topo, 8, enumerator=enumerator, constraints=CONSTRAINTS, stats=[stats])
     plan = planner.plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
     types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
     rows = {line.split()[0]: line.split()[-1] for line in stats.lines[1:]}
@@ -304,8 +311,7 @@ def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
 def test_stock_planner_accepts_the_pgas_sharder() -> None:
     """DMP plans with TorchRec's own planner when given no plan: it must not meet a type it cannot size."""
     topo = Topology(world_size=2, compute_device="cuda")
-    plan = EmbeddingShardingPlanner(topology=topo, batch_size=8).plan(
-        default_model(), [PgasEmbeddingBagCollectionSharder()])
+    plan = _planner(topo, 8).plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
     types = {ps.sharding_type for m in plan.plan.values() for ps in m.values()}
     assert types and not types & {"pgas_row_wise"}
 
@@ -326,8 +332,8 @@ def test_pgas_offered_only_to_the_modules_of_the_pgas_sharder() -> None:
 
     topo = Topology(world_size=2, compute_device="cuda")
     rw = {t: ParameterConstraints(sharding_types=["row_wise", "pgas_row_wise"]) for t in ("e0", "t0")}
-    plan = EmbeddingShardingPlanner(topology=topo, batch_size=8, constraints=rw, stats=[PgasDecisionStats()],
-                                    enumerator=PgasEnumerator(topo, 8, constraints=rw)).plan(
+    plan = _planner(topo, 8, constraints=rw, stats=[PgasDecisionStats()],
+                    enumerator=PgasEnumerator(topo, 8, constraints=rw)).plan(
         Both(), [PgasEmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
     assert plan.plan["ec"]["e0"].sharding_type == "row_wise"
     assert plan.plan["ebc"]["t0"].sharding_type == "pgas_row_wise"
@@ -356,8 +362,8 @@ def test_four_options_per_table() -> None:
     topo = Topology(world_size=2, compute_device="cuda")
     enumerator = PgasEnumerator(topo, 4096, constraints=constraints, profile=prof)
     stats = PgasDecisionStats()
-    plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
-                                    stats=[stats]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
+    plan = _planner(topo, 4096, enumerator=enumerator, constraints=constraints,
+                    stats=[stats]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
     types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
     # The partitioner minimizes the busiest rank: the tiny table may ride table-wise on the idle owner.
     assert types["wide"] == "pgas_table_wise" and types["heavy"] == "table_wise", types
@@ -415,8 +421,8 @@ def test_table_wise_fixed_cost_is_paid_by_every_rank() -> None:
     constraints = {t.name: ParameterConstraints(pooling_factors=[4.0]) for t in tables}
     topo = Topology(world_size=2, compute_device="cuda")
     enumerator = PgasEnumerator(topo, 4096, constraints=constraints)
-    plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
-                                    stats=[PgasDecisionStats()]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
+    plan = _planner(topo, 4096, enumerator=enumerator, constraints=constraints,
+                    stats=[PgasDecisionStats()]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
     model = enumerator.model
     loads = [TableLoad(t.name, 1_000_000, 32, [4.0]) for t in tables]
     assert model.step_ms(loads, PGAS_RW) < model.step_ms(loads, PGAS_TW)

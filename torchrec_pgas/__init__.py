@@ -4,6 +4,7 @@ Add ``PgasEmbeddingBagCollectionSharder`` to ``DistributedModelParallel`` and pl
 tables as ``pgas_row_wise`` or ``pgas_table_wise`` (see ``torchrec_pgas.planner``).
 """
 
+from torchrec_pgas.stack import check_stack; check_stack()  # noqa: E702  first: before torchrec loads FBGEMM
 from torchrec_pgas.bootstrap import finalize_all
 from torchrec_pgas.bootstrap import init_runtime as init
 from torchrec_pgas.embeddingbag import (

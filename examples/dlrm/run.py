@@ -31,6 +31,7 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM
@@ -77,7 +78,9 @@ def planned_types(model: DLRM, batch: int, train: bool) -> Dict[str, str]:
     stats = PgasDecisionStats()
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch, constraints=constraints, stats=[stats],
-        enumerator=PgasEnumerator(topology, batch, constraints=constraints, training=train))
+        enumerator=PgasEnumerator(topology, batch, constraints=constraints, training=train),
+        # TorchRec's default reservation warns from 1.9 on (FutureWarning); this is its recommended one.
+        storage_reservation=FixedPercentageStorageReservation(percentage=0.15))
     plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], dist.group.WORLD)
     if dist.get_rank() == 0:
         print("\n".join(["planner (PgasEnumerator, shipped profile):"] + stats.lines), flush=True)
