@@ -10,9 +10,12 @@
 // held ids of, as the requester's own copy of the owner's lengths (in the
 // owner's index block [slot][src]) says; other rows are not written.
 //
-// Arithmetic, as stock TorchRec's autograd does it: a row-wise MEAN feature's
-// gradient is divided by the bag's divisor (length or weight sum, + 1e-6),
-// then every gradient by the gradient division (the world size, or 1).
+// Arithmetic, as stock TorchRec's autograd does it on CUDA: a row-wise MEAN
+// feature's gradient is divided by the bag's divisor (length or weight sum,
+// + 1e-6; a tensor division), then every gradient is multiplied by 1 / the
+// gradient division (the world size, or 1): PyTorch divides a CUDA tensor by a
+// Python scalar as a multiplication by its fp32 reciprocal, which differs
+// from a division in the last bit when W is not a power of two.
 //
 // Protocol: grad_dist stores the rows, fences (last-CTA pattern) and stores
 // 2e into every owner's grad slot for this rank, 2e + 1 if this rank gives up
@@ -41,7 +44,7 @@ enum GradSource : int64_t { kArrived = 0, kGaveUp = 1, kTimedOut = 2, kNotWaited
 // coalesced read of the owner's index block), and the warp stores the rows of
 // the bags with ids there, 4 columns a lane.
 template <typename out_t>
-__device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __restrict__ grad, int64_t slot, float divisor,
+__device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __restrict__ grad, int64_t slot, float inv_divisor,
                                           int f, int b0) {
   const int lane = threadIdx.x % 32;
   const FeatureDesc& feat = p.features[f];
@@ -67,7 +70,7 @@ __device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __re
       for (int v = lane; v < vecs; v += 32) {
         float4 x = load4_cg(grad + row + 4 * v);
         if (mean) x = make_float4(x.x / div_i, x.y / div_i, x.z / div_i, x.w / div_i);
-        if (divisor != 1.f) x = make_float4(x.x / divisor, x.y / divisor, x.z / divisor, x.w / divisor);
+        if (inv_divisor != 1.f) x = make_float4(x.x * inv_divisor, x.y * inv_divisor, x.z * inv_divisor, x.w * inv_divisor);
         store4(dst + row + 4 * v, x);
       }
     }
@@ -77,7 +80,7 @@ __device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __re
 // Warps take tiles of 32 bags (a grid stride); the last CTA signals every owner.
 template <typename out_t>
 __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const out_t* __restrict__ grad, int64_t epoch,
-                                                            float divisor, int abort) {
+                                                            float inv_divisor, int abort) {
   const int64_t slot = epoch % p.num_slots;
   const bool failed = abort || p.state[kStepFailed + slot] == epoch;
   const int batch = static_cast<int>(p.batch);
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const
   const int warps = static_cast<int>(gridDim.x * blockDim.x / 32);
   for (int t = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); !failed && t < num_tiles; t += warps) {
     const int f = t / tiles_per_feature;
-    send_tile(p, grad, slot, divisor, f, (t - f * tiles_per_feature) * 32);
+    send_tile(p, grad, slot, inv_divisor, f, (t - f * tiles_per_feature) * 32);
   }
   __syncthreads();
   if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneGrad, gridDim.x)) {
@@ -122,7 +125,7 @@ void launch_grad_dist(const StepParams& p, const at::Tensor& grad, int64_t epoch
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((tiles + kThreads / 32 - 1) / (kThreads / 32), resident)));
   grad_dist_kernel<out_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      p, reinterpret_cast<const out_t*>(grad.data_ptr()), epoch, divisor, abort);
+      p, reinterpret_cast<const out_t*>(grad.data_ptr()), epoch, 1.f / divisor, abort);
 }
 
 }  // namespace

@@ -137,13 +137,13 @@ def test_stage_ops_refuse_a_config_that_does_not_match() -> None:
     vr = VirtualRanks([torch.randn(10, 8, device=dev)], 2, max_batch=4, ids_capacity=16)
     ((values, offsets, weights, batch),) = [_inputs(random.Random(0), [10], 4, False, dev)]
     state = list(vr.stage_args(0))
-    state[1] = state[1][:3]  # the signal pad, cut below 32 header words + 2 W slots
+    state[1] = state[1][:3]  # the signal pad, cut below 32 header words + 4 W slots
     with pytest.raises(RuntimeError, match="signal pad of 3 words for 2 ranks"):
-        torch.ops.torchrec_pgas.index_dist(values, offsets, weights, *state, batch)
+        torch.ops.torchrec_pgas.index_dist(values, offsets, weights, *state, batch, False)
     state = list(vr.stage_args(0))
     state[-1] = state[-1][:-8]  # a config of another size
     with pytest.raises(RuntimeError, match="config must be the"):
-        torch.ops.torchrec_pgas.pooled_lookup(*state, batch, 8, torch.float32, True)
+        torch.ops.torchrec_pgas.pooled_lookup(*state, batch, 8, torch.float32, True, True)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

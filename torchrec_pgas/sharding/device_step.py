@@ -286,19 +286,22 @@ class DeviceStep(PgasStep):
         ops, lay, epoch = torch.ops.torchrec_pgas, self.layout, ticket.epoch
         slot = epoch % lay.num_slots
         args = self._state_args()
-        ops.grad_dist(grad.to(self.spec.out_dtype), *args, epoch, ticket.batch, gradient_divisor(self.world_size),
-                      False)
+        gave_up = epoch in self._gave_up  # its batch may not fit the buffers: it sends nothing, says so
+        batch = 0 if gave_up else ticket.batch
+        ops.grad_dist(grad[:batch].to(self.spec.out_dtype), *args, epoch, batch, gradient_divisor(self.world_size),
+                      gave_up)
         ops.await_grads(*args, self._grad_flags, epoch)
         whole = (self._grad_flags == 0).all()
         self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
         f_lo, f_hi = self.lookup_features
         # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
-        rows = lay.max_batch if self._owners.variable_batch else ticket.batch
+        rows = lay.max_batch if self._owners.variable_batch else batch
         batches = torch.stack([self.buf.view(torch.int64, lay.index_block(slot, s) + lay.header_off + 8, 1)[0]
                                for s in range(self.world_size)])
         kjt = self.kept_ids(epoch, rows, (f_lo, f_hi - f_lo, lay.num_features), batches, whole)  # the sync
         try:
-            problem = self._backward_problem(epoch)
+            # After the sync: every sharding's records of the step are in (their combines ran before).
+            problem = self._backward_problem(epoch) or self.failed_sibling(epoch)
             if problem is not None:
                 raise problem
             if f_hi > f_lo:
@@ -327,6 +330,17 @@ class DeviceStep(PgasStep):
                     f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for the gradients of step "
                     f"{epoch} from rank {src}: a peer crashed, diverged, or skipped this step's backward")
         return None
+
+    def step_failure(self, epoch: int) -> Optional[PgasError]:
+        record = self._status[epoch % self.layout.num_slots]
+        epoch_of, code = record.tolist()[:2]
+        failed = epoch_of == epoch and code not in (ErrorCode.NONE, ErrorCode.BAD_ID_WARN)
+        if not failed and epoch not in self._gave_up:
+            return None
+        err = self._gave_up.pop(epoch, None) or self._recorded_error(record.tolist())
+        if failed:
+            record.zero_()
+        return err
 
     def release(self, epoch: int) -> None:
         stream = self._await_slot(epoch)

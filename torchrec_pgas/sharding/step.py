@@ -151,6 +151,16 @@ class StepSpec:
         return len(self.feature_names)
 
 
+_STEPS: "weakref.WeakSet[PgasStep]" = weakref.WeakSet()  # every live step of this process (failed_sibling)
+
+
+def _undo_iterations(ticket: StepTicket) -> None:
+    """A failed step's TBE iteration counters back to before its forward, unless a later forward moved them."""
+    for tbe, it in zip(ticket.tbes, ticket.tbe_iters):
+        if it is not None and int(tbe.iter_cpu) == it:
+            tbe.iter_cpu.fill_(it - 1)
+
+
 class PgasStep(abc.ABC):
     """State shared by the stage modules of one PGAS sharding.
 
@@ -184,6 +194,8 @@ class PgasStep(abc.ABC):
         self.looked_up = 0  # lookups completed
         self._input_order: Optional[List[int]] = None
         self._awaiting_backward: Set[int] = set()  # training steps whose blocks their backward still needs
+        self._tickets: "weakref.WeakValueDictionary[int, StepTicket]" = weakref.WeakValueDictionary()
+        _STEPS.add(self)
         self._dropped: List[int] = []  # of those, steps whose output went without a backward
         self._anchor = torch.zeros((), requires_grad=True)  # makes a training step's output require grad
 
@@ -272,6 +284,7 @@ class PgasStep(abc.ABC):
         (``backward``); with grad enabled on a layout that cannot train, a backward raises."""
         if ticket is not None:
             self._awaiting_backward.add(ticket.epoch)
+            self._tickets[ticket.epoch] = ticket
             weakref.finalize(ticket, self._dropped.append, ticket.epoch)
             return _StepBackward.apply(self._anchor, out, self, ticket)
         if torch.is_grad_enabled():
@@ -290,14 +303,34 @@ class PgasStep(abc.ABC):
         try:
             self.run_backward(ticket, grad.contiguous())
         except PgasError:
-            for tbe, it in zip(ticket.tbes, ticket.tbe_iters):
-                if it is not None and int(tbe.iter_cpu) == it:
-                    tbe.iter_cpu.fill_(it - 1)
+            _undo_iterations(ticket)
             raise
 
     @abc.abstractmethod
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """Exchange the gradients of ``ticket``'s step and apply the received ones; release its slot."""
+
+    def step_failure(self, epoch: int) -> Optional[PgasError]:
+        """Step ``epoch``'s error on this rank if the step failed, consumed (its backward would raise it).
+        The host path raises its errors in the forward, so none is left by the time of a backward."""
+        return None
+
+    def failed_sibling(self, epoch: int) -> Optional[PgasError]:
+        """The error of step ``epoch`` of another PGAS sharding (of this process) whose backward of that step
+        has not run yet, if that step failed: then no sharding of the model may apply the step. Each
+        sharding runs each forward of a model once, so their epochs agree; every rank records a failed step
+        (the failing rank its error, the others the abort), so every rank refuses alike. The failed step's
+        TBE counters go back as its own backward would put them."""
+        for other in list(_STEPS):
+            if other is self or epoch not in other._awaiting_backward:
+                continue
+            err = other.step_failure(epoch)
+            if err is not None:
+                ticket = other._tickets.get(epoch)
+                if ticket is not None:
+                    _undo_iterations(ticket)
+                return err
+        return None
 
     @abc.abstractmethod
     def release(self, epoch: int) -> None:
