@@ -398,7 +398,12 @@ class PgasStep(abc.ABC):
 
     def replay(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
         """Stock's lookup of the kept ids under autograd, then its backward with the received gradients:
-        FBGEMM's fused backward + optimizer update the weights and optimizer state in place."""
+        FBGEMM's fused backward + optimizer update the weights and optimizer state in place.
+
+        Why a replay and not FBGEMM's backward op called directly: that op's signature differs per optimizer
+        and per FBGEMM release (state tensors, hyper-parameters, the lookup's saved metadata), and the TBE
+        module builds those arguments itself. The replay costs one more pooled lookup of the owner's rows (the
+        training benchmark is to measure it) and follows every optimizer FBGEMM ships, bit for bit."""
         if kjt.values().numel() == 0:
             return  # no row to update
         with torch.enable_grad(), _tbe_iterations(ticket.tbes, ticket.tbe_iters):
