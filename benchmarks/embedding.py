@@ -28,6 +28,18 @@ per-rank inputs and must agree before anything is timed. Then:
   (no bytes until the values all-to-all, none during the lookup, the pooled
   rows in the output all-to-all at the end).
 
+``--mode train`` adds the training step (forward, backward, fused optimizer; stock's fused TBE kernel on
+both sides, ``--optimizer``, default row-wise Adagrad) after the forward measurements of each workload:
+
+* both sides take the same inputs and upstream gradients; after the warm-up every local weight shard and
+  optimizer state tensor must agree before the steps are timed (and again after them);
+* stages: the forward's, then the backward's: stock's output-dist backward (all-gather / all-to-all of the
+  pooled gradient) and its TBE's fused backward + optimizer; PGAS's gradient exchange, the owner's
+  rebuild of its ids (the step's one host sync), the replayed lookup and FBGEMM's backward + optimizer;
+* roofline: the forward's floor plus the backward's HBM bytes (a gradient row read per id, a key sort as
+  one read and write of an (id, position) pair per id, one read and write of each distinct touched row and
+  its optimizer state) and its gradient bytes over NVLink (the forward's output bytes, reversed).
+
 Runs on CPU too (gloo + the ``shm`` backend; no graph, no roofline): the
 ``smoke`` preset is what CI runs. Results: ``results.json`` + ``results.csv``
 under ``--out`` (default ``benchmarks/results/<date>-<device>-<commit>/``);
@@ -50,6 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
@@ -68,7 +81,7 @@ from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_e
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
-from torchrec_pgas.testing import fill_embeddings_
+from torchrec_pgas.testing import fill_embeddings_, local_state
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
@@ -95,6 +108,13 @@ PAIRS: Dict[str, Pair] = {
                                                      "output_dist")),
 }
 ATOL, RTOL = 1e-4, 1e-5  # fp32 sums of up to 128 rows from ranks in different orders
+# --optimizer: FBGEMM's optimizer and its state bytes per row of dimension d (fp32 state), for the floor.
+OPTIMIZERS: Dict[str, Tuple[EmbOptimType, Callable[[int], int]]] = {
+    "sgd": (EmbOptimType.EXACT_SGD, lambda d: 0),
+    "rowwise_adagrad": (EmbOptimType.EXACT_ROWWISE_ADAGRAD, lambda d: 4),
+    "adam": (EmbOptimType.ADAM, lambda d: 8 * d),
+}
+SORT_BYTES_PER_ID = 24  # the backward's key sort, at its floor: one read and write of an (id, position) pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,11 +223,26 @@ def make_inputs(w: Workload, tables: int, batch: int, n_sets: int, seed: int,
     return out
 
 
-def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> Tuple[int, int, int]:
-    """(HBM bytes gathered, bytes sent over NVLink, of which pooled output) of the busiest rank, averaged
-    over the input sets; the same volumes for both sides. In: ids (8 bytes) and per-bag lengths/offsets.
-    Out: RW, an fp32 partial pool of every bag to each other rank; TW, the owner's pooled rows to each
-    other rank."""
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Bytes and ids of one step per rank (index = rank), averaged over the input sets; the same volumes for
+    both sides. In: ids (8 bytes) and per-bag lengths/offsets. Out: RW, an fp32 partial pool of every bag to
+    each other rank; TW, the owner's pooled rows to each other rank. The backward sends the pooled gradient
+    the other way: RW, every bag's to each other rank; TW, each remote bag's to its owner."""
+
+    owned_ids: torch.Tensor  # ids each rank looks up as an owner
+    hbm: torch.Tensor  # forward bytes gathered
+    nvlink: torch.Tensor  # forward bytes sent
+    out: torch.Tensor  # of which pooled output
+    grad_sent: torch.Tensor  # backward bytes sent
+
+    def busiest(self) -> Tuple[int, int, int]:
+        """(HBM bytes of the busiest owner, NVLink bytes of the busiest sender, of which pooled output)."""
+        r = int(self.nvlink.argmax())
+        return int(self.hbm.max()), int(self.nvlink[r]), int(self.out[r])
+
+
+def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> Traffic:
     block = (w.rows + world - 1) // world
     counts = torch.zeros(world, dtype=torch.float64, device=inputs[0].values().device)
     table_owner = torch.arange(w.tables, device=counts.device) % world
@@ -221,32 +256,61 @@ def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: 
     dist.all_gather(matrix, counts)
     per = torch.stack(matrix).cpu()  # [src][owner] ids
     row_bytes = 4 * w.dim
-    hbm = per.sum(0) * row_bytes
     remote_ids = per.sum(1) - per.diagonal()
     if pair == "rw":
         bags = w.tables * w.batch_per_gpu
         out = torch.full_like(remote_ids, (world - 1) * bags * row_bytes)
         nvlink = remote_ids * 8 + (world - 1) * bags * 12 + out
+        grad_sent = out
     else:
         own = torch.tensor([len(range(r, w.tables, world)) for r in range(world)], dtype=torch.float64)
         remote_bags = (w.tables - own) * w.batch_per_gpu
         out = (world - 1) * own * w.batch_per_gpu * row_bytes
         nvlink = remote_ids * 8 + remote_bags * 12 + out
-    busiest = int(nvlink.argmax())
-    return int(hbm.max()), int(nvlink[busiest]), int(out[busiest])
+        grad_sent = remote_bags * row_bytes
+    return Traffic(per.sum(0), per.sum(0) * row_bytes, nvlink, out, grad_sent)
+
+
+def distinct_rows(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> torch.Tensor:
+    """Distinct (table, row) each owner's backward updates, averaged over the input sets: a bitmap of every
+    table's rows set by each rank's ids, OR-ed over the ranks (a MAX all-reduce)."""
+    dev = inputs[0].values().device
+    block = (w.rows + world - 1) // world
+    per_owner = torch.zeros(world, dtype=torch.float64)
+    for x in inputs:
+        seen = torch.zeros(w.tables * w.rows, dtype=torch.uint8, device=dev)
+        table = torch.repeat_interleave(torch.arange(w.tables, device=dev),
+                                        torch.tensor(x.length_per_key(), device=dev))
+        seen[table * w.rows + x.values()] = 1
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        hits = seen.view(w.tables, w.rows).sum(0 if pair == "rw" else 1, dtype=torch.float64).cpu()
+        if pair == "rw":  # hits per row index; the owner of a row is its block
+            per_owner += torch.zeros(world, dtype=torch.float64).index_add_(0, torch.arange(w.rows) // block, hits)
+        else:  # hits per table; the owner of a table is its rank
+            per_owner += torch.zeros(world, dtype=torch.float64).index_add_(0, torch.arange(w.tables) % world, hits)
+    return per_owner / len(inputs)
+
+
+def backward_hbm_bytes(w: Workload, t: Traffic, distinct: torch.Tensor, optimizer: str) -> torch.Tensor:
+    """Each owner's backward at its HBM floor: a gradient row read per id, the key sort, one read and write
+    of each distinct touched row and its optimizer state."""
+    row_bytes = 4 * w.dim
+    return t.owned_ids * (row_bytes + SORT_BYTES_PER_ID) + distinct * 2 * (row_bytes + OPTIMIZERS[optimizer][1](w.dim))
 
 
 # ---- models -----------------------------------------------------------------------
 
 
-def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: torch.device) -> DistributedModelParallel:
+def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: torch.device,
+              fused_params: Optional[Dict[str, Any]] = None) -> DistributedModelParallel:
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=f"t{i}", num_embeddings=w.rows, embedding_dim=w.dim,
                                    feature_names=[f"f{i}"]) for i in range(w.tables)],
         device=torch.device("meta"),
     )
     gen = PAIRS[pair].pgas_plan if pgas else PAIRS[pair].stock_plan
-    sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config) if pgas else EmbeddingBagCollectionSharder()
+    sharder = (PgasEmbeddingBagCollectionSharder(pgas_config=config, fused_params=fused_params) if pgas
+               else EmbeddingBagCollectionSharder(fused_params=fused_params))
     world = dist.get_world_size()
     plan = construct_module_sharding_plan(
         ebc, {f"t{i}": gen(i, world) for i in range(w.tables)}, sharder=sharder,
@@ -308,8 +372,10 @@ def p90(x: Sequence[float]) -> float:
     return sorted(x)[min(len(x) - 1, int(0.9 * len(x)))]
 
 
-def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, names: Sequence[str]) -> torch.Tensor:
-    """The ShardedModule forward spelled out, with a mark named ``names[k]`` after stage k."""
+def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, names: Sequence[str],
+                   on_compute: Optional[Callable[[Any], None]] = None) -> torch.Tensor:
+    """The ShardedModule forward spelled out, with a mark named ``names[k]`` after stage k (``on_compute``
+    sees the lookup's output)."""
     module = dmp.module
     ctx = module.create_context()
     profiling.mark("start")
@@ -320,26 +386,73 @@ def staged_forward(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, names:
     dist_input = tensors.wait()
     profiling.mark(names[2])
     out = module.compute(ctx, dist_input)
+    if on_compute is not None:
+        on_compute(out)
     profiling.mark(names[3])
     values = module.output_dist(ctx, out).wait().values()
     profiling.mark(names[4])
     return values
 
 
-def stage_breakdown(dmp: DistributedModelParallel, inputs: Sequence[KeyedJaggedTensor], names: Sequence[str],
-                    steps: int, device: torch.device) -> Dict[str, float]:
-    """Median ms per stage on this rank over ``steps`` synchronized steps."""
+def stage_breakdown(step: Callable[[int], Any], steps: int, device: torch.device) -> Dict[str, float]:
+    """Median ms per stage on this rank over ``steps`` synchronized calls of ``step`` (which marks them)."""
     samples: Dict[str, List[float]] = {}
     for i in range(steps):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         with profiling.stage_timer(device) as timer:
-            staged_forward(dmp, inputs[i % len(inputs)], names)
+            step(i)
             stages = timer.stages()
         for k, v in stages.items():
             samples.setdefault(k, []).append(v)
     return {k: p50(v) for k, v in samples.items()}
+
+
+def _mark_output_dist_backward(lookup_out: Any) -> None:
+    """Stock: mark when the gradient of the lookup's output is in (the output dist's backward has run)."""
+    for t in lookup_out if isinstance(lookup_out, (list, tuple)) else [lookup_out]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda g: profiling.mark("grad_output_dist"))
+
+
+def staged_train_step(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, grad: torch.Tensor,
+                      names: Sequence[str], stock: bool) -> None:
+    """``train_step`` with the forward's marks, then the backward's: stock's ``grad_output_dist`` (its
+    output dist's backward) and ``owner_backward`` (its TBE's fused backward + optimizer); PGAS marks its
+    backward's stages itself (``grad_exchange``, ``kept_ids``, ``replay_lookup``, ``owner_backward``)."""
+    with torch.enable_grad():
+        values = staged_forward(dmp, kjt, names, _mark_output_dist_backward if stock else None)
+        values.backward(grad)
+    profiling.mark("owner_backward")
+
+
+def train_step(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, grad: torch.Tensor) -> None:
+    """Forward, then the backward of ``grad`` (the loss's gradient of the pooled output): the fused
+    optimizer updates the tables inside it."""
+    with torch.enable_grad():
+        dmp(kjt).values().backward(grad)
+
+
+def upstream_gradients(inputs: Sequence[KeyedJaggedTensor], dim_sum: int, seed: int) -> List[torch.Tensor]:
+    """One fixed pooled-output gradient per input set, the same for both sides."""
+    dev = inputs[0].values().device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(x.stride(), dim_sum, generator=gen, device=dev) for x in inputs]
+
+
+def state_diff(stock: DistributedModelParallel, pgas: DistributedModelParallel, what: str) -> float:
+    """Largest |pgas - stock| over every local weight shard and optimizer state tensor; raises past the
+    benchmark's tolerance."""
+    got, ref = local_state(pgas), local_state(stock)
+    if got.keys() != ref.keys():
+        raise AssertionError(f"{what}: state names differ: {sorted(got.keys() ^ ref.keys())}")
+    worst = 0.0
+    for k, r in ref.items():
+        torch.testing.assert_close(got[k], r, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}, {k}: {m}")
+        if r.numel():
+            worst = max(worst, float((got[k].double() - r.double()).abs().max()))
+    return worst
 
 
 def comm_timeline(dmp: DistributedModelParallel, x: KeyedJaggedTensor, expected_bytes: int,
@@ -470,10 +583,12 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
         check_errors(pgas)
         row.update(pgas_graph_p50_ms=p50(t_graph), pgas_graph_p90_ms=p90(t_graph))
         row["speedup_graph"] = row["stock_p50_ms"] / row["pgas_graph_p50_ms"]
-    row["stock_stages_ms"] = stage_breakdown(stock, inputs, pair.stock_stages, args.stage_steps, device)
-    row["pgas_stages_ms"] = stage_breakdown(pgas, inputs, pair.pgas_stages, args.stage_steps, device)
+    for side, dmp, names in (("stock", stock, pair.stock_stages), ("pgas", pgas, pair.pgas_stages)):
+        row[f"{side}_stages_ms"] = stage_breakdown(lambda i: staged_forward(dmp, inputs[i % n], names),
+                                                   args.stage_steps, device)
     check_errors(pgas)
-    hbm, nvlink, nvlink_out = traffic(w, inputs, dist.get_world_size(), args.pair)
+    flows = traffic(w, inputs, dist.get_world_size(), args.pair)
+    hbm, nvlink, nvlink_out = flows.busiest()
     if args.comm_timeline and device.type == "cuda":
         row["comm_timeline"] = {
             "pgas": comm_timeline(pgas, inputs[0], nvlink),
@@ -487,6 +602,44 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
                    roofline_pgas=floor / row["pgas_p50_ms"])
         if row["pgas_graph_p50_ms"]:
             row["roofline_graph"] = floor / row["pgas_graph_p50_ms"]
+    if args.mode == "train":
+        row.update(train_workload(w, stock, pgas, inputs, flows, args, device, bandwidths))
+    return row
+
+
+def train_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
+                   inputs: List[KeyedJaggedTensor], flows: Traffic, args: argparse.Namespace, device: torch.device,
+                   bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
+    """The training step of both sides, after the forward's measurements (module docstring)."""
+    pair, n = PAIRS[args.pair], len(inputs)
+    grads = upstream_gradients(inputs, w.tables * w.dim, seed=4242 + dist.get_rank())
+    steps = {"stock": lambda i: train_step(stock, inputs[i % n], grads[i % n]),
+             "pgas": lambda i: train_step(pgas, inputs[i % n], grads[i % n])}
+    for i in range(args.warmup):  # the same steps on both sides, so their states stay equal
+        for step in steps.values():
+            step(i)
+    check_errors(pgas)
+    diff = state_diff(stock, pgas, f"{w.name}: after {args.warmup} training steps")
+    times = {side: time_steps(step, args.steps, 0, device) for side, step in steps.items()}
+    row: Dict[str, Any] = {"mode": "train", "optimizer": args.optimizer}
+    for side, dmp, names in (("stock", stock, pair.stock_stages), ("pgas", pgas, pair.pgas_stages)):
+        row[f"{side}_train_p50_ms"], row[f"{side}_train_p90_ms"] = p50(times[side]), p90(times[side])
+        row[f"{side}_train_stages_ms"] = stage_breakdown(
+            lambda i: staged_train_step(dmp, inputs[i % n], grads[i % n], names, side == "stock"),
+            args.stage_steps, device)
+    check_errors(pgas)
+    row["max_state_diff"] = max(diff, state_diff(stock, pgas, f"{w.name}: after the timed training steps"))
+    row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
+    distinct = distinct_rows(w, inputs, dist.get_world_size(), args.pair)
+    hbm = flows.hbm + backward_hbm_bytes(w, flows, distinct, args.optimizer)
+    nvlink = flows.nvlink + flows.grad_sent
+    row.update(distinct_rows=float(distinct.max()), train_hbm_bytes=int(hbm.max()),
+               train_nvlink_bytes=int(nvlink.max()), train_floor_ms=None, roofline_train_stock=None,
+               roofline_train_pgas=None)
+    if bandwidths is not None:
+        floor = 1e3 * max(float(hbm.max()) / (bandwidths[0] * 1e9), float(nvlink.max()) / (bandwidths[1] * 1e9))
+        row.update(train_floor_ms=floor, roofline_train_stock=floor / row["stock_train_p50_ms"],
+                   roofline_train_pgas=floor / row["pgas_train_p50_ms"])
     return row
 
 
@@ -509,9 +662,9 @@ def _device_tag(device: torch.device, world: int) -> str:
 
 def _flat(row: Dict[str, Any]) -> Dict[str, Any]:
     out = {k: v for k, v in row.items() if not isinstance(v, dict)}
-    for side in ("stock", "pgas"):
-        for k, v in row.get(f"{side}_stages_ms", {}).items():
-            out[f"{side}_stage_{k}_ms"] = v
+    for side, kind in itertools.product(("stock", "pgas"), ("", "train_")):
+        for k, v in row.get(f"{side}_{kind}stages_ms", {}).items():
+            out[f"{side}_{kind}stage_{k}_ms"] = v
     return out
 
 
@@ -543,6 +696,14 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
             f"{ms(r['pgas_graph_p50_ms']):>9} {r['speedup_eager']:>6.2f}x "
             f"{'-' if r['speedup_graph'] is None else format(r['speedup_graph'], '.2f') + 'x':>7} "
             f"{ms(r['floor_ms']):>7} {frac(r['roofline_pgas']):>5}")
+    trained = [r for r in rows if r.get("mode") == "train"]
+    if trained:
+        lines.append(f"{'training step':<42} {'stock p50':>9} {'pgas p50':>9} {'x train':>7} {'floor':>7} "
+                     f"{'roof':>5} {'state diff':>10}")
+    for r in trained:
+        lines.append(f"{r['preset'] + '/' + r['name']:<42} {ms(r['stock_train_p50_ms']):>9} "
+                     f"{ms(r['pgas_train_p50_ms']):>9} {r['speedup_train']:>6.2f}x {ms(r['train_floor_ms']):>7} "
+                     f"{frac(r['roofline_train_pgas']):>5} {r['max_state_diff']:>10.2e}")
     for preset in sorted({r["preset"] for r in rows}):
         sel = [r for r in rows if r["preset"] == preset]
         geo = statistics.geometric_mean([r["speedup_eager"] for r in sel])
@@ -550,6 +711,8 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
         line = f"{preset}: geomean speedup eager {geo:.2f}x"
         if graphs:
             line += f", graph {statistics.geometric_mean(graphs):.2f}x"
+        if any(r.get("mode") == "train" for r in sel):
+            line += f", training step {statistics.geometric_mean([r['speedup_train'] for r in sel]):.2f}x"
         lines.append(line)
     for s in single:
         for r in (r for r in rows if r["preset"] == s["preset"]):
@@ -575,8 +738,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--inference-only", action="store_true",
                         help="PgasConfig(training=False): two slots, no gradient region (the forwards are no-grad)")
+    parser.add_argument("--mode", default="forward", choices=["forward", "train"],
+                        help="train: the training step too, after the forward (module docstring)")
+    parser.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
+                        help="--mode train: the tables' fused optimizer (adam: GPUs only, as FBGEMM's CPU TBE)")
+    parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
+    if args.mode == "train" and args.inference_only:
+        parser.error("--mode train needs the training layout: drop --inference-only")
     presets = args.preset or ["quick"]
 
     cuda = torch.cuda.is_available()
@@ -609,7 +779,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
-            "pgas_training_layout": not args.inference_only,
+            "pgas_training_layout": not args.inference_only, "mode": args.mode,
+            "optimizer": args.optimizer if args.mode == "train" else None,
+            "learning_rate": args.lr if args.mode == "train" else None,
             "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
             "argv": sys.argv,
         }
@@ -618,14 +790,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         write_results(out_dir, meta, rows, single)
         return out_dir
 
+    fused_params = ({"optimizer": OPTIMIZERS[args.optimizer][0], "learning_rate": args.lr}
+                    if args.mode == "train" else None)
     progress = tqdm(total=len(workloads), disable=rank != 0, file=sys.stderr, desc="workloads")
     with torch.no_grad():
         for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
             ws = list(group)
             config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
                                 training=not args.inference_only)
-            stock = shard_ebc(ws[0], False, args.pair, config, device)
-            pgas = shard_ebc(ws[0], True, args.pair, config, device)
+            stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)
+            pgas = shard_ebc(ws[0], True, args.pair, config, device, fused_params)
             for w in ws:
                 progress.set_postfix_str(f"{w.preset}/{w.name}")
                 rows.append(run_workload(w, stock, pgas, inputs.pop(w), args, device, bandwidths))

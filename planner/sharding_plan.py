@@ -26,7 +26,7 @@ def _renamed(stock: ParameterShardingGenerator, sharding_type: str) -> Parameter
 
 
 def pgas_table_wise(rank: int, compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
-    """Like ``table_wise(rank)``: the whole table on ``rank``, the same ``state_dict``; CPU (shm) only so far."""
+    """Like ``table_wise(rank)``: the whole table on ``rank``, the same ``state_dict``."""
     return _renamed(table_wise(rank=rank, compute_kernel=compute_kernel or EmbeddingComputeKernel.FUSED.value),
                     PGAS_TABLE_WISE)
 

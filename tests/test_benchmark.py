@@ -18,8 +18,9 @@ PGAS_STAGES = ["index_dist", "lookup", "combine", "output_dist"]  # "lookup" is 
 
 def _run(tmp: str, world: int, *extra: str) -> Dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "-m", "benchmarks.embedding",
-           "--preset", "smoke", "--steps", "5", "--warmup", "1", "--stage-steps", "2", "--out", tmp, *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           "-m", "benchmarks.embedding", "--preset", "smoke", "--steps", "5", "--warmup", "1", "--stage-steps", "2",
+           "--out", tmp, *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "smoke: geomean speedup eager" in proc.stdout
@@ -74,3 +75,47 @@ def test_table_wise_pair(tmp_path: Any) -> None:
                 per_owner += torch.zeros(2, dtype=torch.float64).index_add_(0, torch.arange(w.tables) % 2, per_table) / 4
         assert row["hbm_bytes"] == int((per_owner * 4 * w.dim).max())
 
+
+
+STOCK_TRAIN_STAGES = [*STOCK_STAGES, "grad_output_dist", "owner_backward"]
+PGAS_TRAIN_STAGES = [*PGAS_STAGES, "grad_exchange", "kept_ids", "replay_lookup", "owner_backward"]
+
+
+@pytest.mark.parametrize("pair", ["rw", "tw"])
+def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pair: str) -> None:
+    """--mode train: both sides' weights and optimizer states agree after the warm-up and after the timed
+    steps (bit-exact on CPU), the training step's stages in order, and the backward's floor bytes: a
+    gradient row and a sort pair per owned id, a read and write of each distinct row and its row-wise
+    Adagrad state, recomputed here from the inputs."""
+    out = _run(str(tmp_path), 2, "--pair", pair, "--mode", "train")
+    assert out["meta"]["mode"] == "train" and out["meta"]["optimizer"] == "rowwise_adagrad"
+    with open(os.path.join(tmp_path, "results.csv")) as f:
+        assert "pgas_train_stage_kept_ids_ms" in f.readline()
+    for row, w in zip(out["rows"], PRESETS["smoke"](2)):
+        assert row["mode"] == "train" and row["max_state_diff"] == 0.0
+        for side in ("stock", "pgas"):
+            assert 0 < row[f"{side}_train_p50_ms"] <= row[f"{side}_train_p90_ms"]
+        assert abs(row["speedup_train"] - row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]) < 1e-9
+        stock_first = "bucketize" if pair == "rw" else "splits_launch"
+        assert list(row["stock_train_stages_ms"]) == [stock_first, *STOCK_TRAIN_STAGES[1:]]
+        assert list(row["pgas_train_stages_ms"]) == PGAS_TRAIN_STAGES
+        k = PRESETS["smoke"](2).index(w)
+        block = (w.rows + 1) // 2
+        ids, distinct = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        for s in range(4):
+            keys = []
+            for rank in range(2):
+                x = make_inputs(w, w.tables, w.batch_per_gpu, 4, seed=1000 * rank + k, device=torch.device("cpu"))[s]
+                table = torch.repeat_interleave(torch.arange(w.tables), x.lengths().view(w.tables, -1).sum(1))
+                keys.append(torch.stack([table, x.values()], 1))
+            key = torch.cat(keys)
+            owner = key[:, 1] // block if pair == "rw" else key[:, 0] % 2
+            ids += torch.bincount(owner, minlength=2).double() / 4
+            uniq = torch.unique(key, dim=0)
+            uniq_owner = uniq[:, 1] // block if pair == "rw" else uniq[:, 0] % 2
+            distinct += torch.bincount(uniq_owner, minlength=2).double() / 4
+        row_bytes = 4 * w.dim
+        assert row["distinct_rows"] == float(distinct.max())
+        bwd = ids * (row_bytes + 24) + distinct * 2 * (row_bytes + 4)
+        assert row["train_hbm_bytes"] == int((ids * row_bytes + bwd).max())
+        assert row["train_floor_ms"] is None  # CPU: no bandwidths measured

@@ -4,7 +4,10 @@ Both models start from the same weights and take the same batches and upstream g
 step every local weight shard and fused-optimizer state tensor is compared (``train_against_stock``).
 Bit-exact where stock is deterministic: table-wise (the owner's TBE sees what stock's sees), and row-wise
 whose EBC has no MEAN table. A row-wise EBC with a MEAN table: stock's mean callback divides the EBC's
-SUM features by 1 + 1e-6 as well, pgas_row_wise by 1, so gradients differ by that factor: rtol 1e-5.
+SUM features by 1 + 1e-6 as well, pgas_row_wise by 1, so gradients differ by that factor: 1e-5. With fp16
+outputs as well, stock's callback divides the fp16 sum by an fp32 divisor, which makes its output fp32 (so
+its upstream gradient is never rounded to fp16), while pgas_row_wise's output keeps the configured fp16: fp16
+weights then differ by at most one fp16 ulp (1e-3 for weights below 2).
 
 A representative subset runs in ``make test``; the whole matrix is marked ``matrix`` (CI runs it after).
 """
@@ -54,7 +57,9 @@ class Case:
     def tolerance(self) -> float:
         """0 (bit-exact; fp16 weights too, stochastic rounding off) unless a row-wise EBC has a MEAN table
         (module docstring)."""
-        return 1e-5 if self.pooling == "mixed" and self.kind != PGAS_TABLE_WISE else 0.0
+        if self.pooling != "mixed" or self.kind == PGAS_TABLE_WISE:
+            return 0.0
+        return 1e-3 if self.output_dtype == SparseType.FP16 else 1e-5
 
 
 def _model(case: Case, seed: int, min_rows: int) -> TwoEbcModel:
@@ -119,33 +124,38 @@ QUICK = [
     Case(PGAS_ROW_WISE, eval_every=3, eval_grad=True),
     Case(PGAS_ROW_WISE, loop="sparse_dist"),
     Case(PGAS_TABLE_WISE, loop="three_in_flight"),
-    Case(PGAS_ROW_WISE, EmbOptimType.EXACT_ADAGRAD, data_type=DataType.FP16, output_dtype=SparseType.FP16),
+    Case(PGAS_ROW_WISE, EmbOptimType.EXACT_ADAGRAD, pooling="mixed", data_type=DataType.FP16,
+         output_dtype=SparseType.FP16),
 ]
 
 
 def test_training_matches_stock_at_two_ranks() -> None:
     """Row-wise and table-wise, SGD and row-wise Adagrad (weight decay), SUM and MEAN, weighted features, a
-    shared table, empty bags, a table of W rows and rows not divisible by W, a mixed plan, eval forwards between steps (no_grad, and
-    with grad whose output is dropped: its buffer slot is released at the next step), fp16 weights and outputs,
-    TorchRec's TrainPipelineSparseDist, and TrainPipelineSemiSync's order (three steps in flight; the
-    pipeline itself runs on GPUs only, tests/test_gpu_training.py): every weight and optimizer state equal."""
+    shared table, empty bags, a table of W rows and rows not divisible by W, a mixed plan, eval forwards
+    between steps (no_grad, and with grad whose output is dropped: its buffer slot is released at the next
+    step), fp16 weights and outputs with a MEAN table, TorchRec's TrainPipelineSparseDist, and
+    TrainPipelineSemiSync's order (three steps in flight; the pipeline itself runs on GPUs only,
+    tests/test_gpu_training.py): every weight and optimizer state equal (module docstring: tolerances)."""
     _assert_equal(run_distributed(_train_cases, 2, QUICK, "cpu"))
 
 
 # FBGEMM's CPU TBE trains with SGD and the Adagrads only, and has no bf16 output: Adam, LAMB and bf16 run on
-# GPUs (test_gpu_training.py).
+# GPUs (test_gpu_training.py). A mixed plan runs fp32 only: its stock table_wise tables of an EBC sit on one
+# rank, and stock TorchRec over gloo aborts on such a sharding with fp16 outputs by itself (the rank that owns
+# none receives fp32-sized data: "Received data size doesn't match expected size"), with no PGAS table in it.
 FULL = [Case(kind, opt, wd, pooling, data_type, out, loop=loop)
         for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE, "mixed")
         for opt, wd in ((EmbOptimType.EXACT_SGD, 0.0), (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0),
                         (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01), (EmbOptimType.EXACT_ADAGRAD, 0.0))
         for pooling in ("sum", "mixed")
         for data_type, out in ((DataType.FP32, SparseType.FP32), (DataType.FP16, SparseType.FP16))
-        for loop in ("plain", "sparse_dist", "three_in_flight")]
+        for loop in ("plain", "sparse_dist", "three_in_flight")
+        if kind != "mixed" or out == SparseType.FP32]
 
 
 @pytest.mark.slow
 @pytest.mark.matrix
 @pytest.mark.parametrize("world", [2, 3])
 def test_training_matrix_matches_stock(world: int) -> None:
-    """Every sharding x optimizer x pooling x dtypes x loop (144 cases) at 2 and 3 ranks (CI, after make test)."""
+    """Every sharding x optimizer x pooling x dtypes x loop (120 cases) at 2 and 3 ranks (CI, after make test)."""
     _assert_equal(run_distributed(_train_cases, world, FULL, "cpu"))

@@ -1,9 +1,10 @@
 """Opt-in stage timing: where a sharded forward spends its time.
 
 The benchmark wraps steps in :func:`stage_timer` and marks stage boundaries;
-the PGAS pipelines mark their internal boundaries (between the fused lookup and
-the finalize) through :func:`mark`, which costs one global read when no timer
-is active. On CUDA a mark is an event on the current stream, so a stage's time
+the PGAS steps mark their internal boundaries (between the lookup and the
+combine; in a backward, after the gradient exchange, the owner's id rebuild, the
+replayed lookup and FBGEMM's backward + optimizer) through :func:`mark`, which
+costs one global read when no timer is active. On CUDA a mark is an event on the current stream, so a stage's time
 is what the GPU timeline spent between two marks: kernel time plus any time the
 GPU waited for the host (host syncs, launch gaps), which is what a step pays.
 On CPU a mark is the wall clock.

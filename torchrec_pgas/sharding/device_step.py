@@ -291,6 +291,7 @@ class DeviceStep(PgasStep):
         ops.grad_dist(grad[:batch].to(self.spec.out_dtype), *args, epoch, batch, gradient_divisor(self.world_size),
                       gave_up)
         ops.await_grads(*args, self._grad_flags, epoch)
+        profiling.mark("grad_exchange")
         whole = (self._grad_flags == 0).all()
         self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
         f_lo, f_hi = self.lookup_features
@@ -299,6 +300,7 @@ class DeviceStep(PgasStep):
         batches = torch.stack([self.buf.view(torch.int64, lay.index_block(slot, s) + lay.header_off + 8, 1)[0]
                                for s in range(self.world_size)])
         kjt = self.kept_ids(epoch, rows, (f_lo, f_hi - f_lo, lay.num_features), batches, whole)  # the sync
+        profiling.mark("kept_ids")
         try:
             # After the sync: every sharding's records of the step are in (their combines ran before).
             problem = self._backward_problem(epoch) or self.failed_sibling(epoch)

@@ -204,12 +204,18 @@ class HostStep(PgasStep):
         slot = epoch % lay.num_slots
         try:
             for dest, rows in self.gradient_blocks(grad, ticket):
+                if rows.dtype != self.spec.out_dtype or rows.numel() * rows.element_size() > lay.output_block_bytes:
+                    raise PgasError(f"{self.kind}: step {epoch}'s gradient for rank {dest} is {tuple(rows.shape)} "
+                                    f"{rows.dtype}, not within a {lay.output_block_bytes}-byte "
+                                    f"{self.spec.out_dtype} gradient block")
                 if rows.numel():
                     self.rt.put(self.buf, dest, lay.grad_block(slot, self.rank), rows)
                 self.rt.signal(self.pad, dest, lay.grad_signal(self.rank), 2 * epoch)
             self._await_gradients(epoch)
+            profiling.mark("grad_exchange")
             rows, block_features, columns, batches = self.owner_view(ticket)
             kjt = self.kept_ids(epoch, rows, block_features, batches)
+            profiling.mark("kept_ids")
             self.replay(ticket, kjt, self.kept_grads(epoch, rows, columns, self.spec.out_dtype))
         finally:
             self.release(epoch)
@@ -297,7 +303,7 @@ class HostRwStep(HostStep):
     def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:
         """Stock's autograd of the RW output: divided by the MEAN divisor, then by the gradient division;
         every owner gets the whole block (a masked copy costs more than it saves on the host)."""
-        g = grad / ticket.host if ticket.host is not None else grad
+        g = (grad / ticket.host).to(grad.dtype) if ticket.host is not None else grad  # fp16 stays fp16
         g = g / gradient_divisor(self.world_size)
         for dest in self._order():
             yield dest, g

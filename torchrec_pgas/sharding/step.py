@@ -30,6 +30,7 @@ from torchrec.distributed import comm_ops
 from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas import profiling
 from torchrec_pgas.bootstrap import init_runtime
 from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
@@ -408,7 +409,9 @@ class PgasStep(abc.ABC):
             return  # no row to update
         with torch.enable_grad(), _tbe_iterations(ticket.tbes, ticket.tbe_iters):
             out = ticket.pool(kjt)
+        profiling.mark("replay_lookup")
         torch.autograd.backward(out, grads.to(out.dtype))
+        profiling.mark("owner_backward")
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """Take the module's KJT in its input order: feature f of this sharding is input feature
