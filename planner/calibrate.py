@@ -10,10 +10,20 @@
     python -m torchrec_pgas.planner.calibrate <rw results.json> <tw results.json> -o profile.json
     # out of sample: each s004 config predicted by a fit on all the others, and the planner's regret
     python -m torchrec_pgas.planner.calibrate <results.json>... -o profile.json --validate s004 --csv planner.csv
+    # training terms: a training run's rows also measure the whole step (forward + backward + optimizer)
+    torchrun --nproc_per_node=1 -m benchmarks.embedding --mode train --pair rw --preset s004
+    python -m torchrec_pgas.planner.calibrate <train results.json> [<forward results.json>...] -o profile.json
 
 A results file of one pair fits that pair's two backends. Uniform-id rows only (the model has no skew
 term). NCCL has no graph mode (stock TorchRec cannot be captured), so its graph coefficients are its eager
 ones; so are PGAS's when the run captured no graphs (CPU).
+
+Rows of a training run fit each backend's backward (``<backend>_bwd``) on the step less the same side's
+eager forward, measured in the same row; their forward columns also serve the forward fit. The backward's
+k_wire is the forward's: at one world size its wire bytes are W - 1 times its local ones for every backend
+(none at W = 1), so no fit could split the two. FBGEMM's backward cannot be captured, so graph mode's
+backward is the eager one. The table printed compares the model with every row it was fitted on (in
+sample): the forward per mode, and for training rows the backward and the whole step.
 """
 
 import argparse
@@ -27,6 +37,7 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 from torchrec_pgas.planner.cost_model import (
+    BWD,
     NCCL_RW,
     NCCL_TW,
     PGAS_RW,
@@ -36,6 +47,7 @@ from torchrec_pgas.planner.cost_model import (
     CostModel,
     HardwareProfile,
     TableLoad,
+    backward_bytes,
     fit_coefficients,
     table_bytes,
 )
@@ -44,12 +56,27 @@ from torchrec_pgas.planner.cost_model import (
 PAIR_BACKENDS = {"row_wise": (NCCL_RW, PGAS_RW), "table_wise": (NCCL_TW, PGAS_TW)}
 # mode -> the result columns of the pair's (stock, PGAS) side
 COLUMNS = {"eager": ("stock_p50_ms", "pgas_p50_ms"), "graph": (None, "pgas_graph_p50_ms")}
+# A training run's whole step (forward + backward + fused optimizer) of the pair's (stock, PGAS) side, eager.
+TRAIN_COLUMNS = ("stock_train_p50_ms", "pgas_train_p50_ms")
 
 
-def row_columns(row: Dict[str, Any]) -> Dict[Tuple[str, str], str]:
-    """(backend, mode) -> the column of ``row`` that measured it."""
+def measurements(row: Dict[str, Any]) -> Dict[Tuple[str, str, str], float]:
+    """(backend, mode, pass) -> the ms that ``row`` measured; nothing for skewed ids (the model has no skew
+    term). Passes: "fwd", the forward, per mode; of a training row also "train", the step, and "bwd", the
+    step less the same side's eager forward (so the backward also carries the optimizer and what a training
+    forward costs over a no-grad one)."""
+    if row["ids"] != "uniform":
+        return {}
     backends = PAIR_BACKENDS[row.get("stock", "row_wise")]
-    return {(b, mode): col for mode, cols in COLUMNS.items() for b, col in zip(backends, cols) if col}
+    out = {(b, mode, "fwd"): row[col] for mode, cols in COLUMNS.items() for b, col in zip(backends, cols)
+           if col and row.get(col) is not None}
+    for b, col in zip(backends, TRAIN_COLUMNS):
+        forward = out.get((b, "eager", "fwd"))
+        if row.get(col) is not None and forward is not None:
+            if row[col] > forward:  # else the two medians' noise hides the backward: no relative error to fit
+                out[(b, "eager", "bwd")] = row[col] - forward
+            out[(b, "eager", "train")] = row[col]
+    return out
 
 
 def workload_tables(row: Dict[str, Any]) -> List[TableLoad]:
@@ -65,20 +92,24 @@ def step_tables(row: Dict[str, Any], backend: str) -> List[TableLoad]:
     return tables[:: row["world_size"]] if backend in TABLE_WISE else tables
 
 
-def samples(rows: List[Dict[str, Any]], backend: str, mode: str) -> List[Dict[str, float]]:
+def samples(rows: List[Dict[str, Any]], backend: str, mode: str, pass_: str = "fwd") -> List[Dict[str, float]]:
+    """What ``fit_coefficients`` fits one (backend, mode) of a pass ("fwd", "bwd") on: per row that measured
+    it, the bytes of the tables one rank pays for and the ms."""
+    step_bytes = backward_bytes if pass_ == "bwd" else table_bytes
     out = []
     for r in rows:
-        column = row_columns(r).get((backend, mode))
-        if r["ids"] != "uniform" or column is None or r.get(column) is None:
+        ms = measurements(r).get((backend, mode, pass_))
+        if ms is None:
             continue
-        byts = [table_bytes(t, r["batch_per_gpu"], r["world_size"], backend) for t in step_tables(r, backend)]
+        byts = [step_bytes(t, r["batch_per_gpu"], r["world_size"], backend) for t in step_tables(r, backend)]
         out.append({"hbm": sum(b.hbm for b in byts), "wire": sum(b.wire for b in byts),
-                    "local": sum(b.local for b in byts), "ms": r[column]})
+                    "local": sum(b.local for b in byts), "ms": ms})
     return out
 
 
 def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
-    """One coefficient set per (backend, mode) the rows measured; both backends of each pair present."""
+    """One coefficient set per (backend, mode) the rows measured, both backends of each pair present; and
+    per backend a training run measured, its backward's (``<backend>_bwd``, the same in both modes)."""
     rows, meta = results["rows"], results["meta"]
     coeffs: Dict[str, Dict[str, Any]] = {"eager": {}, "graph": {}}
     pairs = [PAIR_BACKENDS[s] for s in sorted({r.get("stock", "row_wise") for r in rows})]
@@ -91,28 +122,40 @@ def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
                 raise ValueError(f"no uniform-id rows to fit {backend} on")
         # Stock TorchRec has no graph mode, and a CPU run captures no graphs: eager stands in.
         coeffs["graph"].setdefault(backend, coeffs["eager"][backend])
+        found = samples(rows, backend, "eager", "bwd")
+        if found:  # the wire's price is the forward's (see the module docstring)
+            bwd = fit_coefficients(found, {"wire": coeffs["eager"][backend].k_wire})
+            coeffs["eager"][backend + BWD] = coeffs["graph"][backend + BWD] = bwd
+    trained = [r for r in rows if any(p == "bwd" for _, _, p in measurements(r))]
+    optimizers = ", ".join(sorted({str(r.get("optimizer")) for r in trained}))
+    backward = f"; backward: {len(trained)} training rows, {optimizers}, k_wire the forward's" if trained else ""
     source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
-              f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']})")
+              f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']}{backward})")
     return HardwareProfile(name, f"{meta['world_size']}x {meta['device']}", meta["world_size"], source, coeffs)
 
 
-def prediction_table(profile: HardwareProfile, results: Dict[str, Any]) -> Tuple[str, Dict[str, float]]:
-    """Predicted vs measured per row and mode; the median absolute relative error per (backend, mode)."""
-    lines = [f"{'workload':<44} {'mode':<5} {'backend':<7} {'measured':>9} {'predicted':>9} {'error':>7}"]
+def predicted_ms(profile: HardwareProfile, row: Dict[str, Any], backend: str, mode: str, pass_: str) -> float:
+    """The model's step of ``row``'s workload: the forward, the training step (forward + backward), or the
+    backward (their difference)."""
+    forward, train = (CostModel(profile, row["world_size"], row["batch_per_gpu"], mode, training).step_ms(
+        workload_tables(row), backend) for training in (False, True))
+    return {"fwd": forward, "bwd": train - forward, "train": train}[pass_]
+
+
+def prediction_table(profile: HardwareProfile,
+                     results: Dict[str, Any]) -> Tuple[str, Dict[str, Tuple[float, float]]]:
+    """Predicted vs measured per row, mode and pass (``measurements``); the median and the largest absolute
+    relative error per "backend/mode/pass"."""
+    lines = [f"{'workload':<44} {'mode':<5} {'pass':<5} {'backend':<7} {'measured':>9} {'predicted':>9} {'error':>7}"]
     errors: Dict[str, List[float]] = {}
     for r in results["rows"]:
-        if r["ids"] != "uniform":
-            continue
-        for (backend, mode), column in row_columns(r).items():
-            if r.get(column) is None:
-                continue
-            model = CostModel(profile, r["world_size"], r["batch_per_gpu"], mode)
-            pred = model.step_ms(workload_tables(r), backend)
-            err = (pred - r[column]) / r[column]
-            errors.setdefault(f"{backend}/{mode}", []).append(abs(err))
-            lines.append(f"{r['preset'] + '/' + r['name']:<44} {mode:<5} {backend:<7} {r[column]:>9.3f} "
+        for (backend, mode, pass_), ms in measurements(r).items():
+            pred = predicted_ms(profile, r, backend, mode, pass_)
+            err = (pred - ms) / ms
+            errors.setdefault(f"{backend}/{mode}/{pass_}", []).append(abs(err))
+            lines.append(f"{r['preset'] + '/' + r['name']:<44} {mode:<5} {pass_:<5} {backend:<7} {ms:>9.3f} "
                          f"{pred:>9.3f} {100 * err:>+6.1f}%")
-    return "\n".join(lines), {k: statistics.median(v) for k, v in errors.items()}
+    return "\n".join(lines), {k: (statistics.median(v), max(v)) for k, v in errors.items()}
 
 
 def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
@@ -135,9 +178,9 @@ def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]]
         for mode in COLUMNS:
             measured: Dict[str, float] = {}
             for r in mine:
-                for (b, m), column in row_columns(r).items():
-                    if r.get(column) is not None and m in (mode, "eager") and (m == mode or b in STOCK):
-                        measured[b] = r[column]
+                for (b, m, p), ms in measurements(r).items():
+                    if p == "fwd" and m in (mode, "eager") and (m == mode or b in STOCK):
+                        measured[b] = ms
             if not any(b not in STOCK for b in measured):
                 continue  # no graph captured (a CPU run, or --no-graph)
             model = CostModel(profile, mine[0]["world_size"], mine[0]["batch_per_gpu"], mode)
@@ -223,10 +266,10 @@ def main() -> None:
     profile = fit(results, args.name)
     with open(args.out, "w") as f:
         json.dump(profile.to_json(), f, indent=1)
-    table, mae = prediction_table(profile, results)
+    table, errors = prediction_table(profile, results)
     print(table)
-    for k, v in mae.items():
-        print(f"median |error| {k}: {100 * v:.1f}%")
+    for k, (median, largest) in errors.items():
+        print(f"in-sample |error| {k}: median {100 * median:.1f}%, max {100 * largest:.1f}%")
     print(f"profile: {args.out}")
     if args.validate:
         rows, summary = validate(results, args.validate)

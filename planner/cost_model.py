@@ -281,17 +281,25 @@ class CostModel:
         return sum(self.step_ms([t for t in tables if choice[t.name] == b], b) for b in self.backends)
 
 
-def fit_coefficients(samples: List[Dict[str, float]]) -> Coefficients:
+TERMS = ("hbm", "wire", "local")  # the per-byte terms of a fit's samples, in Coefficients' order after alpha
+
+
+def fit_coefficients(samples: List[Dict[str, float]], known: Optional[Dict[str, float]] = None) -> Coefficients:
     """Non-negative least squares in relative error over samples with keys
-    ``hbm, wire, local, ms`` (an active-set loop over 4 unknowns: small enough to do by hand)."""
+    ``hbm, wire, local, ms`` (an active-set loop over 4 unknowns: small enough to do by hand). The per-byte
+    terms in ``known`` (term -> ms per byte) keep that price, and terms no sample has bytes of (the wire at
+    one GPU) price 0, instead of being fitted: samples that cannot tell a term apart from the others, or
+    have none of it, would give it an invented price."""
     import numpy as np
 
+    known = known or {}
     x = np.array([[1.0, s["hbm"], s["wire"], s["local"]] for s in samples])
     y = np.array([s["ms"] for s in samples])
-    a, rhs = x / y[:, None], np.ones_like(y)  # relative error: small steps count as much as large ones
-    active = list(range(4))
+    held = np.array([0.0] + [known.get(k, 0.0) for k in TERMS])
+    a, rhs = x / y[:, None], 1 - x @ held / y  # relative error: small steps count as much as large ones
+    active = [0] + [i + 1 for i, k in enumerate(TERMS) if k not in known and x[:, i + 1].any()]
     while True:
-        sol = np.zeros(4)
+        sol = held.copy()
         sol[active] = np.linalg.lstsq(a[:, active], rhs, rcond=None)[0]
         negative = [i for i in active if sol[i] < 0]
         if not negative:

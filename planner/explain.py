@@ -52,8 +52,10 @@ def _training_note(model: CostModel) -> str:
         return ""
     fitted = [b for b in model.backends if model.profile.has_backward(b, model.mode)]
     stand_in = "the forward's per-byte coefficients, no fixed cost"
-    how = f"fitted for {', '.join(fitted)}, else {stand_in}" if fitted else f"{stand_in} (no training fit)"
-    return f", training: fwd+bwd (bwd: {how})"
+    if not fitted:
+        return f", training: fwd+bwd (bwd: {stand_in} (no training fit))"
+    rest = "" if len(fitted) == len(model.backends) else f", else {stand_in}"
+    return f", training: fwd+bwd (bwd: fitted for {', '.join(fitted)}{rest})"
 
 
 def main() -> None:

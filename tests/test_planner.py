@@ -2,11 +2,12 @@
 
 import dataclasses
 import glob
+import json
 import os
 import re
 import subprocess
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torchrec.distributed.planner.storage_reservations import FixedPercentageSto
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.planner.calibrate import fit, prediction_table, validate
 from torchrec_pgas.planner.cost_model import (
+    BWD,
     NCCL_RW,
     NCCL_TW,
     PGAS_RW,
@@ -138,15 +140,21 @@ def test_fit_recovers_known_coefficients_and_never_goes_negative() -> None:
     assert got.k_local == pytest.approx(0.0, abs=1e-15) and got.k_local >= 0
 
 
-def _result_row(tables: int, batch: int, pooling: int, prof: HardwareProfile) -> Dict[str, Any]:
-    row = {"preset": "s004", "name": f"t{tables}-b{batch}-p{pooling}", "tables": tables, "rows": 1000,
-           "dim": 32, "batch_per_gpu": batch, "pooling": pooling, "pooling_dist": "fixed", "ids": "uniform",
-           "world_size": 2}
-    loads = [TableLoad(f"t{i}", 1000, 32, [float(pooling)]) for i in range(tables)]
-    model = CostModel(prof, 2, batch)
+def _result_row(tables: int, batch: int, pooling: int, prof: HardwareProfile, world: int = 2,
+                train: bool = False, dim: int = 32) -> Dict[str, Any]:
+    """A row-wise pair's benchmark row measured exactly as ``prof`` prices it; ``train``: a training run's."""
+    row = {"preset": "s004", "name": f"t{tables}-b{batch}-p{pooling}-d{dim}", "tables": tables, "rows": 1000,
+           "dim": dim, "batch_per_gpu": batch, "pooling": pooling, "pooling_dist": "fixed", "ids": "uniform",
+           "world_size": world}
+    loads = [TableLoad(f"t{i}", 1000, dim, [float(pooling)]) for i in range(tables)]
+    model = CostModel(prof, world, batch)
     row["stock_p50_ms"] = model.step_ms(loads, NCCL_RW)
     row["pgas_p50_ms"] = model.step_ms(loads, PGAS_RW)
     row["pgas_graph_p50_ms"] = row["pgas_p50_ms"] / 2
+    if train:
+        trained = CostModel(prof, world, batch, training=True)
+        row.update(mode="train", optimizer="EXACT_ROWWISE_ADAGRAD", stock_train_p50_ms=trained.step_ms(loads, NCCL_RW),
+                   pgas_train_p50_ms=trained.step_ms(loads, PGAS_RW))
     return row
 
 
@@ -159,7 +167,98 @@ def test_calibration_fits_a_benchmark_run() -> None:
     assert fitted.get(PGAS_RW, "eager").alpha_ms == pytest.approx(0.25, rel=1e-4)
     assert fitted.get(NCCL_RW, "graph") == fitted.get(NCCL_RW, "eager")  # stock has no graph mode
     _, errors = prediction_table(fitted, results)
-    assert max(errors.values()) < 1e-4
+    assert max(largest for _, largest in errors.values()) < 1e-4
+
+
+# Forward and backward truths of the row-wise pair. The backward's k_wire is the forward's: at one world size
+# the backward's wire bytes are W - 1 times its local ones, so a fit takes the wire's price from the forward.
+FWD_TRUTH = {NCCL_RW: Coefficients(2.0, 5e-10, 1e-9, 6e-10), PGAS_RW: Coefficients(0.25, 3e-10, 2e-9, 1e-10)}
+BWD_TRUTH = {NCCL_RW: Coefficients(1.0, 8e-10, 1e-9, 4e-10), PGAS_RW: Coefficients(0.5, 6e-10, 2e-9, 3e-10)}
+TRUTH = HardwareProfile("truth", "test", 2, "hand-made",
+                        {"eager": {**FWD_TRUTH, **{b + BWD: c for b, c in BWD_TRUTH.items()}}})
+META = {"presets": ["s004"], "commit": "x", "date": "d", "world_size": 2, "device": "GPU"}
+
+
+def _grid(world: int = 2, train: bool = False) -> List[Dict[str, Any]]:
+    """16 workloads; two dims, else a forward's wire bytes are a sum of its HBM and local ones."""
+    return [_result_row(t, b, p, TRUTH, world, train, d) for t in (2, 64) for b in (128, 4096) for p in (4, 16)
+            for d in (16, 128)]
+
+
+def _close(got: Coefficients, want: Coefficients) -> bool:
+    return all(g == pytest.approx(w, rel=1e-6, abs=1e-15)
+               for g, w in zip(dataclasses.astuple(got), dataclasses.astuple(want)))
+
+
+def test_fit_holds_known_terms() -> None:
+    """A term in ``known`` keeps its price and the others fit the rest of each sample's ms; without it, a
+    term the samples have no bytes of is not fitted into a price (0)."""
+    truth = Coefficients(0.2, 3e-10, 2e-9, 5e-10)
+    points = [(1e6, 1e5, 1e4), (1e9, 1e7, 5e6), (1e7, 1e8, 1e5), (5e8, 3e5, 2e7), (1e3, 1e3, 1e3)]
+    samples = [{"hbm": h, "wire": w, "local": lo, "ms": 0.2 + h * 3e-10 + w * 2e-9 + lo * 5e-10}
+               for h, w, lo in points]
+    assert _close(fit_coefficients(samples, {"wire": 2e-9}), truth)
+    wrong = fit_coefficients(samples, {"wire": 1e-9})  # held where told, even when the samples disagree
+    assert wrong.k_wire == 1e-9 and not _close(wrong, truth)
+    no_wire = [{**s, "wire": 0.0, "ms": s["ms"] - s["wire"] * 2e-9} for s in samples]
+    assert _close(fit_coefficients(no_wire, {"wire": 7e-9}), dataclasses.replace(truth, k_wire=7e-9))
+    assert _close(fit_coefficients(no_wire), dataclasses.replace(truth, k_wire=0.0))
+
+
+@pytest.mark.parametrize("forward_rows", [False, True])
+def test_fit_recovers_backward_coefficients_from_training_rows(forward_rows: bool) -> None:
+    """Training rows fit the forward (their forward columns) and each backend's backward on the step less
+    the forward; next to forward-only rows too. The backward is eager only, so graph mode gets the same."""
+    rows = _grid(train=True) + (_grid() if forward_rows else [])
+    results = {"meta": META, "rows": rows}
+    fitted = fit(results, "fit")
+    for b in (NCCL_RW, PGAS_RW):
+        assert _close(fitted.get(b, "eager"), FWD_TRUTH[b]), b
+        assert fitted.has_backward(b) and _close(fitted.backward(b, "eager"), BWD_TRUTH[b]), b
+        assert fitted.backward(b, "graph") == fitted.backward(b, "eager")
+    assert "backward: 16 training rows, EXACT_ROWWISE_ADAGRAD, k_wire the forward's" in fitted.source
+    table, errors = prediction_table(fitted, results)
+    assert {k.split("/", 1)[1] for k in errors} == {"eager/fwd", "graph/fwd", "eager/bwd", "eager/train"}
+    assert max(largest for _, largest in errors.values()) < 1e-6
+    assert table.count(" bwd ") == table.count(" train ") == 2 * 16
+    assert HardwareProfile.from_json(fitted.to_json()).backward(PGAS_RW, "eager") == fitted.backward(PGAS_RW, "eager")
+    forward_only = fit({"meta": META, "rows": _grid()}, "fwd")
+    assert not forward_only.has_backward(NCCL_RW) and "backward" not in forward_only.source
+
+
+def test_backward_fit_at_one_gpu_invents_no_wire_price() -> None:
+    """At W = 1 a backward has no wire bytes: the owner's terms (fixed, HBM, local) are fitted and the wire
+    keeps the forward's price, here known from forward rows at W = 2 (``fit`` takes rows of any size)."""
+    fitted = fit({"meta": META, "rows": _grid(world=1, train=True) + _grid()}, "w1")
+    for b in (NCCL_RW, PGAS_RW):
+        bwd = fitted.backward(b, "eager")
+        assert bwd.k_wire == fitted.get(b, "eager").k_wire == pytest.approx(FWD_TRUTH[b].k_wire, rel=1e-6)
+        assert _close(bwd, BWD_TRUTH[b]), b
+    alone = fit({"meta": {**META, "world_size": 1}, "rows": _grid(world=1, train=True)}, "w1")
+    assert all(alone.backward(b, "eager").k_wire == alone.get(b, "eager").k_wire for b in (NCCL_RW, PGAS_RW))
+
+
+def test_in_sample_errors_of_the_training_terms_by_hand() -> None:
+    """Fixed costs only: the model says nccl fwd 1.0 + bwd 0.5 = train 1.5 ms, pgas 0.2 + 0.3 = 0.5 ms."""
+    prof = HardwareProfile("hand", "test", 2, "hand-made", {"eager": {
+        NCCL_RW: Coefficients(1.0, 0, 0, 0), NCCL_RW + BWD: Coefficients(0.5, 0, 0, 0),
+        PGAS_RW: Coefficients(0.2, 0, 0, 0), PGAS_RW + BWD: Coefficients(0.3, 0, 0, 0)}})
+    base = {"preset": "p", "tables": 1, "rows": 10, "dim": 4, "batch_per_gpu": 8, "pooling": 1,
+            "pooling_dist": "fixed", "ids": "uniform", "world_size": 2, "mode": "train"}
+    rows = [{**base, "name": "off", "stock_p50_ms": 1.25, "stock_train_p50_ms": 2.0, "pgas_p50_ms": 0.2,
+             "pgas_train_p50_ms": 0.4},
+            {**base, "name": "exact", "stock_p50_ms": 1.0, "stock_train_p50_ms": 1.5, "pgas_p50_ms": 0.2,
+             "pgas_train_p50_ms": 0.5},
+            {**base, "name": "skewed", "ids": "zipf", "stock_p50_ms": 9.0, "stock_train_p50_ms": 99.0}]
+    table, errors = prediction_table(prof, {"rows": rows})
+    lines = [line.split() for line in table.splitlines()[1:]]
+    assert ["p/off", "eager", "bwd", NCCL_RW, "0.750", "0.500", "-33.3%"] in lines
+    assert ["p/off", "eager", "train", PGAS_RW, "0.400", "0.500", "+25.0%"] in lines
+    assert len(lines) == 12 and not any(line[0] == "p/skewed" for line in lines)
+    assert errors[f"{NCCL_RW}/eager/bwd"] == pytest.approx((1 / 6, 1 / 3))
+    assert errors[f"{NCCL_RW}/eager/train"] == pytest.approx((0.125, 0.25))
+    assert errors[f"{NCCL_RW}/eager/fwd"] == pytest.approx((0.1, 0.2))
+    assert errors[f"{PGAS_RW}/eager/bwd"] == pytest.approx((0.25, 0.5))
 
 
 def test_leave_one_out_validation_and_regret() -> None:
@@ -290,6 +389,30 @@ def test_explain_training() -> None:
     cells, plain = train[2].split()[6:10], infer[2].split()[6:10]
     assert all(float(c.split("+")[1]) > 0 for c in cells)
     assert [float(c.split("+")[0]) for c in cells] == [float(c) for c in plain]  # the forward as in inference
+
+
+def test_explain_training_with_a_fitted_profile(tmp_path: Any) -> None:
+    """A profile fitted on training rows prices the backward with its fitted terms, and says so; one fitted
+    for some backends only names those and the stand-in for the rest."""
+    fitted = fit({"meta": META, "rows": _grid(train=True)}, "fit")
+    forward = HardwareProfile("fwd", "test", 2, "x", {"eager": {b: fitted.get(b, "eager") for b in FWD_TRUTH}})
+    partial = HardwareProfile("partial", "test", 2, "x", {"eager": {
+        **forward.coefficients["eager"], NCCL_RW + BWD: fitted.backward(NCCL_RW, "eager")}})
+    cfg = {"world_size": 2, "batch_per_rank": 4096, "training": True,
+           "tables": [{"name": "a", "rows": 1000, "dim": 32, "pooling": 16}]}
+    out: Dict[str, List[str]] = {}
+    for prof in (fitted, forward, partial):
+        path = tmp_path / f"{prof.name}.json"
+        path.write_text(json.dumps(prof.to_json()))
+        out[prof.name] = explain({**cfg, "profile": str(path)}).splitlines()
+    assert "bwd: fitted for nccl_rw, pgas_rw)" in out["fit"][0]
+    assert "bwd: the forward's per-byte coefficients, no fixed cost (no training fit)" in out["fwd"][0]
+    assert "bwd: fitted for nccl_rw, else the forward's per-byte coefficients" in out["partial"][0]
+    table = TableLoad("a", 1000, 32, [16.0])
+    for name, prof in (("fit", fitted), ("fwd", forward)):
+        parts = CostModel(prof, 2, 4096, training=True).contribution_parts(table, PGAS_RW, 1)
+        assert out[name][2].split()[7] == f"{parts[0]:.3f}+{parts[1]:.3f}"
+    assert out["fit"][2].split()[7] != out["fwd"][2].split()[7]  # the fitted backward, not the stand-in
 
 
 def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
