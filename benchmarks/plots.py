@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import LogNorm
+from matplotlib.colors import LogNorm, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter
@@ -31,6 +31,8 @@ COLORS = {"1-GPU TBE": "tab:gray", "stock eager": "tab:blue", "pgas eager": "tab
           "pgas graph": "tab:green"}
 P50 = {"stock eager": "stock_p50_ms", "pgas eager": "pgas_p50_ms", "pgas graph": "pgas_graph_p50_ms"}
 ROOFLINE = {"stock eager": "roofline_stock", "pgas eager": "roofline_pgas", "pgas graph": "roofline_graph"}
+# Training steps run eager (a CUDA graph cannot capture FBGEMM's backward).
+TRAIN_ROOFLINE = {"stock eager": "roofline_train_stock", "pgas eager": "roofline_train_pgas"}
 # PGAS over NCCL on 2 GPUs, as the paper reports it for its weak- and strong-scaling runs.
 PAPER_SPEEDUP = {"s000-weak": 2.10, "s000-strong": 2.95}
 # The same at 2, 3 and 4 GPUs (its 4x V100 runs).
@@ -169,35 +171,106 @@ def crossover(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     return fig
 
 
-def stages(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
-    """Where each forward's time goes: stacked stage bars, stock above PGAS, per config.
+def _stage_rows(rows: List[Row]) -> List[Row]:
+    """The configs a stage figure shows: all but the s004 grid's, of which two batch sizes at pooling 8."""
+    return [r for r in rows if r["preset"] != "s004" or (r["pooling"] == 8 and r["batch_per_gpu"] in (128, 4096))]
+
+
+def _stage_names(rows: List[Row], kind: str) -> List[str]:
+    """Every stage of ``{side}_{kind}`` over both sides, in their order."""
+    return list(dict.fromkeys(s for r in rows for side in ("stock", "pgas") for s in r[f"{side}_{kind}"]))
+
+
+def _stage_bars(meta: Dict[str, Any], shown: List[Row], kind: str, color: Dict[str, Any], what: str,
+                legend_title: Optional[str] = None) -> Figure:
+    """Stacked ``{side}_{kind}`` bars, stock above PGAS, per config.
 
     Bars are scaled to the config's stock total so small and large configs stay
     equally legible; the end labels give the totals in ms."""
-    shown = [r for r in rows if r["preset"] != "s004" or (r["pooling"] == 8 and r["batch_per_gpu"] in (128, 4096))]
-    if not shown:
-        return None
-    names = list(dict.fromkeys(s for r in shown for key in ("stock_stages_ms", "pgas_stages_ms") for s in r[key]))
-    palette = colormaps["tab10" if len(names) <= 10 else "tab20"]
-    color = {s: palette(i) for i, s in enumerate(names)}
-    fig = _figure(meta, "stage breakdown (bars scaled to the stock total)", (10, 0.5 * len(shown) + 1.8))
+    fig = _figure(meta, f"{what} (bars scaled to the stock total)", (10, 0.5 * len(shown) + 1.8))
     ax = fig.subplots()
     longest = 1.0  # a PGAS bar longer than stock's
     for i, r in enumerate(shown):
-        scale = sum(r["stock_stages_ms"].values())
+        scale = sum(r[f"stock_{kind}"].values())
         for offset, side in ((-0.2, "stock"), (0.2, "pgas")):
             left = 0.0
-            for s, ms in r[f"{side}_stages_ms"].items():
+            for s, ms in r[f"{side}_{kind}"].items():
                 ax.barh(i + offset, ms / scale, left=left, height=0.38, color=color[s])
                 left += ms / scale
             longest = max(longest, left)
-            total = sum(r[f"{side}_stages_ms"].values())
+            total = sum(r[f"{side}_{kind}"].values())
             ax.text(left + 0.01, i + offset, f"{side} {total:.3g} ms", va="center", fontsize=7)
     ax.set_yticks(range(len(shown)), [_label(r) for r in shown], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1.22 * longest)  # room for the end labels
     ax.set_xlabel("fraction of the stock stage total")
-    fig.legend([Patch(color=color[s]) for s in names], names, loc="outside right upper")
+    fig.legend([Patch(color=color[s]) for s in color], list(color), loc="outside right upper", title=legend_title)
+    return fig
+
+
+def stages(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Where each forward's time goes: stacked stage bars per config."""
+    shown = _stage_rows(rows)
+    if not shown:
+        return None
+    names = _stage_names(shown, "stages_ms")
+    palette = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return _stage_bars(meta, shown, "stages_ms", {s: palette(i) for i, s in enumerate(names)}, "stage breakdown")
+
+
+def _train_rows(rows: List[Row]) -> List[Row]:
+    """The rows of a ``--mode train`` run (they carry the forward's fields too)."""
+    return [r for r in rows if r.get("mode") == "train"]
+
+
+def _shades(names: List[str], family: str) -> Dict[str, Any]:
+    """One color per name from a sequential colormap, light to dark (none too pale to see)."""
+    cmap = colormaps[family]
+    return {s: cmap(0.35 + 0.55 * i / max(1, len(names) - 1)) for i, s in enumerate(names)}
+
+
+def train_stages(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Where each training step's time goes: the forward's stages (those the forward breakdown names) in
+    greens, the backward's in purples, so the backward's share reads at a glance."""
+    shown = _stage_rows(_train_rows(rows))
+    if not shown:
+        return None
+    forward = set(_stage_names(shown, "stages_ms"))
+    names = _stage_names(shown, "train_stages_ms")
+    color = {**_shades([s for s in names if s in forward], "Greens"),
+             **_shades([s for s in names if s not in forward], "Purples")}
+    return _stage_bars(meta, shown, "train_stages_ms", color, "training step stages",
+                       legend_title="forward: greens\nbackward: purples")
+
+
+def train_step(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """Training-step p50 of both sides per config, each over its forward p50 (lighter, hatched): the part
+    above the hatch is the backward's and the optimizer's; labels: stock / PGAS training step."""
+    rows = _train_rows(rows)
+    if not rows:
+        return None
+    optimizers = ", ".join(sorted({r["optimizer"] for r in rows}))
+    fig = _figure(meta, f"training step p50 ({optimizers}; hatched: the forward's p50)",
+                  (max(7.0, 1.1 * len(rows) + 3), 5.5))
+    ax = fig.subplots()
+    handles = []
+    for offset, side in ((-0.2, "stock"), (0.2, "pgas")):
+        color = COLORS[f"{side} eager"]
+        light = tuple(0.5 + 0.5 * c for c in to_rgb(color))
+        xs = [i + offset for i in range(len(rows))]
+        ax.bar(xs, [r[f"{side}_train_p50_ms"] for r in rows], width=0.38, color=color)
+        ax.bar(xs, [r[f"{side}_p50_ms"] for r in rows], width=0.38, color=light, hatch="//", edgecolor=color)
+        handles += [(Patch(color=color), f"{side} training step"),
+                    (Patch(facecolor=light, hatch="//", edgecolor=color), f"{side} forward")]
+    for i, r in enumerate(rows):
+        top = max(r["stock_train_p50_ms"], r["pgas_train_p50_ms"])
+        ax.text(i, top * 1.08, _times(r["speedup_train"]), ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("p50 (ms)")
+    ax.set_xticks(range(len(rows)), [_label(r) for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.margins(y=0.15)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(*zip(*handles), fontsize=8)
     return fig
 
 
@@ -273,23 +346,34 @@ def world_scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> O
     return fig
 
 
-def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
-    """Achieved fraction of the bandwidth floor, against the floor itself (GPU runs only:
-    a CPU run measures no bandwidths, so its rows have no floor)."""
-    rows = [r for r in rows if r["floor_ms"] is not None]
+def _floor_fraction(meta: Dict[str, Any], rows: List[Row], floor_key: str, series: Dict[str, str],
+                    what: str) -> Optional[Figure]:
+    """Achieved fraction of the bandwidth floor ``floor_key``, against the floor itself, one point per config
+    and series (GPU runs only: a CPU run measures no bandwidths, so its rows have no floor)."""
+    rows = [r for r in rows if r.get(floor_key) is not None]
     if not rows:
         return None
-    fig = _figure(meta, f"fraction of the floor (HBM {meta['hbm_gbps']:g} GB/s, NVLink {meta['p2p_gbps']:g} GB/s)",
-                  (8, 5.5))
+    fig = _figure(meta, f"{what} (HBM {meta['hbm_gbps']:g} GB/s, NVLink {meta['p2p_gbps']:g} GB/s)", (8, 5.5))
     ax = fig.subplots()
-    for series, key in ROOFLINE.items():
-        pts = [(r["floor_ms"], r[key]) for r in rows if r[key] is not None]
+    for name, key in series.items():
+        pts = [(r[floor_key], r[key]) for r in rows if r[key] is not None]
         if pts:
-            ax.scatter(*zip(*pts), color=COLORS[series], s=14, label=series)
+            ax.scatter(*zip(*pts), color=COLORS[name], s=14, label=name)
     ax.axhline(1.0, color="k", ls="--", lw=1, label="floor")
     _log_log(ax, "floor (ms)", "achieved fraction of the floor")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%"))
     return fig
+
+
+def roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """How close each forward comes to its bandwidth floor."""
+    return _floor_fraction(meta, rows, "floor_ms", ROOFLINE, "fraction of the floor")
+
+
+def train_roofline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """The same for the training step: its floor adds the backward's gradient traffic and optimizer update."""
+    return _floor_fraction(meta, _train_rows(rows), "train_floor_ms", TRAIN_ROOFLINE,
+                           "training step: fraction of the floor")
 
 
 def planner_scatter(meta: Dict[str, Any], validation: List[Dict[str, str]]) -> Optional[Figure]:
@@ -375,6 +459,9 @@ def make_plots(results_dir: str) -> List[str]:
         "roofline": roofline(meta, rows),
         "planner_scatter": planner_scatter(meta, validation),
         "comm_timeline": comm_timeline(meta, rows),
+        "train_step": train_step(meta, rows),
+        "train_stages": train_stages(meta, rows),
+        "train_roofline": train_roofline(meta, rows),
     }
     paths = []
     for name, fig in figures.items():

@@ -22,9 +22,10 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case (on a one-GPU machine both ranks share it)
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
-#   dlrm-train the DLRM example training with --sharding pgas --validate (the stock twin trained on the same
-#              batches) at each of DLRM_WORLDS (default "1 2"; ranks share GPUs when they outnumber them),
-#              DLRM_STEPS (50) steps; each run's loss trajectories in <out>/dlrm_train_w<W>.json
+#   dlrm-train the DLRM example training with --sharding pgas --validate through TrainPipelineSparseDist (the
+#              stock twin trained on the same batches, through the same pipeline) at each of DLRM_WORLDS (default
+#              "1 2"; ranks share GPUs when they outnumber them), DLRM_STEPS (50) steps; each run's loss
+#              trajectories and both samples/s in <out>/dlrm_train_w<W>.json
 #   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
 #              GPU (VIRTUAL_ARGS, default s000-weak and s000-strong at W = 1 and 2, both pairs); with
 #              AB_VARIANTS="dir ...", again for each dir: a scratch copy of the tree (/tmp/ab-<dir name>)
@@ -323,13 +324,13 @@ if has dlrm; then
 fi
 if has dlrm-train; then
   for n in ${DLRM_WORLDS:-1 2}; do
-    log "DLRM training, --sharding pgas --validate, $n ranks"
+    log "DLRM training, --sharding pgas --pipeline sparse_dist --validate, $n ranks"
     timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc_per_node="$n" -m examples.dlrm.run --sharding pgas \
-      --train --batch-size "${DLRM_BATCH:-2048}" --steps "${DLRM_STEPS:-50}" --max-rows 1000000 --validate \
-      --report "$OUT/dlrm_train_w$n.json" > /tmp/dlrm.log 2>&1
+      --train --pipeline sparse_dist --batch-size "${DLRM_BATCH:-2048}" --steps "${DLRM_STEPS:-50}" \
+      --max-rows 1000000 --validate --report "$OUT/dlrm_train_w$n.json" > /tmp/dlrm.log 2>&1
     echo "dlrm train w$n exit $?" | tee -a "$OUT/summary.txt"
     { echo "### dlrm train, $n ranks"; cat /tmp/dlrm.log; } >> "$OUT/dlrm_train.log"
-    grep -E "DLRM|validate|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
+    grep -E "DLRM|^samples/s|validate|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
   done
 fi
 log "done"

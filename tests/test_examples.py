@@ -54,6 +54,20 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     assert max(abs(a - b) / b for a, b in zip(got["losses"], got["stock_losses"])) <= 1e-4
 
 
+def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) -> None:
+    """--pipeline sparse_dist: both sides train through TorchRec's TrainPipelineSparseDist on the same batches,
+    still equal to stock step by step; the report carries both samples/s."""
+    report = tmp_path / "dlrm_pipeline.json"
+    out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--pipeline", "sparse_dist",
+                   "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate", "--report", str(report))
+    assert any(line.startswith("samples/s (sparse_dist loop): pgas ") and "nccl twin" in line for line in out), out
+    assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
+    got = json.loads(report.read_text())
+    assert got["pass"] and got["pipeline"] == "sparse_dist"
+    assert got["samples_per_s"] > 0 and got["stock_samples_per_s"] > 0
+    assert len(got["losses"]) == len(got["stock_losses"]) == 6
+
+
 def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
     """--sharding auto: collective_plan with PgasEnumerator decides per table (the shipped H200 profile
     prices PGAS lower for every row-wise table), and the result still matches stock."""

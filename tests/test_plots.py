@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks.plots import crossovers, make_plots  # noqa: E402
+from benchmarks.plots import crossovers, make_plots, train_stages  # noqa: E402
 
 META = {"device": "test GPU", "world_size": 2, "commit": "abc1234", "torch": "x", "date": "2026-01-01",
         "presets": ["s004", "s000-weak"], "steps": 10, "warmup": 2, "input_sets": 2,
@@ -32,6 +32,23 @@ def _row(preset: str, tables: int, batch: int, pooling: int, stock: float, pgas:
         "roofline_stock": floor / stock, "roofline_pgas": floor / pgas, "roofline_graph": graph and floor / graph,
         "max_abs_err": 0.0,
     }
+
+
+def _train_row(preset: str, tables: int, stock: float, pgas: float, floor: bool = True) -> Dict[str, Any]:
+    """A ``--mode train`` row: the forward's fields, then the training step's (backward ~2x the forward)."""
+    row = _row(preset, tables, 4096, 32, stock, pgas)
+    st, pt = 3 * stock, 2.5 * pgas
+    train_floor = 3 * row["floor_ms"] if floor else None
+    row.update(
+        mode="train", optimizer="sgd", stock_train_p50_ms=st, stock_train_p90_ms=st, pgas_train_p50_ms=pt,
+        pgas_train_p90_ms=pt, speedup_train=st / pt,
+        stock_train_stages_ms={**row["stock_stages_ms"], "grad_output_dist": stock, "owner_backward": stock},
+        pgas_train_stages_ms={**row["pgas_stages_ms"], "grad_exchange": pgas / 2, "kept_ids": pgas / 8,
+                              "replay_lookup": pgas / 2, "owner_backward": pgas / 2},
+        distinct_rows=1000.0, train_hbm_bytes=3 * row["hbm_bytes"], train_nvlink_bytes=2 * row["nvlink_bytes"],
+        train_floor_ms=train_floor, roofline_train_stock=train_floor and train_floor / st,
+        roofline_train_pgas=train_floor and train_floor / pt)
+    return row
 
 
 def _write(path: str, results: Dict[str, Any]) -> None:
@@ -94,3 +111,34 @@ def test_world_scaling_from_a_merged_scaling_run(tmp_path: Any) -> None:
     _write(str(tmp_path), {"meta": {**META, "world_size": "1-4"}, "rows": rows, "single_gpu": single})
     names = [os.path.basename(p) for p in make_plots(str(tmp_path))]
     assert "world_scaling.png" in names and "scaling.png" not in names
+
+
+def test_make_plots_draws_the_training_figures(tmp_path: Any) -> None:
+    """A --mode train run: the training step over its forward, its stages, and its floor fraction."""
+    rows = [_train_row("s000-weak", 26, 3.0, 1.5), _train_row("s000-strong", 26, 6.0, 2.0)]
+    _write(str(tmp_path), {"meta": {**META, "mode": "train"}, "rows": rows, "single_gpu": []})
+    names = [os.path.basename(p) for p in make_plots(str(tmp_path))]
+    assert names[-3:] == ["train_step.png", "train_stages.png", "train_roofline.png"]
+    for name in names[-3:]:
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # The forward's stages (both sides') first, in greens; the backward's after them, in purples.
+    fig = train_stages(META, rows)
+    assert fig is not None
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist", "index_dist", "combine",
+                      "grad_output_dist", "owner_backward", "grad_exchange", "kept_ids", "replay_lookup"]
+    colors = [h.get_facecolor() for h in fig.legends[0].legend_handles]
+    assert all(g > max(r, b) for r, g, b, _ in colors[:7]) and all(b > g for r, g, b, _ in colors[7:])
+
+
+def test_training_figures_skipped_without_their_data(tmp_path: Any) -> None:
+    """A CPU train run has no floor (no train_roofline); a forward-only run draws none of the three."""
+    _write(str(tmp_path), {"meta": {**META, "mode": "train"}, "rows": [_train_row("s000-weak", 26, 3.0, 1.5, False)],
+                           "single_gpu": []})
+    names = [os.path.basename(p) for p in make_plots(str(tmp_path))]
+    assert "train_step.png" in names and "train_stages.png" in names and "train_roofline.png" not in names
+    forward = tmp_path / "forward"
+    forward.mkdir()
+    _write(str(forward), {"meta": META, "rows": [_row("s000-weak", 26, 4096, 32, 3.0, 1.5)], "single_gpu": []})
+    assert not [p for p in make_plots(str(forward)) if os.path.basename(p).startswith("train_")]

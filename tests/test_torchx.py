@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+from torchrec_pgas.components import dlrm
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -34,3 +36,9 @@ def test_torchx_local_cwd_trains_the_dlrm_example_with_pgas() -> None:
                        "--validate")
     assert "DLRM train, sharding=pgas (shm), world 2" in log
     assert "validate: 4 training steps" in log and "-> PASS" in log
+
+
+def test_component_passes_script_args_through() -> None:
+    """Whatever follows ``--`` reaches examples.dlrm.run as given (the training loop's --pipeline too)."""
+    role = dlrm("--sharding", "pgas", "--train", "--pipeline", "sparse_dist").roles[0]
+    assert role.args[-1].endswith("-m examples.dlrm.run --sharding pgas --train --pipeline sparse_dist")

@@ -9,10 +9,13 @@
                   (forward, or forward + backward with --train).
 
 Inference by default; --train trains (fused SGD for the tables, SGD for the dense
-layers). Prints samples/s (global) and AUC / log loss over the run. --validate
-shards the same model the other way: for inference it compares the first steps'
-predictions; with --train it trains that twin on the same batches and compares
-the loss after every step (within 1e-4 relative) and the final AUC (within 1e-3).
+layers), in a plain loop or, with --pipeline sparse_dist, through TorchRec's
+TrainPipelineSparseDist (the next batch's input dist overlaps this one's step).
+Prints samples/s (global) and AUC / log loss over the run. --validate shards the
+same model the other way: for inference it compares the first steps' predictions;
+with --train it trains that twin on the same batches (and the same loop) and
+compares the loss after every step (within 1e-4 relative) and the final AUC
+(within 1e-3), and prints both samples/s.
 """
 
 import argparse
@@ -21,7 +24,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,8 +36,9 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -46,10 +50,12 @@ from torchrec_pgas.planner import PgasDecisionStats, PgasEnumerator, pgas_row_wi
 from torchrec_pgas.types import PGAS_ROW_WISE
 from torchrec_pgas.testing import fill_embeddings_
 
-EBC_PATH = "sparse_arch.embedding_bag_collection"
+EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+StepOutput = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # DLRMTrain's detached (loss, logits, labels)
 
 
-def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLRM:
+def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLRMTrain:
+    """``DLRM`` in ``DLRMTrain``: forward(batch) -> (loss, output), what TorchRec's train pipelines call."""
     torch.manual_seed(seed)  # same dense weights on every rank and for both shardings
     ebc = EmbeddingBagCollection(
         tables=[
@@ -58,17 +64,17 @@ def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLR
         ],
         device=torch.device("meta"),
     )
-    return DLRM(ebc, dense_in_features=INT_FEATURE_COUNT, dense_arch_layer_sizes=[128, dim],
-                over_arch_layer_sizes=[128, 64, 1], dense_device=device)
+    return DLRMTrain(DLRM(ebc, dense_in_features=INT_FEATURE_COUNT, dense_arch_layer_sizes=[128, dim],
+                          over_arch_layer_sizes=[128, 64, 1], dense_device=device))
 
 
-def planned_types(model: DLRM, batch: int, train: bool) -> Dict[str, str]:
+def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
     """--sharding auto: the planner's choice per table between stock row_wise and pgas_row_wise.
 
     Planned by ``collective_plan`` (rank 0 plans, every rank gets its plan) on a CUDA topology, which is a
     dry run that needs no GPU: TorchRec enumerates no row-wise options for a CPU topology.
     """
-    ebc = model.sparse_arch.embedding_bag_collection
+    ebc = model.model.sparse_arch.embedding_bag_collection
     rw_types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
     constraints = {c.name: ParameterConstraints(sharding_types=rw_types, compute_kernels=["fused"])
                    for c in ebc.embedding_bag_configs()}
@@ -87,12 +93,12 @@ def planned_types(model: DLRM, batch: int, train: bool) -> Dict[str, str]:
     return {table: ps.sharding_type for table, ps in plan.plan[EBC_PATH].items()}  # type: ignore[union-attr]
 
 
-def shard(model: DLRM, sharding: str, device: torch.device, batch: int, train: bool, lr: float,
+def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int, train: bool, lr: float,
           types: Optional[Dict[str, str]] = None) -> DistributedModelParallel:
     """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``."""
     world = dist.get_world_size()
     local_size = rank_placement(int(os.environ.get("LOCAL_WORLD_SIZE", world)), device.type).local_size(world)
-    ebc = model.sparse_arch.embedding_bag_collection
+    ebc = model.model.sparse_arch.embedding_bag_collection
     if train:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
     names = [c.name for c in ebc.embedding_bag_configs()]
@@ -117,31 +123,47 @@ class RunResult:
     losses: List[float]  # the global mean log loss of each step (before its update)
 
 
+def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_opt: Optional[torch.optim.Optimizer],
+            pipeline: str) -> Callable[[], StepOutput]:
+    """One step per call (with ``dense_opt``, a training step): the plain loop or ``TrainPipelineSparseDist``,
+    which calls the optimizer itself and runs the next batch's input dist inside this step."""
+    batches = iter(data)
+    if pipeline == "sparse_dist":
+        assert dense_opt is not None, "the pipeline trains"
+        pipe = TrainPipelineSparseDist(dmp, dense_opt, device)
+        return lambda: pipe.progress(batches)
+
+    def step() -> StepOutput:
+        with torch.set_grad_enabled(dense_opt is not None):
+            loss, output = dmp(next(batches).to(device))
+        if dense_opt is not None:
+            loss.backward()  # the tables' fused optimizer runs inside it
+            dense_opt.step()
+            dense_opt.zero_grad()
+        return output
+
+    return step
+
+
 def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool, lr: float,
-        warmup: int) -> RunResult:
+        warmup: int, pipeline: str = "plain") -> RunResult:
     dense_opt = None
     if train:
         dense = [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
         dense_opt = torch.optim.SGD(dense, lr=lr)
+    step_fn = stepper(dmp, data, device, dense_opt, pipeline)
     preds, labels, losses = [], [], []
     start, timed = 0.0, 0
-    for step, batch in enumerate(data):
+    for step in range(len(data)):
         if step == warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-        batch = batch.to(device)
-        with torch.set_grad_enabled(train):
-            logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        if dense_opt is not None:
-            loss.backward()  # the tables' fused optimizer runs inside it
-            dense_opt.step()
-            dense_opt.zero_grad()
-        losses.append(loss.detach())
-        preds.append(torch.sigmoid(logits.detach()))
-        labels.append(batch.labels)
+        loss, logits, step_labels = step_fn()
+        losses.append(loss)
+        preds.append(torch.sigmoid(logits))
+        labels.append(step_labels)
         timed += step >= warmup
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,21 +188,33 @@ def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, 
     return {"auc": float(auc), "logloss": float(logloss)}
 
 
+def twin_sharding(sharding: str) -> str:
+    """--validate's other side: stock for pgas and auto, PGAS for nccl."""
+    return "pgas" if sharding == "nccl" else "nccl"
+
+
 def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.Module, data: SyntheticCriteo,
                       device: torch.device, args: argparse.Namespace) -> bool:
-    """Train the twin on the same batches: the loss of every step within 1e-4 relative, the AUC within 1e-3."""
-    theirs = run(twin, data, device, True, args.lr, args.warmup)
+    """Train the twin on the same batches through the same loop: the loss of every step within 1e-4 relative,
+    the AUC within 1e-3; both samples/s side by side (the report's keys name the stock side as such)."""
+    theirs = run(twin, data, device, True, args.lr, args.warmup, args.pipeline)
     their_metrics = metrics(theirs.preds, theirs.labels)
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours.losses, theirs.losses)]
     worst = max(range(len(rel)), key=rel.__getitem__)
     auc_diff = abs(our_metrics["auc"] - their_metrics["auc"])
     ok = rel[worst] <= 1e-4 and auc_diff <= 1e-3
+    other = twin_sharding(args.sharding)
+    sides = [(ours, our_metrics), (theirs, their_metrics)]
+    (pgas, pgas_m), (stock, stock_m) = sides[::-1] if other == "pgas" else sides
     if dist.get_rank() == 0 and args.report:
         with open(args.report, "w") as f:
             json.dump({"args": vars(args), "world": dist.get_world_size(), "pass": ok, "max_rel_loss_diff": rel[worst],
-                       "auc_diff": auc_diff, "losses": ours.losses, "stock_losses": theirs.losses,
-                       "metrics": our_metrics, "stock_metrics": their_metrics}, f, indent=1)
+                       "auc_diff": auc_diff, "pipeline": args.pipeline, "samples_per_s": pgas.samples_per_s,
+                       "stock_samples_per_s": stock.samples_per_s, "losses": pgas.losses,
+                       "stock_losses": stock.losses, "metrics": pgas_m, "stock_metrics": stock_m}, f, indent=1)
     if dist.get_rank() == 0:
+        print(f"samples/s ({args.pipeline} loop): {args.sharding} {ours.samples_per_s:,.0f}, {other} twin "
+              f"{theirs.samples_per_s:,.0f}, ratio {ours.samples_per_s / theirs.samples_per_s:.2f}x", flush=True)
         print(f"validate: {len(rel)} training steps, loss per step max rel diff {rel[worst]:.2e} (step {worst}: "
               f"{ours.losses[worst]:.6f} vs stock {theirs.losses[worst]:.6f}), final loss {ours.losses[-1]:.6f} vs "
               f"{theirs.losses[-1]:.6f}, AUC {our_metrics['auc']:.4f} vs {their_metrics['auc']:.4f} "
@@ -212,12 +246,17 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=100_000, help="cap on every table's rows")
     parser.add_argument("--train", action="store_true", help="train (embeddings and dense layers)")
     parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--pipeline", choices=["plain", "sparse_dist"], default="plain",
+                        help="with --train: the training loop (sparse_dist: TorchRec's TrainPipelineSparseDist)")
     parser.add_argument("--validate", action="store_true",
                         help="compare with the other sharding of the same model (see above)")
     parser.add_argument("--validate-steps", type=int, default=3, help="inference: steps whose predictions compare")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--report", help="with --train --validate: write both loss trajectories here (JSON)")
+    parser.add_argument("--report", help="with --train --validate: write both loss trajectories and samples/s "
+                        "here (JSON)")
     args = parser.parse_args()
+    if args.pipeline != "plain" and not args.train:
+        parser.error("--pipeline sparse_dist trains: add --train")
 
     rank = int(os.environ["RANK"])
     placement = best_placement(int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -234,7 +273,7 @@ def main() -> None:
     dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr, types)
     data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
 
-    result = run(dmp, data, device, args.train, args.lr, args.warmup)
+    result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline)
     check_errors(dmp)
     m = metrics(result.preds, result.labels)
     mode = "train" if args.train else "inference"
@@ -247,9 +286,7 @@ def main() -> None:
               f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
               f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
     if reference is not None:
-        # the other side: stock for pgas and auto, PGAS for nccl
-        other = "pgas" if args.sharding == "nccl" else "nccl"
-        twin = shard(reference, other, device, args.batch_size, args.train, args.lr)
+        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, args.train, args.lr)
         ok = (validate_training(result, m, twin, data, device, args) if args.train
               else validate_inference(dmp, twin, device, args))
         if not ok:
