@@ -743,6 +743,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
                         help="--mode train: the tables' fused optimizer (adam: GPUs only, as FBGEMM's CPU TBE)")
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
+    parser.add_argument("--owner-backward", default="fbgemm", choices=["fbgemm", "pgas"],
+                        help="--mode train: PgasConfig.owner_backward (who applies the owner's gradients)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     if args.mode == "train" and args.inference_only:
@@ -780,7 +782,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
             "pgas_training_layout": not args.inference_only, "mode": args.mode,
-            "optimizer": args.optimizer if args.mode == "train" else None,
+            "optimizer": args.optimizer if args.mode == "train" else None, "owner_backward": args.owner_backward,
             "learning_rate": args.lr if args.mode == "train" else None,
             "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
             "argv": sys.argv,
@@ -797,7 +799,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
             ws = list(group)
             config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
-                                training=not args.inference_only)
+                                training=not args.inference_only, owner_backward=args.owner_backward)
             stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)
             pgas = shard_ebc(ws[0], True, args.pair, config, device, fused_params)
             for w in ws:

@@ -16,8 +16,10 @@
 #   tests      every GPU test (tests/ -m gpu) at PGAS_TEST_WORLD ranks; quick-tests: a few of them
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
-#   bench-train benchmarks.embedding --mode train, both pairs, at each of TRAIN_WORLDS (default 1) GPUs, into
-#              train-<pair>-w<n>; TRAIN_ARGS (default s004, s000-weak, s000-strong, 50 steps, no graph)
+#   bench-train benchmarks.embedding --mode train, both pairs, with each of TRAIN_OWNER_BACKWARDS (default
+#              "fbgemm pgas": PgasConfig.owner_backward), at each of TRAIN_WORLDS (default 1) GPUs, into
+#              train-<pair>-<owner backward>-w<n>; TRAIN_ARGS (default s004, s000-weak, s000-strong, 50 steps,
+#              no graph)
 #   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank case (on a one-GPU machine both ranks share it)
 #   demo       the `make demo` job on nvshmem
@@ -288,7 +290,9 @@ if has bench-train; then
   read -r -a TRAIN_ARGV <<< "${TRAIN_ARGS:---preset s004 --preset s000-weak --preset s000-strong --steps 50 --stage-steps 10 --no-graph --no-single-gpu}"
   for n in ${TRAIN_WORLDS:-1}; do
     for pair in rw tw; do
-      bench "$n" "train-$pair-w$n" --mode train --pair "$pair" "${TRAIN_ARGV[@]}"
+      for ob in ${TRAIN_OWNER_BACKWARDS:-fbgemm pgas}; do
+        bench "$n" "train-$pair-$ob-w$n" --mode train --pair "$pair" --owner-backward "$ob" "${TRAIN_ARGV[@]}"
+      done
     done
   done
 fi

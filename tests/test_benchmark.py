@@ -81,6 +81,17 @@ STOCK_TRAIN_STAGES = [*STOCK_STAGES, "grad_output_dist", "owner_backward"]
 PGAS_TRAIN_STAGES = [*PGAS_STAGES, "grad_exchange", "kept_ids", "replay_lookup", "owner_backward"]
 
 
+def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
+    """--owner-backward pgas: the PGAS side's updates come from the owner backward (no replayed lookup among
+    its stages), and the states still agree with stock's after the timed steps (the benchmark's own check:
+    atol 1e-4, rtol 1e-5; Adagrad's sums of squares differ in their last bits)."""
+    out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas")
+    assert out["meta"]["owner_backward"] == "pgas"
+    for row in out["rows"]:
+        assert row["max_state_diff"] <= 1e-4
+        assert list(row["pgas_train_stages_ms"]) == [s for s in PGAS_TRAIN_STAGES if s != "replay_lookup"]
+
+
 @pytest.mark.parametrize("pair", ["rw", "tw"])
 def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pair: str) -> None:
     """--mode train: both sides' weights and optimizer states agree after the warm-up and after the timed

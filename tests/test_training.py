@@ -113,7 +113,7 @@ def _train_cases(rank: int, world: int, cases: List[Case], device_type: str) -> 
 def _assert_equal(results: List[List[Tuple[str, float, float]]]) -> None:
     for rank_results in results:
         for case, worst, tol in rank_results:
-            assert worst <= tol * (1 + 1e-9) + (0 if tol == 0 else 1e-7), f"{case}: |pgas - stock| {worst} > {tol}"
+            assert worst <= tol * (1 + 1e-9) + (0 if tol == 0 else 1e-7), f"{case}: |pgas - stock| / max(1, |stock|) {worst} > {tol}"
 
 
 QUICK = [
@@ -155,6 +155,7 @@ FULL = [Case(kind, opt, wd, pooling, data_type, out, loop=loop)
 
 @pytest.mark.slow
 @pytest.mark.matrix
+@pytest.mark.timeout(1500)  # about 3 minutes at W = 3 on an idle 2-core machine
 @pytest.mark.parametrize("world", [2, 3])
 def test_training_matrix_matches_stock(world: int) -> None:
     """Every sharding x optimizer x pooling x dtypes x loop (120 cases) at 2 and 3 ranks (CI, after make test)."""

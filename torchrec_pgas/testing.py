@@ -431,8 +431,9 @@ def train_against_stock(
     eval_grad: bool = False,
 ) -> List[float]:
     """Train ``model`` sharded with ``types`` and with their stock twins on the same batches and upstream
-    gradients (``LossModel``); after every step, the largest |pgas - stock| over every local weight shard
-    and fused-optimizer state tensor. ``loop``: "plain", "three_in_flight" (stock runs "plain"),
+    gradients (``LossModel``); after every step, the largest |pgas - stock| / max(1, |stock|) over every
+    local weight shard and fused-optimizer state tensor (absolute below 1, relative above: Adagrad's sums of
+    squared gradients grow past 1). ``loop``: "plain", "three_in_flight" (stock runs "plain"),
     "sparse_dist" (``TrainPipelineSparseDist``) or "semi_sync" (``TrainPipelineSemiSync`` from batch
     ``semi_sync_start``). ``eval_every``: a forward of the step's batch after every that many steps, under
     ``no_grad`` or, with ``eval_grad``, with grad enabled and its output dropped."""
@@ -453,8 +454,8 @@ def train_against_stock(
         got, ref = local_state(sides["pgas"]), local_state(sides["stock"])
         if got.keys() != ref.keys():
             raise AssertionError(f"state names differ: {sorted(got.keys() ^ ref.keys())}")
-        diffs.append(max((float((got[k].double() - ref[k].double()).abs().max()) for k in ref if ref[k].numel()),
-                         default=0.0))
+        diffs.append(max((float(((got[k].double() - ref[k].double()).abs() / ref[k].double().abs().clamp(min=1)).max())
+                          for k in ref if ref[k].numel()), default=0.0))
     return diffs
 
 
@@ -493,16 +494,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device_
     # The parent serves the rendezvous store on a port the OS picks and holds it until the ranks
     # end: no window in which another process can take the port (a free-port probe has one).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(
+    context = mp.start_processes(
         _worker,
         args=(fn, world_size, store.port, queue, placement, args),
         nprocs=world_size,
         start_method="spawn",
+        join=False,
     )
     results: Dict[int, Any] = {}
-    while not queue.empty():
-        rank, value = queue.get()
-        results[rank] = value
+    done = False
+    while not done:  # drain while joining: a rank's put blocks once its result outgrows the pipe's buffer
+        done = context.join(timeout=0.2)
+        while not queue.empty():
+            rank, value = queue.get()
+            results[rank] = value
     return [results[r] for r in range(world_size)]
 
 

@@ -27,6 +27,8 @@ class PgasBackendType(Enum):
     NVSHMEM = "nvshmem"  # CUDA: NVSHMEM symmetric heap, GPU-initiated puts
 
 
+OWNER_BACKWARDS = ("fbgemm", "pgas")  # PgasConfig.owner_backward
+
 @dataclass(frozen=True)
 class PgasConfig:
     """Sizing knobs for the symmetric buffers of one PGAS sharding.
@@ -48,6 +50,15 @@ class PgasConfig:
             buffer slot, so that a step's ids stay until its backward (TorchRec's
             train pipelines keep up to three steps in flight). ``False`` for
             inference-only shardings: less memory, and a backward raises.
+        owner_backward: who applies an owner's gradients. ``"fbgemm"`` (the
+            default): the stock lookup replayed under autograd, so FBGEMM's fused
+            backward + optimizer run, every optimizer and option included.
+            ``"pgas"``: the owner backward of ``sharding/owner_backward.py``
+            (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM; no replayed lookup, no key
+            sort over the whole step), with FBGEMM's path where a TBE's optimizer
+            or options are not covered (a warning names why). Its reference runs
+            in torch ops; it becomes the default once its differential tests pass
+            on GPUs.
     """
 
     max_local_batch_size: int = 4096
@@ -55,6 +66,7 @@ class PgasConfig:
     avg_pooling_capacity: int = 32
     wait_timeout_s: float = 120.0
     training: bool = True
+    owner_backward: str = "fbgemm"
 
     def __post_init__(self) -> None:
         if self.max_local_batch_size <= 0:
@@ -71,6 +83,8 @@ class PgasConfig:
             )
         if self.wait_timeout_s <= 0:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        if self.owner_backward not in OWNER_BACKWARDS:
+            raise ValueError(f"PgasConfig.owner_backward must be one of {OWNER_BACKWARDS}, got {self.owner_backward!r}")
 
     def ids_capacity(self, num_features: int) -> int:
         if self.max_ids_per_rank is not None:

@@ -19,6 +19,7 @@ invokers do not.
 
 import abc
 import contextlib
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
@@ -32,6 +33,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.bootstrap import init_runtime
+from torchrec_pgas.sharding.owner_backward import owner_backward
+from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
 
@@ -194,6 +197,7 @@ class PgasStep(abc.ABC):
         self.issued = 0  # index dists issued (epochs are 1-based)
         self.looked_up = 0  # lookups completed
         self._input_order: Optional[List[int]] = None
+        self._owner_backward_gap: Optional[str] = None  # what owner_backward="pgas" does not cover, once known
         self._awaiting_backward: Set[int] = set()  # training steps whose blocks their backward still needs
         self._tickets: "weakref.WeakValueDictionary[int, StepTicket]" = weakref.WeakValueDictionary()
         _STEPS.add(self)
@@ -407,11 +411,28 @@ class PgasStep(abc.ABC):
         training benchmark is to measure it) and follows every optimizer FBGEMM ships, bit for bit."""
         if kjt.values().numel() == 0:
             return  # no row to update
+        if self._owner_backward_applies(ticket.tbes):
+            owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters)
+            profiling.mark("owner_backward")
+            return
         with torch.enable_grad(), _tbe_iterations(ticket.tbes, ticket.tbe_iters):
             out = ticket.pool(kjt)
         profiling.mark("replay_lookup")
         torch.autograd.backward(out, grads.to(out.dtype))
         profiling.mark("owner_backward")
+
+    def _owner_backward_applies(self, tbes: Sequence[nn.Module]) -> bool:
+        """Whether ``PgasConfig.owner_backward == "pgas"`` covers every TBE of this sharding; the first time
+        it does not, a warning says why (FBGEMM's replay serves the sharding then)."""
+        if self.spec.config.owner_backward != "pgas":
+            return False
+        if self._owner_backward_gap is None:
+            reasons = [r for r in map(unsupported_update, tbes) if r is not None]
+            self._owner_backward_gap = "; ".join(reasons)
+            if reasons:
+                warnings.warn(f"{self.kind}: owner_backward='pgas' does not cover {self._owner_backward_gap}: "
+                              "FBGEMM's fused backward applies this sharding's gradients")
+        return not self._owner_backward_gap
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """Take the module's KJT in its input order: feature f of this sharding is input feature

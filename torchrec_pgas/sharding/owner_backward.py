@@ -1,0 +1,133 @@
+"""The owner's fused backward + optimizer in the TBE's own storage (``PgasConfig(owner_backward="pgas")``).
+
+What FBGEMM's fused backward does for its exact optimizers, as one pass over the ids an owner kept of a step
+(``PgasStep.kept_ids``) and the gradient rows its requesters pushed (``PgasStep.kept_grads``):
+
+1. gradient rows: every (bag, id) pair's row is its bag's pooled gradient, times the id's per-sample weight,
+   divided by the bag's length when the TBE pools by MEAN;
+2. aggregation: summed per distinct (table, row), in the order the ids arrived (a stable sort by row, then a
+   segment sum in fp32): deterministic, whatever the device;
+3. update: one optimizer step of each distinct row, in fp32, stored back in the weights' precision (round to
+   nearest: stochastic rounding falls back to FBGEMM), into ``split_embedding_weights()`` and
+   ``split_optimizer_states()``, the tensors ``state_dict`` and ``fused_optimizer`` hold, so checkpoints and
+   learning-rate changes stay stock's.
+
+The update formulas are those of FBGEMM's GPU kernels (its CPU kernels ignore row-wise Adagrad's weight
+decay and round fp16 SGD stochastically). This is the reference implementation, in torch ops on any device,
+of the algorithm an owner-side CUDA kernel is to run. It covers EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
+decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what it does not cover, and
+FBGEMM's path (``PgasStep.replay``) serves those.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM)
+# FBGEMM's weight_decay_mode values the row-wise Adagrad update knows: none, L2 (into the gradient's
+# square sum and a correction of the weight), decoupled (a correction of the weight only).
+_WD_NONE, _WD_L2, _WD_DECOUPLE = 0, 1, 2
+
+
+def unsupported(tbe: nn.Module) -> Optional[str]:
+    """Why this TBE's update must stay FBGEMM's, or None when the owner backward reproduces it."""
+    args = tbe.optimizer_args
+    if tbe.optimizer not in SUPPORTED_OPTIMIZERS:
+        return f"optimizer {tbe.optimizer.name}"
+    if tbe.weights_precision not in (SparseType.FP32, SparseType.FP16):
+        return f"{tbe.weights_precision.name} weights"
+    if tbe.weights_precision == SparseType.FP16 and args.stochastic_rounding:
+        return "fp16 weights with stochastic rounding"
+    if tbe.pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN):
+        return f"pooling {tbe.pooling_mode.name}"
+    if args.gradient_clipping or args.max_norm > 0:
+        return "gradient clipping or max_norm"
+    if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD and args.weight_decay_mode not in (
+            _WD_NONE, _WD_L2, _WD_DECOUPLE):
+        return f"weight_decay_mode {args.weight_decay_mode}"
+    if tbe.optimizer == EmbOptimType.ADAM and (args.use_rowwise_bias_correction or args.weight_decay != 0):
+        return "Adam with row-wise bias correction or weight decay"  # not yet compared with FBGEMM's on a GPU
+    return None
+
+
+def row_gradients(offsets: torch.Tensor, weights: Optional[torch.Tensor], grad: torch.Tensor, feature: int,
+                  batch: int, mean: bool) -> torch.Tensor:
+    """The gradient row of each id of ``feature``'s bags (step 1): ``grad`` is the feature's ``[B, D]`` columns."""
+    bounds = offsets[feature * batch:(feature + 1) * batch + 1]
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    lengths = bounds[1:] - bounds[:-1]
+    n = hi - lo
+    bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths, output_size=n)
+    rows = grad.float()[bag]
+    if weights is not None:
+        rows = rows * weights[lo:hi].float()[:, None]
+    if mean:
+        rows = rows / lengths[bag].float()[:, None]
+    return rows
+
+
+def aggregate(ids: torch.Tensor, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(distinct ids, their summed gradient rows) in arrival order per id (step 2)."""
+    order = torch.sort(ids, stable=True).indices
+    distinct, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    return distinct, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0)
+
+
+def update_rows(tbe: nn.Module, table: int, distinct: torch.Tensor, grad: torch.Tensor,
+                iteration: Optional[int]) -> None:
+    """One optimizer step of ``table``'s ``distinct`` rows with their summed gradients (step 3), as FBGEMM's
+    exact optimizers take it."""
+    weights = tbe.split_embedding_weights()[table]
+    states = tbe.split_optimizer_states()[table] if tbe.optimizer != EmbOptimType.EXACT_SGD else []
+    args, lr = tbe.optimizer_args, float(tbe.get_learning_rate())
+    w = weights[distinct].float()
+    if tbe.optimizer == EmbOptimType.EXACT_SGD:
+        w = w - lr * grad
+    elif tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        (momentum,) = states
+        g_wd = grad + args.weight_decay * w if args.weight_decay_mode == _WD_L2 else grad
+        m = momentum[distinct] + (g_wd * g_wd).sum(1) / grad.shape[1]
+        momentum[distinct] = m
+        multiplier = lr / (m.sqrt() + args.eps)
+        if args.weight_decay_mode == _WD_L2:
+            correction = 1.0 - multiplier * args.weight_decay
+        elif args.weight_decay_mode == _WD_DECOUPLE:
+            correction = torch.full_like(multiplier, 1.0 - lr * args.weight_decay)
+        else:
+            correction = torch.ones_like(multiplier)
+        w = correction[:, None] * w - multiplier[:, None] * grad
+    else:  # ADAM: bias-corrected moments
+        m1_state, m2_state = states
+        t = float(iteration or 1)
+        m1 = args.beta1 * m1_state[distinct] + (1.0 - args.beta1) * grad
+        m2 = args.beta2 * m2_state[distinct] + (1.0 - args.beta2) * grad * grad
+        m1_state[distinct], m2_state[distinct] = m1, m2
+        step = m1 / (1.0 - args.beta1 ** t) / ((m2 / (1.0 - args.beta2 ** t)).sqrt() + args.eps)
+        w = w - lr * step
+    weights[distinct] = w.to(weights.dtype)
+
+
+def owner_backward(tbes: Sequence[nn.Module], kjt: KeyedJaggedTensor, grads: torch.Tensor,
+                   iterations: Sequence[Optional[int]]) -> None:
+    """Apply one step's gradients to the TBEs of a stock lookup (``GroupedPooledEmbeddingsLookup``: the KJT's
+    features split over the TBEs in order, their pooled outputs side by side in ``grads``)."""
+    batch, first_col = kjt.stride(), 0
+    for tbe, sub, iteration in zip(tbes, kjt.split([len(t.feature_table_map) for t in tbes]), iterations):
+        table_map: List[int] = list(tbe.feature_table_map)
+        d_offsets = tbe.D_offsets.tolist()
+        offsets, weights = sub.offsets(), sub.weights_or_none()
+        mean = tbe.pooling_mode == PoolingMode.MEAN
+        for table in sorted(set(table_map)):
+            ids, rows = [], []
+            for f in (f for f, t in enumerate(table_map) if t == table):  # a shared table's features in order
+                cols = grads[:, first_col + d_offsets[f]:first_col + d_offsets[f + 1]]
+                ids.append(sub.values()[offsets[f * batch]:offsets[(f + 1) * batch]])
+                rows.append(row_gradients(offsets, weights, cols, f, batch, mean))
+            table_ids = torch.cat(ids)
+            if table_ids.numel():
+                update_rows(tbe, table, *aggregate(table_ids, torch.cat(rows)), iteration)
+        first_col += d_offsets[-1]
