@@ -154,6 +154,10 @@ def test_unsupported_names_what_stays_fbgemms() -> None:
     tbe = _tbe(cpu, EmbOptimType.EXACT_SGD, SparseType.FP16, PoolingMode.SUM, 0.0, WeightDecayMode.NONE)
     tbe.optimizer_args = tbe.optimizer_args._replace(stochastic_rounding=True)
     assert "stochastic rounding" in str(unsupported(tbe))
+    tbe = _tbe(cpu, EmbOptimType.EXACT_SGD, SparseType.FP32, PoolingMode.SUM, 0.0, WeightDecayMode.NONE)
+    tbe.embedding_specs = [(rows, dim, EmbeddingLocation.MANAGED_CACHING, compute)
+                           for rows, dim, _, compute in tbe.embedding_specs]
+    assert "cache" in str(unsupported(tbe))
 
 
 GPU_CASES = [

@@ -523,8 +523,8 @@ def test_training_prices_the_backward_in_the_plan() -> None:
             for shard in o.shards:
                 assert (shard.perf.bwd_compute > 0 and shard.perf.bwd_comms > 0) if training else \
                     shard.perf.bwd_compute == shard.perf.bwd_comms == 0.0, (o.sharding_type, shard.perf)
-        plan = EmbeddingShardingPlanner(topology=topo, batch_size=4096, enumerator=enumerator, constraints=constraints,
-                                        stats=[PgasDecisionStats()]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
+        plan = _planner(topo, 4096, enumerator=enumerator, constraints=constraints,
+                        stats=[PgasDecisionStats()]).plan(ebc, [PgasEmbeddingBagCollectionSharder()])
         return plan.plan[""]["big"].sharding_type  # type: ignore[index]
 
     assert planned(training=False) == "pgas_row_wise"

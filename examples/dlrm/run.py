@@ -216,7 +216,7 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
         print(f"samples/s ({args.pipeline} loop): {args.sharding} {ours.samples_per_s:,.0f}, {other} twin "
               f"{theirs.samples_per_s:,.0f}, ratio {ours.samples_per_s / theirs.samples_per_s:.2f}x", flush=True)
         print(f"validate: {len(rel)} training steps, loss per step max rel diff {rel[worst]:.2e} (step {worst}: "
-              f"{ours.losses[worst]:.6f} vs stock {theirs.losses[worst]:.6f}), final loss {ours.losses[-1]:.6f} vs "
+              f"{ours.losses[worst]:.6f} vs {other} {theirs.losses[worst]:.6f}), final loss {ours.losses[-1]:.6f} vs "
               f"{theirs.losses[-1]:.6f}, AUC {our_metrics['auc']:.4f} vs {their_metrics['auc']:.4f} "
               f"-> {'PASS' if ok else 'FAIL'}", flush=True)
     return ok

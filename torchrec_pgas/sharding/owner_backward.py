@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -42,6 +42,8 @@ def unsupported(tbe: nn.Module) -> Optional[str]:
         return f"{tbe.weights_precision.name} weights"
     if tbe.weights_precision == SparseType.FP16 and args.stochastic_rounding:
         return "fp16 weights with stochastic rounding"
+    if any(spec[2] not in (EmbeddingLocation.DEVICE, EmbeddingLocation.HOST) for spec in tbe.embedding_specs):
+        return "weights in UVM or behind a cache"  # an update beside the cache would leave it stale
     if tbe.pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN):
         return f"pooling {tbe.pooling_mode.name}"
     if args.gradient_clipping or args.max_norm > 0:
