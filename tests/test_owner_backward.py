@@ -25,14 +25,18 @@ import torch.distributed as dist
 
 from torchrec_pgas.sharding.owner_backward import owner_backward, unsupported
 from torchrec_pgas.testing import (
+    LossModel,
     TrainBatch,
     all_tables,
     default_model,
+    local_state,
     random_kjt,
     rank_device,
     run_distributed,
     seeded,
+    shard,
     spread_tables,
+    stock_twin,
     train_against_stock,
 )
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
@@ -221,3 +225,39 @@ def test_training_with_owner_backward_matches_stock() -> None:
 def test_owner_backward_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="owner_backward"):
         PgasConfig(owner_backward="fused")
+
+
+def _learning_rate_change(rank: int, world: int) -> Tuple[float, float]:
+    """Row-wise Adagrad trained 8 steps with owner_backward="pgas" and with stock, the learning rate changed
+    through ``fused_optimizer`` after step 4 on both, and once more without the change: (|pgas - stock|,
+    |pgas - pgas without the change|) over every weight and optimizer state."""
+    model = LossModel(default_model(seed=9, min_rows=world))
+    types = spread_tables(model.model, world)
+    config = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas")
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-3}
+    pg, device = dist.group.WORLD, rank_device(rank, "cpu")
+    sides = [shard(model, types, pg, device, config, fused, path="model."),
+             shard(model, {t: stock_twin(k) for t, k in types.items()}, pg, device, fused_params=fused, stock=True,
+                   path="model."),
+             shard(model, types, pg, device, config, fused, path="model.")]
+    gen = seeded(500 + rank)
+    t, w = model.model.ebc.embedding_bag_configs(), model.model.webc.embedding_bag_configs()
+    batches = [TrainBatch(random_kjt(t, 8, gen, 6), random_kjt(w, 8, gen, 6, weighted=True)) for _ in range(8)]
+    for i, batch in enumerate(batches):
+        for k, dmp in enumerate(sides):
+            loss, _ = dmp(batch.to(device))
+            loss.backward()
+            if i == 4 and k < 2:
+                for group in dmp.fused_optimizer.param_groups:
+                    group["lr"] = 0.2
+            dmp.fused_optimizer.step()
+    got, ref, unchanged = (local_state(dmp) for dmp in sides)
+    return (max(float((got[k] - ref[k]).abs().max()) for k in ref if ref[k].numel()),
+            max(float((got[k] - unchanged[k]).abs().max()) for k in ref if ref[k].numel()))
+
+
+@pytest.mark.slow
+def test_owner_backward_follows_learning_rate_changes() -> None:
+    """A learning rate set through ``fused_optimizer`` reaches the owner backward as it reaches FBGEMM's."""
+    for to_stock, to_unchanged in run_distributed(_learning_rate_change, 2):
+        assert to_stock <= 1e-5 and to_unchanged > 1e-3, (to_stock, to_unchanged)
