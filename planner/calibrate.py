@@ -13,6 +13,8 @@
     # training terms: a training run's rows also measure the whole step (forward + backward + optimizer)
     torchrun --nproc_per_node=1 -m benchmarks.embedding --mode train --pair rw --preset s004
     python -m torchrec_pgas.planner.calibrate <train results.json> [<forward results.json>...] -o profile.json
+    # a one-GPU training run on top of a multi-GPU forward profile (the wire's price comes from the latter)
+    python -m torchrec_pgas.planner.calibrate <train results.json> --base planner/profiles/h200x2_nvlink.json -o p.json
 
 A results file of one pair fits that pair's two backends. Uniform-id rows only (the model has no skew
 term). NCCL has no graph mode (stock TorchRec cannot be captured), so its graph coefficients are its eager
@@ -28,13 +30,14 @@ sample): the forward per mode, and for training rows the backward and the whole 
 
 import argparse
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from torchrec_pgas.planner.cost_model import (
     BWD,
@@ -49,6 +52,7 @@ from torchrec_pgas.planner.cost_model import (
     TableLoad,
     backward_bytes,
     fit_coefficients,
+    load_profile,
     table_bytes,
 )
 
@@ -107,9 +111,15 @@ def samples(rows: List[Dict[str, Any]], backend: str, mode: str, pass_: str = "f
     return out
 
 
-def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
+def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = None) -> HardwareProfile:
     """One coefficient set per (backend, mode) the rows measured, both backends of each pair present; and
-    per backend a training run measured, its backward's (``<backend>_bwd``, the same in both modes)."""
+    per backend a training run measured, its backward's (``<backend>_bwd``, the same in both modes).
+
+    ``base``: a profile the training rows only add backward terms to (its forward coefficients, device and
+    world size stay): how a one-GPU training run, which cannot price the wire, builds on a multi-GPU
+    forward fit; the backward's wire price is then the base's forward one."""
+    if base is not None:
+        return _with_backward(base, fit(results, name), name, results["meta"])
     rows, meta = results["rows"], results["meta"]
     coeffs: Dict[str, Dict[str, Any]] = {"eager": {}, "graph": {}}
     pairs = [PAIR_BACKENDS[s] for s in sorted({r.get("stock", "row_wise") for r in rows})]
@@ -132,6 +142,21 @@ def fit(results: Dict[str, Any], name: str) -> HardwareProfile:
     source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
               f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']}{backward})")
     return HardwareProfile(name, f"{meta['world_size']}x {meta['device']}", meta["world_size"], source, coeffs)
+
+
+def _with_backward(base: HardwareProfile, fitted: HardwareProfile, name: str, meta: Dict[str, Any]) -> HardwareProfile:
+    """``base`` with ``fitted``'s backward terms, their wire price taken from ``base``'s forward."""
+    coeffs = {mode: dict(per_backend) for mode, per_backend in base.coefficients.items()}
+    for mode, per_backend in fitted.coefficients.items():
+        for key, c in per_backend.items():
+            if key.endswith(BWD) and base.has(key[:-len(BWD)], mode):
+                coeffs.setdefault(mode, {})[key] = dataclasses.replace(
+                    c, k_wire=base.get(key[:-len(BWD)], mode).k_wire)
+    if not any(k.endswith(BWD) for per_backend in fitted.coefficients.values() for k in per_backend):
+        raise ValueError("--base: the results have no training rows to fit a backward on")
+    source = (f"{base.source}; backward from benchmarks.embedding --mode train at {meta['world_size']}x "
+              f"{meta['device']} (commit {meta['commit']}; {meta['date']}), k_wire this profile's forward")
+    return HardwareProfile(name, base.device, base.world_size, source, coeffs)
 
 
 def predicted_ms(profile: HardwareProfile, row: Dict[str, Any], backend: str, mode: str, pass_: str) -> float:
@@ -247,6 +272,9 @@ def main() -> None:
                      + ", ".join(DEFAULT_PRESETS) + ").")
     parser.add_argument("-o", "--out", required=True, help="profile JSON to write")
     parser.add_argument("--name", default="calibrated")
+    parser.add_argument("--base", metavar="PROFILE",
+                        help="add the results' backward terms to this profile (e.g. a 1-GPU training run to a "
+                             "2-GPU forward fit): its forward coefficients and its wire price stay")
     parser.add_argument("--validate", metavar="PRESET", help="leave-one-out predictions and regret on PRESET")
     parser.add_argument("--csv", help="with --validate: write the per-row predictions and choices here")
     argv = sys.argv[1:]
@@ -263,7 +291,7 @@ def main() -> None:
         with open(path) as f:
             runs.append(json.load(f))
     results = merge(runs)
-    profile = fit(results, args.name)
+    profile = fit(results, args.name, load_profile(args.base) if args.base else None)
     with open(args.out, "w") as f:
         json.dump(profile.to_json(), f, indent=1)
     table, errors = prediction_table(profile, results)

@@ -238,6 +238,20 @@ def test_backward_fit_at_one_gpu_invents_no_wire_price() -> None:
     assert all(alone.backward(b, "eager").k_wire == alone.get(b, "eager").k_wire for b in (NCCL_RW, PGAS_RW))
 
 
+def test_backward_from_one_gpu_joins_a_multi_gpu_forward_profile() -> None:
+    """``fit(..., base=)``: a W = 1 training run adds its backward terms to a W = 2 forward profile, whose
+    forward coefficients, world size and wire price stay; results without training rows are refused."""
+    base = fit({"meta": META, "rows": _grid()}, "fwd")
+    joined = fit({"meta": {**META, "world_size": 1}, "rows": _grid(world=1, train=True)}, "joined", base=base)
+    assert (joined.world_size, joined.device) == (base.world_size, base.device) and "backward from" in joined.source
+    for b in (NCCL_RW, PGAS_RW):
+        assert joined.get(b, "eager") == base.get(b, "eager") and joined.has_backward(b, "graph")
+        assert joined.backward(b, "eager").k_wire == base.get(b, "eager").k_wire
+        assert _close(joined.backward(b, "eager"), BWD_TRUTH[b]), b
+    with pytest.raises(ValueError, match="no training rows"):
+        fit({"meta": {**META, "world_size": 1}, "rows": _grid(world=1)}, "none", base=base)
+
+
 def test_in_sample_errors_of_the_training_terms_by_hand() -> None:
     """Fixed costs only: the model says nccl fwd 1.0 + bwd 0.5 = train 1.5 ms, pgas 0.2 + 0.3 = 0.5 ms."""
     prof = HardwareProfile("hand", "test", 2, "hand-made", {"eager": {
