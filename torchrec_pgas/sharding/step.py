@@ -413,6 +413,9 @@ class PgasStep(abc.ABC):
             return  # no row to update
         if self._owner_backward_applies(ticket.tbes):
             owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters)
+            for tbe, it in zip(ticket.tbes, ticket.tbe_iters):
+                if it is not None:  # the device counter, as the replay leaves it (checkpoints carry it)
+                    tbe.iter.fill_(int(tbe.iter_cpu))
             profiling.mark("owner_backward")
             return
         with torch.enable_grad(), _tbe_iterations(ticket.tbes, ticket.tbe_iters):
