@@ -179,9 +179,8 @@ class HostStep(PgasStep):
                 if it is not None:
                     tbe.iter_cpu.fill_(it)
                     tbe.iter.fill_(it)
-        ticket = StepTicket(epoch, kjt.stride(), pool, advance_tbe_iterations(tbes), tbes, host=kept) if trains else None
-        if ticket is None:
-            advance_tbe_iterations(tbes)
+        after = advance_tbe_iterations(tbes)
+        ticket = StepTicket(epoch, kjt.stride(), pool, after, tbes, host=kept) if trains else None
         return self.forward_output(out, ticket)
 
     @abc.abstractmethod

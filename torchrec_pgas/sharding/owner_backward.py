@@ -19,6 +19,7 @@ decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what i
 FBGEMM's path (``PgasStep.replay``) serves those.
 """
 
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -56,20 +57,21 @@ def unsupported(tbe: nn.Module) -> Optional[str]:
     return None
 
 
-def row_gradients(offsets: torch.Tensor, weights: Optional[torch.Tensor], grad: torch.Tensor, feature: int,
-                  batch: int, mean: bool) -> torch.Tensor:
-    """The gradient row of each id of ``feature``'s bags (step 1): ``grad`` is the feature's ``[B, D]`` columns."""
+def feature_gradients(kjt: KeyedJaggedTensor, grad: torch.Tensor, feature: int,
+                      mean: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids, their gradient rows) of ``feature``'s bags (step 1): ``grad`` is the feature's ``[B, D]``
+    columns."""
+    batch, offsets, weights = kjt.stride(), kjt.offsets(), kjt.weights_or_none()
     bounds = offsets[feature * batch:(feature + 1) * batch + 1]
-    lo, hi = int(bounds[0]), int(bounds[-1])
+    lo, hi = bounds[[0, -1]].tolist()
     lengths = bounds[1:] - bounds[:-1]
-    n = hi - lo
-    bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths, output_size=n)
+    bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths, output_size=hi - lo)
     rows = grad.float()[bag]
     if weights is not None:
         rows = rows * weights[lo:hi].float()[:, None]
     if mean:
         rows = rows / lengths[bag].float()[:, None]
-    return rows
+    return kjt.values()[lo:hi], rows
 
 
 def aggregate(ids: torch.Tensor, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,12 +81,10 @@ def aggregate(ids: torch.Tensor, rows: torch.Tensor) -> Tuple[torch.Tensor, torc
     return distinct, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0)
 
 
-def update_rows(tbe: nn.Module, table: int, distinct: torch.Tensor, grad: torch.Tensor,
-                iteration: Optional[int]) -> None:
-    """One optimizer step of ``table``'s ``distinct`` rows with their summed gradients (step 3), as FBGEMM's
-    exact optimizers take it."""
-    weights = tbe.split_embedding_weights()[table]
-    states = tbe.split_optimizer_states()[table] if tbe.optimizer != EmbOptimType.EXACT_SGD else []
+def update_rows(tbe: nn.Module, weights: torch.Tensor, states: Sequence[torch.Tensor], distinct: torch.Tensor,
+                grad: torch.Tensor, iteration: Optional[int]) -> None:
+    """One optimizer step of a table's ``distinct`` rows with their summed gradients (step 3), as FBGEMM's
+    exact optimizers take it: ``weights`` and ``states`` are the table's views in the TBE's storage."""
     args, lr = tbe.optimizer_args, float(tbe.get_learning_rate())
     w = weights[distinct].float()
     if tbe.optimizer == EmbOptimType.EXACT_SGD:
@@ -117,19 +117,19 @@ def owner_backward(tbes: Sequence[nn.Module], kjt: KeyedJaggedTensor, grads: tor
                    iterations: Sequence[Optional[int]]) -> None:
     """Apply one step's gradients to the TBEs of a stock lookup (``GroupedPooledEmbeddingsLookup``: the KJT's
     features split over the TBEs in order, their pooled outputs side by side in ``grads``)."""
-    batch, first_col = kjt.stride(), 0
+    first_col = 0
     for tbe, sub, iteration in zip(tbes, kjt.split([len(t.feature_table_map) for t in tbes]), iterations):
         table_map: List[int] = list(tbe.feature_table_map)
-        d_offsets = tbe.D_offsets.tolist()
-        offsets, weights = sub.offsets(), sub.weights_or_none()
+        cols = list(itertools.accumulate([first_col] + [tbe.embedding_specs[t][1] for t in table_map]))
         mean = tbe.pooling_mode == PoolingMode.MEAN
+        weights = tbe.split_embedding_weights()
+        states = tbe.split_optimizer_states() if tbe.optimizer != EmbOptimType.EXACT_SGD else [[]] * len(weights)
         for table in sorted(set(table_map)):
-            ids, rows = [], []
-            for f in (f for f, t in enumerate(table_map) if t == table):  # a shared table's features in order
-                cols = grads[:, first_col + d_offsets[f]:first_col + d_offsets[f + 1]]
-                ids.append(sub.values()[offsets[f * batch]:offsets[(f + 1) * batch]])
-                rows.append(row_gradients(offsets, weights, cols, f, batch, mean))
-            table_ids = torch.cat(ids)
+            # a shared table's features in order
+            parts = [feature_gradients(sub, grads[:, cols[f]:cols[f + 1]], f, mean)
+                     for f, t in enumerate(table_map) if t == table]
+            table_ids = torch.cat([ids for ids, _ in parts])
             if table_ids.numel():
-                update_rows(tbe, table, *aggregate(table_ids, torch.cat(rows)), iteration)
-        first_col += d_offsets[-1]
+                distinct, summed = aggregate(table_ids, torch.cat([rows for _, rows in parts]))
+                update_rows(tbe, weights[table], states[table], distinct, summed, iteration)
+        first_col = cols[-1]

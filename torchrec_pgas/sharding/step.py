@@ -378,15 +378,17 @@ class PgasStep(abc.ABC):
         first_id = (starts[src, bag] + id_base[src]).reshape(-1)
         new_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(new_lengths)
         total = int(new_offsets[-1])
-        within = torch.arange(total, device=dev) - torch.repeat_interleave(new_offsets[:-1], new_lengths, output_size=total)
-        pos = torch.repeat_interleave(first_id, new_lengths, output_size=total) + within
-        ids = region.view(lay.id_dtype)[pos].to(torch.int64)
+        k = torch.arange(total, device=dev)  # the k-th kept id is element first + (k - its bag's offset)
+
+        def gather(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return region.view(dtype)[torch.repeat_interleave(first - new_offsets[:-1], new_lengths,
+                                                               output_size=total) + k]
+
+        ids = gather(first_id, lay.id_dtype).to(torch.int64)
         weights = None
         if lay.weighted:
             w_base = (torch.arange(world, device=dev) * lay.index_block_bytes + lay.weights_off) // 4
-            w_pos = torch.repeat_interleave((starts[src, bag] + w_base[src]).reshape(-1), new_lengths,
-                                            output_size=total) + within
-            weights = region.view(torch.float32)[w_pos]
+            weights = gather((starts[src, bag] + w_base[src]).reshape(-1), torch.float32)
         lo, hi = self.lookup_features
         return KeyedJaggedTensor(keys=list(self.feature_names[lo:hi]), values=ids, lengths=new_lengths,
                                  offsets=new_offsets, weights=weights, stride=world * rows)
@@ -403,7 +405,8 @@ class PgasStep(abc.ABC):
 
     def replay(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
         """Stock's lookup of the kept ids under autograd, then its backward with the received gradients:
-        FBGEMM's fused backward + optimizer update the weights and optimizer state in place.
+        FBGEMM's fused backward + optimizer update the weights and optimizer state in place (or, where
+        ``PgasConfig.owner_backward == "pgas"`` covers the TBEs, ``owner_backward`` does, without the lookup).
 
         Why a replay and not FBGEMM's backward op called directly: that op's signature differs per optimizer
         and per FBGEMM release (state tensors, hyper-parameters, the lookup's saved metadata), and the TBE
