@@ -142,6 +142,40 @@ struct ErrorRecord {
   int64_t c;
 };
 
+// The owner backward's update (owner_update.h): one step of FBGEMM's exact
+// optimizers, applied by the owner to the rows its sources' gradients touch.
+enum class Optimizer : int64_t { kSgd = 0, kRowwiseAdagrad = 1, kAdam = 2 };
+
+// FBGEMM's weight_decay_mode values the row-wise Adagrad update applies.
+enum class WeightDecay : int64_t { kNone = 0, kL2 = 1, kDecouple = 2 };
+
+// One per feature of a TBE, in the TBE's feature order (int64 words).
+struct OwnerFeatureDesc {
+  int64_t table;  // its table: the op's weights[table], momentum1[table], ...
+  int64_t grad_col;  // first column of the feature in the pooled gradient
+};
+
+// An update's hyper-parameters, read on the device (fp32 words).
+struct OwnerHyper {
+  float lr;
+  float eps;
+  float beta1;
+  float beta2;
+  float weight_decay;
+  float bias_correction1;  // Adam: 1 - beta1^t, 1 - beta2^t at iteration t
+  float bias_correction2;
+  float reserved;  // keeps the struct a whole number of 8-byte words
+};
+
+// What the host decides of an update (the bytes of the config, CPU uint8).
+struct OwnerUpdateConfig {
+  Optimizer optimizer;
+  WeightDecay weight_decay_mode;
+  int64_t mean;  // 1: MEAN pooling: an id's gradient is its bag's divided by the bag's length
+  int64_t weighted;  // 1: an id's gradient is scaled by its per-sample weight
+  int64_t batch;  // bags per feature: bag = feature * batch + sample
+};
+
 // describe_step_abi() writes one line per constant, enumerator, struct and
 // field: "const NAME VALUE", "enum TYPE NAME VALUE", "struct NAME SIZE",
 // "field STRUCT NAME OFFSET SIZE", with snprintf into a caller's buffer (no
@@ -211,6 +245,12 @@ inline void describe_enums(AbiText& out) {
   PGAS_ABI_ENUM(StateWord, kErrRecords);
   PGAS_ABI_ENUM(StateWord, kStepFailed);
   PGAS_ABI_ENUM(StateWord, kStateWords);
+  PGAS_ABI_ENUM(Optimizer, kSgd);
+  PGAS_ABI_ENUM(Optimizer, kRowwiseAdagrad);
+  PGAS_ABI_ENUM(Optimizer, kAdam);
+  PGAS_ABI_ENUM(WeightDecay, kNone);
+  PGAS_ABI_ENUM(WeightDecay, kL2);
+  PGAS_ABI_ENUM(WeightDecay, kDecouple);
 }
 
 inline void describe_structs(AbiText& out) {
@@ -258,6 +298,24 @@ inline void describe_structs(AbiText& out) {
   PGAS_ABI_FIELD(ErrorRecord, a);
   PGAS_ABI_FIELD(ErrorRecord, b);
   PGAS_ABI_FIELD(ErrorRecord, c);
+  PGAS_ABI_STRUCT(OwnerFeatureDesc);
+  PGAS_ABI_FIELD(OwnerFeatureDesc, table);
+  PGAS_ABI_FIELD(OwnerFeatureDesc, grad_col);
+  PGAS_ABI_STRUCT(OwnerHyper);
+  PGAS_ABI_FIELD(OwnerHyper, lr);
+  PGAS_ABI_FIELD(OwnerHyper, eps);
+  PGAS_ABI_FIELD(OwnerHyper, beta1);
+  PGAS_ABI_FIELD(OwnerHyper, beta2);
+  PGAS_ABI_FIELD(OwnerHyper, weight_decay);
+  PGAS_ABI_FIELD(OwnerHyper, bias_correction1);
+  PGAS_ABI_FIELD(OwnerHyper, bias_correction2);
+  PGAS_ABI_FIELD(OwnerHyper, reserved);
+  PGAS_ABI_STRUCT(OwnerUpdateConfig);
+  PGAS_ABI_FIELD(OwnerUpdateConfig, optimizer);
+  PGAS_ABI_FIELD(OwnerUpdateConfig, weight_decay_mode);
+  PGAS_ABI_FIELD(OwnerUpdateConfig, mean);
+  PGAS_ABI_FIELD(OwnerUpdateConfig, weighted);
+  PGAS_ABI_FIELD(OwnerUpdateConfig, batch);
 }
 
 #undef PGAS_ABI_ENUM

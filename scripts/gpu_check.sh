@@ -234,7 +234,8 @@ NCUEOF
 fi
 
 if has tests || has quick-tests; then
-  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py -m gpu)
+  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py
+         tests/test_owner_backward.py tests/test_owner_update_op.py -m gpu)
   has quick-tests && TESTS+=(-k "out_of_range or mismatch or ignore or graph or bit_exact or comm")
   [ -n "${TEST_K:-}" ] && TESTS+=(-k "$TEST_K")  # e.g. TEST_K="table_wise or comm"
   log "GPU tests at world size $PGAS_TEST_WORLD"

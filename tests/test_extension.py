@@ -28,7 +28,7 @@ def test_built_for_hopper_with_device_link() -> None:
     assert b"-arch sm_90a" in blob  # TORCH_CUDA_ARCH_LIST=9.0a, device-linked
     assert b"nvshmem_device" in blob  # NVSHMEM device library linked in (-rdc + dlink)
     for kernel in (b"put_kernel", b"signal_kernel", b"wait_kernel", b"index_dist_kernel", b"pooled_lookup_kernel",
-                   b"combine_partials_kernel"):
+                   b"combine_partials_kernel", b"owner_update_kernel"):
         assert kernel in blob
 
 
@@ -50,8 +50,9 @@ def test_ops_registered() -> None:
 @needs_ext
 def test_dispatch_keys_and_meta_impl() -> None:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    for op in ("put", "signal", "wait", "free", "index_dist", "pooled_lookup", "combine_partials"):
+    for op in ("put", "signal", "wait", "free", "index_dist", "pooled_lookup", "combine_partials", "owner_update"):
         assert has(f"torchrec_pgas::{op}", "CUDA"), op
+    assert has("torchrec_pgas::owner_update", "CPU")  # the CPU path of the same algorithm
     assert has("torchrec_pgas::alloc", "Meta")
     meta = torch.ops.torchrec_pgas.alloc.default.redispatch(
         torch._C.DispatchKeySet(torch._C.DispatchKey.Meta), 1024

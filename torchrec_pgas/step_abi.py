@@ -89,10 +89,22 @@ class StateWord(IntEnum):
     STATE_WORDS = STEP_FAILED + MAX_SLOTS
 
 
-ENUMS: Sequence[Type[IntEnum]] = (PadWord, SignalGroup, WeightDtype, PoolingMode, BoundsMode, ErrorCode,
-                                  DeviceStatus, StateWord)
+class Optimizer(IntEnum):
+    SGD = 0
+    ROWWISE_ADAGRAD = 1
+    ADAM = 2
 
-_i64, _i32 = ctypes.c_int64, ctypes.c_int32
+
+class WeightDecay(IntEnum):
+    NONE = 0
+    L2 = 1
+    DECOUPLE = 2
+
+
+ENUMS: Sequence[Type[IntEnum]] = (PadWord, SignalGroup, WeightDtype, PoolingMode, BoundsMode, ErrorCode,
+                                  DeviceStatus, StateWord, Optimizer, WeightDecay)
+
+_i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
 class FeatureDesc(ctypes.Structure):
@@ -126,19 +138,41 @@ class ErrorRecord(ctypes.Structure):
     _fields_ = [("epoch", _i64), ("code", _i64), ("a", _i64), ("b", _i64), ("c", _i64)]
 
 
-STRUCTS: Sequence[Type[ctypes.Structure]] = (FeatureDesc, StepConfig, ErrorRecord)
+class OwnerFeatureDesc(ctypes.Structure):
+    """One per feature of a TBE: its table and its first column in the pooled gradient."""
+
+    _fields_ = [("table", _i64), ("grad_col", _i64)]
+
+
+class OwnerHyper(ctypes.Structure):
+    """An update's hyper-parameters (fp32), read on the device."""
+
+    _fields_ = [("lr", _f32), ("eps", _f32), ("beta1", _f32), ("beta2", _f32), ("weight_decay", _f32),
+                ("bias_correction1", _f32), ("bias_correction2", _f32), ("reserved", _f32)]
+
+
+class OwnerUpdateConfig(ctypes.Structure):
+    """What the host decides of an owner update (optimizer: ``Optimizer``, weight_decay_mode: ``WeightDecay``)."""
+
+    _fields_ = [("optimizer", _i64), ("weight_decay_mode", _i64), ("mean", _i64), ("weighted", _i64),
+                ("batch", _i64)]
+
+
+STRUCTS: Sequence[Type[ctypes.Structure]] = (FeatureDesc, StepConfig, ErrorRecord, OwnerFeatureDesc, OwnerHyper,
+                                             OwnerUpdateConfig)
 ERROR_RECORD_WORDS = ctypes.sizeof(ErrorRecord) // 8
 
 S = TypeVar("S", bound=ctypes.Structure)
 
 
-def build(struct: Type[S], **fields: int) -> S:
+def build(struct: Type[S], **fields: float) -> S:
     """``struct`` with every field given by name: a field left out or misspelt raises."""
     names = [name for name, _ in struct._fields_]
     missing, unknown = set(names) - set(fields), set(fields) - set(names)
     if missing or unknown:
         raise PgasError(f"{struct.__name__}: fields {sorted(missing)} missing, {sorted(unknown)} unknown")
-    return struct(**{name: int(value) for name, value in fields.items()})
+    kinds = dict(struct._fields_)
+    return struct(**{name: float(value) if kinds[name] is _f32 else int(value) for name, value in fields.items()})
 
 
 def as_tensor(value: Any) -> torch.Tensor:

@@ -3,8 +3,8 @@
 What FBGEMM's fused backward does for its exact optimizers, as one pass over the ids an owner kept of a step
 (``PgasStep.kept_ids``) and the gradient rows its requesters pushed (``PgasStep.kept_grads``):
 
-1. gradient rows: every (bag, id) pair's row is its bag's pooled gradient, times the id's per-sample weight,
-   divided by the bag's length when the TBE pools by MEAN;
+1. gradient rows: every (bag, id) pair's row is its bag's pooled gradient (times 1/length, rounded to the
+   gradient's dtype, when the TBE pools by MEAN), times the id's per-sample weight;
 2. aggregation: summed per distinct (table, row), in the order the ids arrived (a stable sort by row, then a
    segment sum in fp32): deterministic, whatever the device;
 3. update: one optimizer step of each distinct row, in fp32, stored back in the weights' precision (round to
@@ -13,12 +13,16 @@ What FBGEMM's fused backward does for its exact optimizers, as one pass over the
    learning-rate changes stay stock's.
 
 The update formulas are those of FBGEMM's GPU kernels (its CPU kernels ignore row-wise Adagrad's weight
-decay and round fp16 SGD stochastically). This is the reference implementation, in torch ops on any device,
-of the algorithm an owner-side CUDA kernel is to run. It covers EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
-decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what it does not cover, and
+decay and round fp16 SGD stochastically). Two implementations of the one algorithm: the extension's op
+``torch.ops.torchrec_pgas.owner_update`` (``csrc/owner_update.h``: a CUDA kernel, a warp per distinct row,
+and its CPU path, a thread per distinct row; steps 1-3 fused, no per-id gradient rows in memory), used where
+the extension is built; and the reference below in torch ops on any device (a pure-Python install, tables
+wider than the op takes, and the tests' oracle). Both cover EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
+decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what they do not cover, and
 FBGEMM's path (``PgasStep.replay``) serves those.
 """
 
+import functools
 import itertools
 from typing import List, Optional, Sequence, Tuple
 
@@ -28,10 +32,24 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas import step_abi
+from torchrec_pgas.step_abi import (
+    OwnerFeatureDesc,
+    OwnerHyper,
+    OwnerUpdateConfig,
+    Optimizer,
+    as_tensor,
+    as_words,
+    build,
+)
+
 SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM)
 # FBGEMM's weight_decay_mode values the row-wise Adagrad update knows: none, L2 (into the gradient's
 # square sum and a correction of the weight), decoupled (a correction of the weight only).
 _WD_NONE, _WD_L2, _WD_DECOUPLE = 0, 1, 2
+_OPTIMIZERS = {EmbOptimType.EXACT_SGD: Optimizer.SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: Optimizer.ROWWISE_ADAGRAD,
+               EmbOptimType.ADAM: Optimizer.ADAM}
+OP_MAX_DIM = 512  # csrc/owner_update.h kOwnerMaxDim: wider tables take the reference
 
 
 def unsupported(tbe: nn.Module) -> Optional[str]:
@@ -67,10 +85,10 @@ def feature_gradients(kjt: KeyedJaggedTensor, grad: torch.Tensor, feature: int,
     lengths = bounds[1:] - bounds[:-1]
     bag = torch.repeat_interleave(torch.arange(batch, device=grad.device), lengths, output_size=hi - lo)
     rows = grad.float()[bag]
+    if mean:  # FBGEMM's GPU backward: the bag's gradient times 1/length, in the gradient's dtype
+        rows = (rows * (1.0 / lengths[bag].double()).float()[:, None]).to(grad.dtype).float()
     if weights is not None:
         rows = rows * weights[lo:hi].float()[:, None]
-    if mean:
-        rows = rows / lengths[bag].float()[:, None]
     return kjt.values()[lo:hi], rows
 
 
@@ -113,23 +131,102 @@ def update_rows(tbe: nn.Module, weights: torch.Tensor, states: Sequence[torch.Te
     weights[distinct] = w.to(weights.dtype)
 
 
+def reference_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first_col: int,
+                     iteration: Optional[int]) -> None:
+    """Steps 1-3 in torch ops for one TBE of a lookup: ``kjt`` holds its features, ``grads[:, first_col:]``
+    their pooled gradients side by side."""
+    table_map: List[int] = list(tbe.feature_table_map)
+    cols = list(itertools.accumulate([first_col] + [tbe.embedding_specs[t][1] for t in table_map]))
+    mean = tbe.pooling_mode == PoolingMode.MEAN
+    weights = tbe.split_embedding_weights()
+    states = tbe.split_optimizer_states() if tbe.optimizer != EmbOptimType.EXACT_SGD else [[]] * len(weights)
+    for table in sorted(set(table_map)):
+        # a shared table's features in order
+        parts = [feature_gradients(kjt, grads[:, cols[f]:cols[f + 1]], f, mean)
+                 for f, t in enumerate(table_map) if t == table]
+        table_ids = torch.cat([ids for ids, _ in parts])
+        if table_ids.numel():
+            distinct, summed = aggregate(table_ids, torch.cat([rows for _, rows in parts]))
+            update_rows(tbe, weights[table], states[table], distinct, summed, iteration)
+
+
+@functools.lru_cache(maxsize=None)
+def op_available() -> bool:
+    """Whether the extension's ``owner_update`` op is here (built, loadable, and of this package's contract)."""
+    try:
+        import torchrec_pgas._C  # noqa: F401
+    except ImportError:
+        return False
+    step_abi.check_extension()
+    return hasattr(torch.ops.torchrec_pgas, "owner_update")
+
+
+def _op_tables(tbe: nn.Module, grads: torch.Tensor) -> Optional[Tuple[List[torch.Tensor], ...]]:
+    """The TBE's per-table weights, momentum1 and momentum2 as the op takes them, or None where they are not
+    what it writes (contiguous ``[rows, dim]`` weights beside ``grads``, fp32 states of the optimizer's
+    shapes, dims up to ``OP_MAX_DIM``)."""
+    weights = list(tbe.split_embedding_weights())
+    states = tbe.split_optimizer_states() if tbe.optimizer != EmbOptimType.EXACT_SGD else [()] * len(weights)
+    for (rows, dim, *_), w, st in zip(tbe.embedding_specs, weights, states):
+        shapes = {EmbOptimType.EXACT_SGD: [], EmbOptimType.EXACT_ROWWISE_ADAGRAD: [(rows,)],
+                  EmbOptimType.ADAM: [(rows, dim), (rows, dim)]}[tbe.optimizer]
+        if (dim > OP_MAX_DIM or tuple(w.shape) != (rows, dim) or not w.is_contiguous() or w.device != grads.device
+                or [tuple(x.shape) for x in st] != shapes
+                or any(x.dtype != torch.float32 or not x.is_contiguous() for x in st)):
+            return None
+    return weights, [st[0] for st in states if len(st) > 0], [st[1] for st in states if len(st) > 1]
+
+
+def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first_col: int,
+              iteration: Optional[int]) -> bool:
+    """Steps 1-3 for one TBE in the extension's op (arguments as :func:`reference_update`); False where the
+    op does not take the TBE's tables or this gradient (nothing applied then)."""
+    tables = _op_tables(tbe, grads)
+    table_map: List[int] = list(tbe.feature_table_map)
+    batch, values, lengths = kjt.stride(), kjt.values(), kjt.lengths().long()
+    if (tables is None or grads.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            or grads.stride(1) != 1 or lengths.numel() != len(table_map) * batch):
+        return False
+    dims = [tbe.embedding_specs[t][1] for t in table_map]
+    cols = list(itertools.accumulate([first_col] + dims))[:-1]
+    features = as_words([build(OwnerFeatureDesc, table=t, grad_col=c) for t, c in zip(table_map, cols)],
+                        OwnerFeatureDesc)
+    dev = grads.device
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=values.numel())
+    # a table's row r has the key (rows of the tables before it) + r, as the op reads them; int32 keys where
+    # the TBE's rows allow: a radix sort of half the key bits
+    rows = [spec[0] for spec in tbe.embedding_specs]
+    key_bases = list(itertools.accumulate([0] + rows))
+    key_dtype = torch.int32 if key_bases[-1] < 2 ** 31 else torch.int64
+    feature_base = _upload(torch.tensor([key_bases[t] for t in table_map], dtype=key_dtype), dev)
+    keys, order = torch.sort(feature_base[bags // batch] + values.to(key_dtype), stable=True)
+    args, t = tbe.optimizer_args, float(iteration or 1)
+    hyper = build(OwnerHyper, lr=float(tbe.get_learning_rate()), eps=args.eps, beta1=args.beta1, beta2=args.beta2,
+                  weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t,
+                  bias_correction2=1.0 - args.beta2 ** t, reserved=0.0)
+    psw = kjt.weights_or_none()
+    mode = args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
+    config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
+                   mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=psw is not None, batch=batch)
+    torch.ops.torchrec_pgas.owner_update(
+        keys.long(), order, bags, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths),
+        None if psw is None else psw.float().contiguous(), grads, *tables, features,
+        _upload(as_tensor(hyper).view(torch.float32), dev), as_tensor(config))
+    return True
+
+
+def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on ``dev`` without a stream sync (a copy from pageable memory would sync)."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def owner_backward(tbes: Sequence[nn.Module], kjt: KeyedJaggedTensor, grads: torch.Tensor,
-                   iterations: Sequence[Optional[int]]) -> None:
+                   iterations: Sequence[Optional[int]], reference: bool = False) -> None:
     """Apply one step's gradients to the TBEs of a stock lookup (``GroupedPooledEmbeddingsLookup``: the KJT's
-    features split over the TBEs in order, their pooled outputs side by side in ``grads``)."""
+    features split over the TBEs in order, their pooled outputs side by side in ``grads``): in the
+    extension's op where it is built and takes the TBE, else (or with ``reference``) in torch ops."""
     first_col = 0
     for tbe, sub, iteration in zip(tbes, kjt.split([len(t.feature_table_map) for t in tbes]), iterations):
-        table_map: List[int] = list(tbe.feature_table_map)
-        cols = list(itertools.accumulate([first_col] + [tbe.embedding_specs[t][1] for t in table_map]))
-        mean = tbe.pooling_mode == PoolingMode.MEAN
-        weights = tbe.split_embedding_weights()
-        states = tbe.split_optimizer_states() if tbe.optimizer != EmbOptimType.EXACT_SGD else [[]] * len(weights)
-        for table in sorted(set(table_map)):
-            # a shared table's features in order
-            parts = [feature_gradients(sub, grads[:, cols[f]:cols[f + 1]], f, mean)
-                     for f, t in enumerate(table_map) if t == table]
-            table_ids = torch.cat([ids for ids, _ in parts])
-            if table_ids.numel():
-                distinct, summed = aggregate(table_ids, torch.cat([rows for _, rows in parts]))
-                update_rows(tbe, weights[table], states[table], distinct, summed, iteration)
-        first_col = cols[-1]
+        if reference or not op_available() or not op_update(tbe, sub, grads, first_col, iteration):
+            reference_update(tbe, sub, grads, first_col, iteration)
+        first_col += sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)

@@ -1,0 +1,183 @@
+// The owner update's host side: its inputs checked (they decide the rows the
+// update writes and the gradient it reads), the kernels' parameters built, and
+// the CPU path: the algorithm of owner_update.h with one CPU thread per row run.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "owner_update.h"
+
+namespace torchrec_pgas {
+namespace {
+
+void check_ids(const at::Tensor& t, const char* name, int64_t n, const at::Device& device) {
+  PGAS_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(),
+             "owner_update: %s must be a contiguous 1-D int64 tensor", name);
+  PGAS_CHECK(t.numel() == n, "owner_update: %s has %lld elements, expected %lld", name,
+             static_cast<long long>(t.numel()), static_cast<long long>(n));
+  PGAS_CHECK(t.device() == device, "owner_update: %s is on another device than the gradient", name);
+}
+
+OwnerUpdateConfig checked_config(const at::Tensor& config) {
+  PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte &&
+                 config.numel() == static_cast<int64_t>(sizeof(OwnerUpdateConfig)),
+             "owner_update: config must be the %zu bytes of an OwnerUpdateConfig (CPU uint8)",
+             sizeof(OwnerUpdateConfig));
+  OwnerUpdateConfig c;
+  std::memcpy(&c, config.contiguous().data_ptr(), sizeof(c));
+  const auto opt = static_cast<int64_t>(c.optimizer), wd = static_cast<int64_t>(c.weight_decay_mode);
+  PGAS_CHECK(opt >= 0 && opt <= static_cast<int64_t>(Optimizer::kAdam), "owner_update: optimizer %lld unknown",
+             static_cast<long long>(opt));
+  PGAS_CHECK(wd >= 0 && wd <= static_cast<int64_t>(WeightDecay::kDecouple),
+             "owner_update: weight_decay_mode %lld unknown", static_cast<long long>(wd));
+  PGAS_CHECK(c.batch > 0, "owner_update: batch %lld must be positive", static_cast<long long>(c.batch));
+  return c;
+}
+
+// A state tensor of table t: fp32, contiguous, on the weights' device, `numel` elements.
+float* checked_state(at::TensorList states, size_t t, const char* name, int64_t numel, const at::Tensor& weights) {
+  PGAS_CHECK(states.size() > t, "owner_update: %s has %zu tensors; table %zu needs one", name, states.size(), t);
+  const at::Tensor& s = states[t];
+  PGAS_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == numel &&
+                 s.device() == weights.device(),
+             "owner_update: %s[%zu] must be a contiguous fp32 tensor of %lld elements beside the weights", name, t,
+             static_cast<long long>(numel));
+  return s.data_ptr<float>();
+}
+
+// The tables' views, checked against what the optimizer updates; key bases are the running sum of the rows.
+std::vector<OwnerTable> checked_tables(at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
+                                       const OwnerUpdateConfig& c, const at::Device& device) {
+  std::vector<OwnerTable> tables;
+  int64_t key_base = 0;
+  for (size_t t = 0; t < weights.size(); ++t) {
+    const at::Tensor& w = weights[t];
+    PGAS_CHECK(w.dim() == 2 && w.is_contiguous() && w.device() == device && w.scalar_type() == weights[0].scalar_type(),
+               "owner_update: weights[%zu] must be a contiguous [rows, dim] tensor on the gradient's device, of "
+               "the first table's dtype", t);
+    PGAS_CHECK(w.size(1) > 0 && w.size(1) <= kOwnerMaxDim, "owner_update: table %zu has dim %lld, outside [1, %d]",
+               t, static_cast<long long>(w.size(1)), kOwnerMaxDim);
+    OwnerTable table{w.data_ptr(), nullptr, nullptr, key_base, w.size(0), w.size(1)};
+    if (c.optimizer == Optimizer::kRowwiseAdagrad) {
+      table.momentum1 = checked_state(momentum1, t, "momentum1", w.size(0), w);
+    } else if (c.optimizer == Optimizer::kAdam) {
+      table.momentum1 = checked_state(momentum1, t, "momentum1", w.numel(), w);
+      table.momentum2 = checked_state(momentum2, t, "momentum2", w.numel(), w);
+    }
+    tables.push_back(table);
+    key_base += w.size(0);
+  }
+  return tables;
+}
+
+void check_features(const at::Tensor& features, const std::vector<OwnerTable>& tables, int64_t grad_cols) {
+  constexpr int64_t kWords = sizeof(OwnerFeatureDesc) / 8;
+  PGAS_CHECK(features.device().is_cpu() && features.scalar_type() == at::kLong && features.dim() == 2 &&
+                 features.size(1) == kWords && features.is_contiguous(),
+             "owner_update: features must be CPU int64 [F, %lld] (OwnerFeatureDesc words)",
+             static_cast<long long>(kWords));
+  const auto* f = reinterpret_cast<const OwnerFeatureDesc*>(features.data_ptr<int64_t>());
+  const auto num_tables = static_cast<int64_t>(tables.size());
+  for (int64_t i = 0; i < features.size(0); ++i) {
+    PGAS_CHECK(f[i].table >= 0 && f[i].table < num_tables, "owner_update: feature %lld names table %lld of %lld",
+               static_cast<long long>(i), static_cast<long long>(f[i].table), static_cast<long long>(num_tables));
+    PGAS_CHECK(f[i].grad_col >= 0 && f[i].grad_col + tables[f[i].table].dim <= grad_cols,
+               "owner_update: feature %lld's columns [%lld, +%lld) exceed the gradient's %lld",
+               static_cast<long long>(i), static_cast<long long>(f[i].grad_col),
+               static_cast<long long>(tables[f[i].table].dim), static_cast<long long>(grad_cols));
+  }
+}
+
+// A host tensor on `device`: pinned and non-blocking (a copy from pageable memory syncs the stream; the
+// caching host allocator keeps a pinned block until its copy has run).
+at::Tensor upload(const at::Tensor& host, const at::Device& device) {
+  return device.is_cpu() ? host : host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
+struct HostLanes {
+  static constexpr int kCount = 1;
+  static constexpr int kMaxColumns = kOwnerMaxDim;
+  int lane = 0;
+  int columns(int dim) const { return dim; }
+  float sum(float x) const { return x; }
+  int count(bool flag) const { return flag ? 1 : 0; }
+  template <typename T>
+  T broadcast(T x, int) const { return x; }
+  void sync() const {}
+};
+
+template <typename weight_t, typename grad_t>
+void update_on_host(const OwnerUpdateParams& p) {
+  at::parallel_for(0, p.n, 2048, [&](int64_t lo, int64_t hi) {
+    for (int64_t q = lo; q < hi; ++q) {
+      if (starts_run(p, q)) update_run<HostLanes, weight_t, grad_t>(p, q, HostLanes{});
+    }
+  });
+}
+
+}  // namespace
+
+OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
+                                              const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
+                                              const at::Tensor& grad, at::TensorList weights,
+                                              at::TensorList momentum1, at::TensorList momentum2,
+                                              const at::Tensor& features, const at::Tensor& hyper,
+                                              const at::Tensor& config, std::vector<at::Tensor>& on_device) {
+  const OwnerUpdateConfig c = checked_config(config);
+  const int64_t n = keys.numel(), num_features = features.dim() == 2 ? features.size(0) : 0;
+  const at::Device device = grad.device();
+  PGAS_CHECK(grad.dim() == 2 && grad.stride(1) == 1 && grad.size(0) >= c.batch,
+             "owner_update: grad must be [>= batch, D] with unit column stride");
+  check_ids(keys, "keys", n, device);
+  check_ids(order, "order", n, device);
+  check_ids(bags, "bags", n, device);
+  check_ids(offsets, "offsets", num_features * c.batch + 1, device);
+  PGAS_CHECK(!c.weighted || (psw.has_value() && psw->scalar_type() == at::kFloat && psw->is_contiguous() &&
+                             psw->numel() == n && psw->device() == device),
+             "owner_update: a weighted update needs contiguous fp32 per-sample weights, one per id");
+  PGAS_CHECK(hyper.scalar_type() == at::kFloat && hyper.numel() == sizeof(OwnerHyper) / 4 && hyper.is_contiguous() &&
+                 hyper.device() == device,
+             "owner_update: hyper must be the %zu fp32 words of an OwnerHyper on the gradient's device",
+             sizeof(OwnerHyper) / 4);
+  PGAS_CHECK(!weights.empty(), "owner_update: no table");
+  const std::vector<OwnerTable> tables = checked_tables(weights, momentum1, momentum2, c, device);
+  check_features(features, tables, grad.size(1));
+  const auto table_bytes = static_cast<int64_t>(tables.size() * sizeof(OwnerTable));
+  at::Tensor tables_host = at::empty({table_bytes}, at::kByte);
+  std::memcpy(tables_host.data_ptr(), tables.data(), table_bytes);
+  on_device = {upload(features, device), upload(tables_host, device)};
+  return OwnerUpdateParams{
+      keys.data_ptr<int64_t>(),
+      order.data_ptr<int64_t>(),
+      bags.data_ptr<int64_t>(),
+      offsets.data_ptr<int64_t>(),
+      c.weighted ? psw->data_ptr<float>() : nullptr,
+      grad.data_ptr(),
+      grad.stride(0),
+      reinterpret_cast<const OwnerFeatureDesc*>(on_device[0].data_ptr<int64_t>()),
+      reinterpret_cast<const OwnerTable*>(on_device[1].data_ptr()),
+      reinterpret_cast<const OwnerHyper*>(hyper.data_ptr<float>()),
+      c,
+      n,
+      num_features,
+      static_cast<int64_t>(tables.size()),
+  };
+}
+
+
+// CPU implementation of torchrec_pgas::owner_update (the same algorithm as the CUDA kernel).
+void owner_update_cpu(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
+                      const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+                      at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
+                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
+  PGAS_CHECK(!weights.empty(), "owner_update: no table");
+  std::vector<at::Tensor> on_device;
+  const OwnerUpdateParams p = owner_update_params(keys, order, bags, offsets, psw, grad, weights, momentum1, momentum2,
+                                                  features, hyper, config, on_device);
+  dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), [&](auto weight, auto grad_type) {
+    update_on_host<decltype(weight), decltype(grad_type)>(p);
+  });
+}
+
+}  // namespace torchrec_pgas

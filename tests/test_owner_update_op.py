@@ -1,0 +1,195 @@
+"""The owner update op (``torch.ops.torchrec_pgas.owner_update``, ``csrc/owner_update.h``) against its torch-ops
+reference (``owner_backward(..., reference=True)``), FBGEMM style: random cases over every optimizer, weight
+and gradient dtype, pooling, per-sample weights, shared tables, hot rows and table widths, on CPU (the op's
+CPU path: the same algorithm as its CUDA kernel) and, with a GPU, on the GPU; and its input checks.
+
+FBGEMM's CPU TBE has no Adam, so the tables here live in a plain flat buffer laid out as a TBE's (one
+allocation, a ``[rows, dim]`` view per table, fp32 optimizer states of FBGEMM's shapes); the comparison with
+FBGEMM's own update is ``tests/test_owner_backward.py``.
+"""
+
+from types import SimpleNamespace
+from typing import List, Sequence, Tuple
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, WeightDecayMode
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.owner_backward import OP_MAX_DIM, op_available, op_update, owner_backward
+from torchrec_pgas.step_abi import (
+    OwnerFeatureDesc,
+    OwnerHyper,
+    OwnerUpdateConfig,
+    Optimizer,
+    WeightDecay,
+    as_tensor,
+    as_words,
+    build,
+)
+
+pytestmark = pytest.mark.skipif(not op_available(), reason="torchrec_pgas._C not built (no nvcc)")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class FlatTables:
+    """What ``owner_backward`` reads of a TBE, over one flat buffer per state as FBGEMM lays them out."""
+
+    def __init__(self, tables: Sequence[Tuple[int, int]], feature_table_map: List[int], optimizer: EmbOptimType,
+                 dtype: torch.dtype, pooling: PoolingMode, mode: WeightDecayMode, device: torch.device) -> None:
+        self.embedding_specs = [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in tables]
+        self.feature_table_map, self.optimizer, self.pooling_mode = feature_table_map, optimizer, pooling
+        self.optimizer_args = SimpleNamespace(eps=1e-3, beta1=0.8, beta2=0.95, weight_decay=0.01 if mode else 0.0,
+                                              weight_decay_mode=int(mode))
+        gen = torch.Generator().manual_seed(len(tables))
+        sizes = [rows * dim for rows, dim in tables]
+        self._weights = (torch.randn(sum(sizes), generator=gen) * 0.5).to(dtype).to(device)
+        self._states = {
+            EmbOptimType.EXACT_SGD: [],
+            EmbOptimType.EXACT_ROWWISE_ADAGRAD: [torch.rand(sum(r for r, _ in tables), generator=gen)],
+            EmbOptimType.ADAM: [torch.randn(sum(sizes), generator=gen) * 0.1, torch.rand(sum(sizes), generator=gen)],
+        }[optimizer]
+        self._states = [s.to(device) for s in self._states]
+
+    def get_learning_rate(self) -> float:
+        return 0.05
+
+    def split_embedding_weights(self) -> List[torch.Tensor]:
+        return [v.view(r, d) for v, (r, d, *_) in zip(self._split(self._weights, False), self.embedding_specs)]
+
+    def split_optimizer_states(self) -> List[List[torch.Tensor]]:
+        per_row = self.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        parts = [self._split(s, per_row) for s in self._states]
+        return [[p[t] if per_row else p[t].view(r, d) for p in parts]
+                for t, (r, d, *_) in enumerate(self.embedding_specs)]
+
+    def _split(self, flat: torch.Tensor, per_row: bool) -> List[torch.Tensor]:
+        return list(flat.split([r if per_row else r * d for r, d, *_ in self.embedding_specs]))
+
+    def state(self) -> List[torch.Tensor]:
+        return [self._weights] + self._states
+
+
+def _kjt(tables: Sequence[Tuple[int, int]], feature_table_map: List[int], batch: int, weighted: bool,
+         seed: int, device: torch.device) -> KeyedJaggedTensor:
+    """Random bags (empty ones among them), and one bag of 2000 ids of one row (a hot row)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 6, (len(feature_table_map) * batch,), generator=gen)
+    lengths[1] = 2000
+    ids = torch.cat([torch.randint(0, tables[feature_table_map[bag // batch]][0], (int(n),), generator=gen)
+                     if bag != 1 else torch.full((2000,), 3) for bag, n in enumerate(lengths)])
+    weights = torch.rand(ids.numel(), generator=gen) + 0.5 if weighted else None
+    return KeyedJaggedTensor(keys=[f"f{f}" for f in range(len(feature_table_map))], values=ids.to(device),
+                             lengths=lengths.to(device), weights=None if weights is None else weights.to(device),
+                             stride=batch)
+
+
+TABLES = [(40, 8), (29, 16), (6, 4), (9, OP_MAX_DIM)]
+FEATURE_TABLES = [0, 1, 1, 2, 3]  # table 1 is shared by features 1 and 2; the hot row is in table 0
+CASES = [
+    pytest.param(opt, wdt, gdt, pooling, weighted, mode, id=f"{opt.name}-{mode.name}-{str(wdt)[6:]}-{str(gdt)[6:]}-"
+                 f"{pooling.name}{'-weighted' if weighted else ''}")
+    for opt, mode in ((EmbOptimType.EXACT_SGD, WeightDecayMode.NONE),
+                      (EmbOptimType.EXACT_ROWWISE_ADAGRAD, WeightDecayMode.NONE),
+                      (EmbOptimType.EXACT_ROWWISE_ADAGRAD, WeightDecayMode.L2),
+                      (EmbOptimType.EXACT_ROWWISE_ADAGRAD, WeightDecayMode.DECOUPLE),
+                      (EmbOptimType.ADAM, WeightDecayMode.NONE))
+    for wdt, gdt in ((torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))
+    for pooling, weighted in ((PoolingMode.SUM, False), (PoolingMode.SUM, True), (PoolingMode.MEAN, True))
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer,weight_dtype,grad_dtype,pooling,weighted,mode", CASES)
+def test_op_matches_reference(device: str, optimizer: EmbOptimType, weight_dtype: torch.dtype,
+                              grad_dtype: torch.dtype, pooling: PoolingMode, weighted: bool,
+                              mode: WeightDecayMode) -> None:
+    dev, batch = torch.device(device), 6
+    ref, ours = (FlatTables(TABLES, FEATURE_TABLES, optimizer, weight_dtype, pooling, mode, dev) for _ in range(2))
+    dim_sum = sum(TABLES[t][1] for t in FEATURE_TABLES)
+    for step in range(3):
+        kjt = _kjt(TABLES, FEATURE_TABLES, batch, weighted, seed=step, device=dev)
+        grad = (torch.randn(batch + 2, dim_sum + 4, generator=torch.Generator().manual_seed(step)) * 0.1)
+        grad = grad.to(grad_dtype).to(dev)[:batch, 2:2 + dim_sum]  # a view: row stride > D, unit column stride
+        owner_backward([ref], kjt, grad, [step + 1], reference=True)
+        assert op_update(ours, kjt, grad, 0, step + 1)  # the op takes this layout (no fallback)
+        for got, want in zip(ours.state(), ref.state()):
+            if got.dtype == torch.float16:  # the same fp32 update, rounded once: one fp16 ulp at most
+                ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp(min=2.0 ** -14)
+                assert bool(((got.float() - want.float()).abs() <= ulp).all()), f"step {step}"
+            else:  # summation orders differ (the row's square sum, the reference's segment sums)
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
+        assert not torch.equal(ours.state()[0], FlatTables(TABLES, FEATURE_TABLES, optimizer, weight_dtype, pooling,
+                                                             mode, dev).state()[0])  # it did update
+
+
+def _op_args(**change: object) -> dict:
+    """A valid one-table, one-feature SGD update (4 ids, batch 2), with ``change`` applied."""
+    args = dict(
+        keys=torch.tensor([1, 1, 3, 9]), order=torch.tensor([0, 2, 1, 3]), bags=torch.tensor([0, 0, 1, 1]),
+        offsets=torch.tensor([0, 2, 4]), per_sample_weights=None, grad=torch.ones(2, 4),
+        weights=[torch.zeros(10, 4)], momentum1=[], momentum2=[],
+        features=as_words([build(OwnerFeatureDesc, table=0, grad_col=0)], OwnerFeatureDesc),
+        hyper=as_tensor(build(OwnerHyper, lr=0.5, eps=0, beta1=0, beta2=0, weight_decay=0, bias_correction1=1,
+                              bias_correction2=1, reserved=0)).view(torch.float32),
+        config=as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.SGD, weight_decay_mode=WeightDecay.NONE,
+                               mean=0, weighted=0, batch=2)))
+    args.update(change)
+    return args
+
+
+def _run(args: dict) -> torch.Tensor:
+    torch.ops.torchrec_pgas.owner_update(**args)
+    return args["weights"][0]
+
+
+def test_op_sums_each_rows_ids_and_skips_keys_outside_the_table() -> None:
+    """Row 1 gets two ids of bag 0, row 3 one of bag 1, and key 9 is row 9 (in range); lr 0.5."""
+    w = _run(_op_args())
+    assert w[1].tolist() == [-1.0] * 4 and w[3].tolist() == [-0.5] * 4 and w[9].tolist() == [-0.5] * 4
+    assert float(w.abs().sum()) == 8.0
+    out_of_range = _run(_op_args(keys=torch.tensor([1, 1, 3, 10])))  # key 10 is past the table's 10 rows
+    assert out_of_range[1].tolist() == [-1.0] * 4 and float(out_of_range.abs().sum()) == 6.0
+
+
+def test_op_takes_each_rows_table_from_its_key() -> None:
+    """Two tables (10 and 5 rows): key 12 is row 2 of table 1. An id whose feature reads table 0 but whose key
+    lies in table 1 (a corrupt id) adds nothing there, and the run's other ids still apply."""
+    w0, w1 = torch.zeros(10, 4), torch.zeros(5, 4)
+    features = as_words([build(OwnerFeatureDesc, table=0, grad_col=0), build(OwnerFeatureDesc, table=1, grad_col=4)],
+                        OwnerFeatureDesc)
+    args = _op_args(keys=torch.tensor([1, 12, 12]), order=torch.tensor([0, 1, 2]), bags=torch.tensor([0, 1, 2]),
+                    offsets=torch.tensor([0, 1, 2, 3, 3]), grad=torch.ones(2, 8), weights=[w0, w1],
+                    features=features)
+    _run(args)  # bag 1 is feature 0 (table 0): skipped in table 1's run; bag 2 is feature 1, sample 0
+    assert w0[1].tolist() == [-0.5] * 4 and float(w0.abs().sum()) == 2.0
+    assert w1[2].tolist() == [-0.5] * 4 and float(w1.abs().sum()) == 2.0
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(weights=[torch.zeros(10, OP_MAX_DIM + 4)]), "table 0 has dim 516"),
+    (dict(weights=[torch.zeros(10, 8)[:, :4]]), r"weights\[0\] must be a contiguous"),
+    (dict(weights=[torch.zeros(10, 4, dtype=torch.float64)]), "weights are Double, not fp32 or fp16"),
+    (dict(features=as_words([build(OwnerFeatureDesc, table=0, grad_col=2)], OwnerFeatureDesc)),
+     r"feature 0's columns \[2, \+4\) exceed the gradient's 4"),
+    (dict(features=as_words([build(OwnerFeatureDesc, table=1, grad_col=0)], OwnerFeatureDesc)),
+     "feature 0 names table 1 of 1"),
+    (dict(offsets=torch.tensor([0, 4])), "offsets has 2 elements, expected 3"),
+    (dict(config=torch.zeros(8, dtype=torch.uint8)), "the 40 bytes of an OwnerUpdateConfig"),
+    (dict(config=as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.ROWWISE_ADAGRAD, weight_decay_mode=0,
+                                 mean=0, weighted=0, batch=2))), "momentum1 has 0 tensors; table 0 needs one"),
+    (dict(config=as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.ADAM, weight_decay_mode=0, mean=0,
+                                 weighted=0, batch=2)), momentum1=[torch.zeros(10, 4)], momentum2=[torch.zeros(10)]),
+     r"momentum2\[0\] must be a contiguous fp32 tensor of 40 elements"),
+    (dict(config=as_tensor(build(OwnerUpdateConfig, optimizer=0, weight_decay_mode=0, mean=0, weighted=1,
+                                 batch=2))), "needs contiguous fp32 per-sample weights"),
+])
+def test_op_refuses_inputs_that_would_address_outside_the_tables(change: dict, message: str) -> None:
+    args = _op_args(**change)
+    weights = args["weights"][0]
+    with pytest.raises(RuntimeError, match=message):
+        _run(args)
+    assert not weights.any()  # nothing written
