@@ -141,6 +141,8 @@ void grad_dist(const at::Tensor& grad, const at::Tensor& buf, const at::Tensor& 
              static_cast<long long>(p.dim_sum));
   PGAS_CHECK(epoch >= 1 && divisor >= 1.0, "grad_dist: epoch %lld, divisor %f", static_cast<long long>(epoch),
              divisor);
+  PGAS_CHECK(reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0,
+             "grad_dist: the gradient must start on 16 bytes (its rows are read in vectors of 4)");
   const int a = abort ? 1 : 0;
   switch (grad.scalar_type()) {
     case at::kFloat:

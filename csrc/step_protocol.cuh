@@ -38,9 +38,9 @@
 // `owner` (the owner is done with this requester's blocks of step e).
 //
 // Synchronization protocol, one step = three kernels on the current stream:
-//   index_dist (requester): the first CTA waits until every owner has released
-//     this slot's previous step (epoch - num_slots; on a timeout the step
-//     fails and its owners are aborted);
+//   index_dist (requester): in every CTA, threads 0..W-1 wait until every
+//     owner has released this slot's previous step (epoch - num_slots; on a
+//     timeout the step fails and its owners are aborted);
 //     every CTA stores ids/lengths/offsets straight into
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
@@ -60,16 +60,22 @@
 // (launch_after_exit): they read nothing of it except through these signals.
 // Each stage keeps a device-side epoch counter (state[kCtr*]), read by every
 // CTA at entry and advanced by the stage's last CTA. No host value changes
-// between steps, so the three launches can be captured in a CUDA graph. Waits
-// give up after `timeout_ns` or when the pad's abort word is set (checked again
-// once the signal has arrived); errors go to the state's ErrorRecord, which the
+// between steps, so the three launches can be captured in a CUDA graph. The
+// forward's waits give up after `timeout_ns` or when the pad's abort word is
+// set (checked again once the signal has arrived); the backward's await_grads
+// gives up after `timeout_ns` only (a source that gives the backward up says so
+// in its grad signal). Errors go to the state's ErrorRecord, which the
 // combine copies to pinned host memory (DeviceStep decodes it). A rank that
 // skips a source's data aborts that source before signalling it. A rank that
-// gives a step up (bad input seen on the host, or owners not released) still
-// publishes its index blocks, empty, with header[3] = 1, so every epoch stays
-// in step; kStepFailed[slot] = epoch marks a failed step, and its backward
-// (grad_exchange.cu) applies nothing on any rank. Without a backward
-// (inference, eval) the lookup releases each source once served.
+// gives a step up (bad input seen on the host, or owners not released)
+// publishes its index blocks empty, with header[3] = 1 (its last CTA; a host
+// give-up only once the owners released the slot), so every epoch stays in
+// step; kStepFailed[slot] = epoch marks a failed step, and its
+// backward (grad_exchange.cu) applies nothing on any rank. Without a backward
+// (inference, eval) the lookup releases each source once served. Backwards
+// run in the order of their forwards (autograd's order for one loss per step):
+// a grad signal holds the newest epoch sent, so an owner awaiting step e takes
+// a signal of a later step as e's.
 #pragma once
 
 #include <cstdint>

@@ -2,8 +2,8 @@
 
 World sizes a machine lacks (3, 4; 2 on a one-GPU machine) run here, each rank's path as it runs on W GPUs:
 the row-wise index dist's owner paths (two owners, and the general one), a lookup serving W sources, a
-finalize summing W partials, table-wise owners with their own batches. Several steps per case, so both
-buffer slots and the device epochs are exercised.
+finalize summing W partials, table-wise owners with their own batches. Five steps per case, so every buffer
+slot is used twice (the second use waits for the owners' release of the first) and the device epochs advance.
 """
 
 import random
@@ -80,7 +80,7 @@ def test_virtual_ranks_match_reference(world: int, table_wise: bool) -> None:
         vr = VirtualRanks(tables, world, max_batch=40, ids_capacity=40 * _MAX_LEN * num, owners=owners,
                           is_mean=is_mean, weighted=weighted, out_dtype=out_dtype)
         same_batch = rnd.randint(1, 40)
-        for step in range(3):
+        for step in range(5):
             inputs = [_inputs(rnd, hash_sizes, rnd.randint(1, 40) if table_wise else same_batch, weighted, dev)
                       for _ in range(world)]
             outs = vr.step(inputs)
@@ -128,6 +128,35 @@ def test_virtual_ranks_bad_id(world: int, mode: BoundsCheckMode) -> None:
     vr.check()
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_virtual_ranks_a_failed_step_gives_its_gradients_up(world: int) -> None:
+    """A FATAL bad id on rank 1 in a training step: rank 1's grad dist stores nothing and signals that it gave
+    up, its await_grads waits for no one (flags 3, and 1 for its own step); every other rank sees rank 1 give
+    up (1) and the others arrive (0). The next training step exchanges normally on every rank."""
+    from torchrec_pgas.virtual_ranks import VirtualRanks
+
+    dev = torch.device("cuda", 0)
+    rnd = random.Random(world)
+    hash_sizes = [1000, 37]
+    vr = VirtualRanks([torch.randn(n, 8, device=dev) for n in hash_sizes], world, max_batch=8,
+                      ids_capacity=8 * _MAX_LEN * 2 + 1)
+    inputs = [_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)]
+    values, offsets, _, batch = inputs[1]
+    inputs[1] = (torch.cat([values, torch.tensor([37], dtype=values.dtype, device=dev)]),
+                 torch.cat([offsets[:-1], offsets[-1:] + 1]), None, batch)  # the last bag gets id 37 of 37 rows
+    vr.step(inputs, trains=True)
+    assert vr.errors()[1][:3] == (ErrorCode.BAD_ID, 1, 37)
+    flags = vr.exchange_gradients([torch.randn(8, 16, device=dev) for _ in range(world)], float(world))
+    assert flags[1] == [3] * world + [1], flags
+    for r in (r for r in range(world) if r != 1):
+        assert flags[r] == [1 if s == 1 else 0 for s in range(world)] + [0], flags
+    vr.release()
+    vr.step([_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)], trains=True)
+    assert vr.exchange_gradients([torch.randn(8, 16, device=dev) for _ in range(world)], float(world)) == \
+        [[0] * (world + 1)] * world
+    vr.release()
+
+
 def test_stage_ops_refuse_a_config_that_does_not_match() -> None:
     """An op checks its StepConfig against the tensors before any launch, and says why (a raised error, not a
     crash), e.g. a pad too small for the world size the config names."""
@@ -151,8 +180,8 @@ def test_stage_ops_refuse_a_config_that_does_not_match() -> None:
 def test_virtual_ranks_gradients_reach_exactly_the_owners_that_served_each_bag(world: int, table_wise: bool) -> None:
     """grad_dist at W ranks: owner d's gradient block from source s holds, for every bag of s that d held
     ids of, s's gradient row of the bag (MEAN features divided by the bag's divisor, then all by W), and
-    nothing else: a bag d held no ids of leaves the block's sentinel. Two training steps, then a released
-    slot's next use."""
+    nothing else: a bag d held no ids of leaves the block's sentinel. Five training steps: the fourth and fifth
+    reuse released slots."""
     from torchrec_pgas.virtual_ranks import VirtualRanks
 
     dev = torch.device("cuda", 0)
@@ -162,7 +191,7 @@ def test_virtual_ranks_gradients_reach_exactly_the_owners_that_served_each_bag(w
     is_mean = [False, True, False]
     owners = sorted(rnd.randrange(world) for _ in tables) if table_wise else None
     vr = VirtualRanks(tables, world, max_batch=8, ids_capacity=8 * _MAX_LEN * 3, owners=owners, is_mean=is_mean)
-    for step in range(3):
+    for step in range(5):
         inputs = [_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)]
         vr.step(inputs, trains=True)
         vr.check()

@@ -3,7 +3,7 @@
 Every rank holds the same buffer (sizes are plan-time constants)::
 
     index region   [slot][src] blocks, written by rank ``src`` (the requester)
-        header   int64[4]          epoch, local batch B, nnz, reserved
+        header   int64[4]          epoch, local batch B, nnz, gave up (1: the source gave the step up)
         offsets  int64[F*Bmax+1]   where bag (f, b)'s ids start in ``ids``, [f][b] order
         lengths  int32[F*Bmax]     how many ids of bag (f, b) this owner holds
         ids      int32|int64[C]    local row offsets into this rank's shards (int32

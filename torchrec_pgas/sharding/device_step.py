@@ -283,13 +283,27 @@ class DeviceStep(PgasStep):
         return self.forward_output(out, StepTicket(epoch, kjt.stride(), pool, iters, tbes) if trains else None)
 
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        epoch = ticket.epoch
+        try:
+            self._exchange_and_apply(ticket, grad)
+        except PgasError:
+            raise
+        except RuntimeError as e:  # an op refused or failed to launch: peers must not wait for this rank
+            raise self.fail(PgasError(f"{self.kind} backward of step {epoch} failed: {e}"), epoch) from e
+        finally:
+            self.release(epoch)
+
+    def _exchange_and_apply(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         ops, lay, epoch = torch.ops.torchrec_pgas, self.layout, ticket.epoch
         slot = epoch % lay.num_slots
         args = self._state_args()
         gave_up = epoch in self._gave_up  # its batch may not fit the buffers: it sends nothing, says so
         batch = 0 if gave_up else ticket.batch
-        ops.grad_dist(grad[:batch].to(self.spec.out_dtype), *args, epoch, batch, gradient_divisor(self.world_size),
-                      gave_up)
+        sibling_gave_up = self._adopt_sibling_failures(epoch)
+        sent = grad[:batch].to(self.spec.out_dtype)
+        if sent.data_ptr() % 16:  # a view into its storage: grad_dist reads rows in 16-byte vectors
+            sent = sent.clone()
+        ops.grad_dist(sent, *args, epoch, batch, gradient_divisor(self.world_size), gave_up or sibling_gave_up)
         ops.await_grads(*args, self._grad_flags, epoch)
         profiling.mark("grad_exchange")
         whole = (self._grad_flags == 0).all()
@@ -301,28 +315,42 @@ class DeviceStep(PgasStep):
                                for s in range(self.world_size)])
         kjt = self.kept_ids(epoch, rows, (f_lo, f_hi - f_lo, lay.num_features), batches, whole)  # the sync
         profiling.mark("kept_ids")
-        try:
-            # After the sync: every sharding's records of the step are in (their combines ran before).
-            problem = self._backward_problem(epoch) or self.failed_sibling(epoch)
-            if problem is not None:
-                raise problem
-            if f_hi > f_lo:
-                col_lo = self._descs[f_lo].out_col
-                col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
-                self.replay(ticket, kjt, self.kept_grads(epoch, rows, (col_lo, col_hi, lay.dim_sum),
-                                                         self.spec.out_dtype))
-        finally:
-            self.release(epoch)
+        # After the sync: every sharding's records of the step are in (their combines ran before).
+        problem = self._backward_problem(epoch, self.failed_sibling(epoch))
+        if problem is not None:
+            raise problem
+        if f_hi > f_lo:
+            col_lo = self._descs[f_lo].out_col
+            col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
+            self.replay(ticket, kjt, self.kept_grads(epoch, rows, (col_lo, col_hi, lay.dim_sum), self.spec.out_dtype))
 
-    def _backward_problem(self, epoch: int) -> Optional[PgasError]:
-        """Why step ``epoch``'s gradients must not be applied (after the sync), if they must not."""
+    def _adopt_sibling_failures(self, epoch: int) -> bool:
+        """Make step ``epoch`` failed here where it failed in another sharding of the model whose backward has
+        not run (a device-recorded bad id is recorded on its rank only): this rank's grad dist then gives
+        up, so every peer refuses this sharding's step too. Device words, no sync; True where a sibling gave
+        the step up on the host."""
+        siblings = [other for other, _ in self.siblings_awaiting(epoch) if isinstance(other, DeviceStep)]
+        if not siblings:
+            return False
+        failed = torch.stack([o.failed_word(epoch) for o in siblings]).eq(epoch).any()
+        word = self.failed_word(epoch)
+        word.copy_(torch.where(failed, epoch, word))
+        return any(epoch in o._gave_up for o in siblings)
+
+    def failed_word(self, epoch: int) -> torch.Tensor:
+        """The device word that holds the epoch of the last failed step in ``epoch``'s slot."""
+        return self._state[StateWord.STEP_FAILED + epoch % self.layout.num_slots]
+
+    def _backward_problem(self, epoch: int, sibling: Optional[PgasError]) -> Optional[PgasError]:
+        """Why step ``epoch``'s gradients must not be applied (after the sync), if they must not: this rank's
+        failure, a peer's, or ``sibling`` (the step's failure in another sharding of the model)."""
         flags = self._grad_flags_host.tolist()
         if flags[self.world_size]:  # this rank's step failed: its record (or what it gave up for) says why
             record = self._status[epoch % self.layout.num_slots]
             err = self._recorded_error(record.tolist()) if int(record[0]) == epoch else None
             record.zero_()
             err = self._gave_up.pop(epoch, err)
-            return err or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
+            return err or sibling or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
         for src, flag in enumerate(flags[:self.world_size]):
             if flag == 1:
                 return PgasPeerAbortError(f"rank {src} gave up on step {epoch} of {self.kind} (see its error): "
@@ -331,7 +359,7 @@ class DeviceStep(PgasStep):
                 return PgasTimeoutError(
                     f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for the gradients of step "
                     f"{epoch} from rank {src}: a peer crashed, diverged, or skipped this step's backward")
-        return None
+        return sibling
 
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         record = self._status[epoch % self.layout.num_slots]

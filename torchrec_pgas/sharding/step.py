@@ -308,7 +308,10 @@ class PgasStep(abc.ABC):
         try:
             self.run_backward(ticket, grad.contiguous())
         except PgasError:
-            _undo_iterations(ticket)
+            # The exception ends the whole backward: the other shardings' backwards of this step will not
+            # run either, so their counters go back too.
+            for t in [ticket] + [t for _, t in self.siblings_awaiting(ticket.epoch)]:
+                _undo_iterations(t)
             raise
 
     @abc.abstractmethod
@@ -326,16 +329,19 @@ class PgasStep(abc.ABC):
         sharding runs each forward of a model once, so their epochs agree; every rank records a failed step
         (the failing rank its error, the others the abort), so every rank refuses alike. The failed step's
         TBE counters go back as its own backward would put them."""
-        for other in list(_STEPS):
-            if other is self or epoch not in other._awaiting_backward:
-                continue
+        for other, ticket in self.siblings_awaiting(epoch):
             err = other.step_failure(epoch)
             if err is not None:
-                ticket = other._tickets.get(epoch)
-                if ticket is not None:
-                    _undo_iterations(ticket)
+                _undo_iterations(ticket)
                 return err
         return None
+
+    def siblings_awaiting(self, epoch: int) -> List[Tuple["PgasStep", StepTicket]]:
+        """The other PGAS shardings of this process whose step ``epoch`` still awaits its backward, with
+        that step's ticket."""
+        pairs = [(other, other._tickets.get(epoch)) for other in list(_STEPS)
+                 if other is not self and epoch in other._awaiting_backward]
+        return [(other, ticket) for other, ticket in pairs if ticket is not None]
 
     @abc.abstractmethod
     def release(self, epoch: int) -> None:
