@@ -21,7 +21,8 @@
 #              train-<pair>-<owner backward>-w<n>; TRAIN_ARGS (default s004, s000-weak, s000-strong, 50 steps,
 #              no graph)
 #   scaling    s000-weak and s000-strong, both pairs, at 1..PGAS_TEST_WORLD GPUs
-#   sanitizer  compute-sanitizer memcheck of a small 2-rank case (on a one-GPU machine both ranks share it)
+#   sanitizer  compute-sanitizer memcheck of a small 2-rank training case (on a one-GPU machine both ranks share
+#              it; SANITIZER_OWNER_BACKWARD: pgas, the default, or fbgemm), then of the owner update op's tests
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
 #   dlrm-train the DLRM example training with --sharding pgas --validate through TrainPipelineSparseDist (the
@@ -236,13 +237,15 @@ fi
 if has tests || has quick-tests; then
   TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py
          tests/test_owner_backward.py tests/test_owner_update_op.py -m gpu)
-  has quick-tests && TESTS+=(-k "out_of_range or mismatch or ignore or graph or bit_exact or comm")
-  [ -n "${TEST_K:-}" ] && TESTS+=(-k "$TEST_K")  # e.g. TEST_K="table_wise or comm"
+  K=${TEST_K:-}  # e.g. TEST_K="table_wise or comm"; with quick-tests, both must match
+  has quick-tests && K="(out_of_range or mismatch or ignore or graph or bit_exact or comm)${K:+ and ($K)}"
+  [ -n "$K" ] && TESTS+=(-k "$K")
   log "GPU tests at world size $PGAS_TEST_WORLD"
   export PGAS_TEST_REPORT=$OUT  # the training tests' measured differences: training_diffs.json
   # Per-test limits (tests use short PGAS wait timeouts), so a stuck test still leaves its traceback.
-  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning --tb=short \
-    --timeout "${PER_TEST_TIMEOUT:-150}" "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
+  # The whole suite at W = 2 ranks sharing one GPU takes about 8 minutes; W = 4 runs fewer tests (TEST_K).
+  timeout "${TEST_TIMEOUT:-780}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning --tb=short \
+    --timeout "${PER_TEST_TIMEOUT:-400}" "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?" | tee -a "$OUT/summary.txt"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30 | tee -a "$OUT/summary.txt"
 fi
@@ -302,10 +305,16 @@ if has sanitizer; then
   log "compute-sanitizer memcheck, 2 ranks"
   # API errors are NCCL probing kernel images of other archs at init; count memory errors. Memcheck slows
   # the kernels (and ranks sharing a GPU take turns): a long PGAS wait.
-  SANITIZER_WAIT_S=${SANITIZER_WAIT_S:-600} timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
+  SANITIZER_WAIT_S=${SANITIZER_WAIT_S:-600} timeout "${SANITIZER_TIMEOUT:-480}" compute-sanitizer --tool memcheck --report-api-errors no --target-processes all \
     --error-exitcode 9 "$PY" -m torch.distributed.run --nproc_per_node=2 scripts/sanitizer_case.py > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer exit $?" | tee -a "$OUT/summary.txt"
   grep -E "ERROR SUMMARY|sanitizer_case" "$OUT/sanitizer.log" | tail -6 | tee -a "$OUT/summary.txt"
+  log "compute-sanitizer memcheck, the owner update op's GPU tests (every optimizer, dtype, a hot row, dim 512)"
+  timeout "${SANITIZER_TIMEOUT:-480}" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -m gpu tests/test_owner_update_op.py \
+    > "$OUT/sanitizer_op.log" 2>&1
+  echo "sanitizer op exit $?" | tee -a "$OUT/summary.txt"
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_op.log" | tail -3 | tee -a "$OUT/summary.txt"
 fi
 
 if has demo; then

@@ -1,5 +1,6 @@
 """A small 2-rank pgas_row_wise case for compute-sanitizer (torchrun --nproc_per_node=2): three no-grad
-forwards, then three training steps (the gradient exchange and the owners' FBGEMM backward).
+forwards, then three training steps (the gradient exchange and the owners' update: by default the owner
+update kernel, ``owner_backward="pgas"``; ``SANITIZER_OWNER_BACKWARD=fbgemm``: FBGEMM's backward).
 
 One GPU per rank, or both ranks on one GPU (torchrec_pgas.placement) when the machine has one.
 ``SANITIZER_WAIT_S`` raises the PGAS wait timeout: memcheck slows the kernels."""
@@ -23,7 +24,8 @@ def main() -> None:
     dist.init_process_group(placement.backend)
     model = default_model()
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
-    config = PgasConfig(max_local_batch_size=8, wait_timeout_s=float(os.environ.get("SANITIZER_WAIT_S", "120")))
+    config = PgasConfig(max_local_batch_size=8, wait_timeout_s=float(os.environ.get("SANITIZER_WAIT_S", "120")),
+                        owner_backward=os.environ.get("SANITIZER_OWNER_BACKWARD", "pgas"))
     pgas = shard(LossModel(model), types, dist.group.WORLD, dev, config, {"learning_rate": 0.05}, path="model.")
     gen = seeded(rank)
     for step in range(6):

@@ -350,17 +350,18 @@ class LossModel(nn.Module):
         return keyed_loss(pooled, weighted), pooled.values()
 
 
-def local_state(dmp: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every local weight shard and fused-optimizer state tensor of ``dmp``, by name (flushed first)."""
+def local_state(dmp: nn.Module, clone: bool = True) -> Dict[str, torch.Tensor]:
+    """Every local weight shard and fused-optimizer state tensor of ``dmp``, by name (flushed first); with
+    ``clone=False`` the shards themselves (views of the TBEs' storage: no copy of tables of gigabytes)."""
     out: Dict[str, torch.Tensor] = {}
     for name, st in dmp.state_dict().items():
         for i, shard_ in enumerate(st.local_shards() if isinstance(st, ShardedTensor) else []):
-            out[f"{name}#{i}"] = shard_.tensor.detach().clone()
+            out[f"{name}#{i}"] = shard_.tensor.detach()
     for param, states in dmp.fused_optimizer.state_dict()["state"].items():
         for key, st in states.items():
             for i, shard_ in enumerate(st.local_shards() if isinstance(st, ShardedTensor) else []):
-                out[f"{param}/{key}#{i}"] = shard_.tensor.detach().clone()
-    return out
+                out[f"{param}/{key}#{i}"] = shard_.tensor.detach()
+    return {k: v.clone() for k, v in out.items()} if clone else out
 
 
 def _three_in_flight(dmp: nn.Module, batches: Sequence[TrainBatch], device: torch.device) -> Iterator[None]:
