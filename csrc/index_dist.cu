@@ -480,13 +480,18 @@ __device__ __forceinline__ void publish_index(const StepParams& p, int64_t epoch
 // Threads 0..W-1: wait until owner t released this rank's blocks of the step
 // that last used this slot (epoch - num_slots): its lookup (a step without a
 // backward) or its backward is done with them. False if an owner did not
-// (recorded); the CTA then stores nothing, and this rank gives up on the step.
+// (timed out, recorded); the CTA then stores nothing, and this rank gives up
+// on the step. The wait ignores the abort word: an abort of this step (a peer's,
+// or this rank's own host give-up) says nothing about the earlier step, and
+// nothing, not even an empty header, may land under an owner still reading
+// that step's ids.
 __device__ __forceinline__ bool owners_released(const StepParams& p, int64_t epoch, int* s_ok) {
   if (threadIdx.x == 0) *s_ok = 1;
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < p.world && epoch > p.num_slots) {
     const int owner = threadIdx.x;
-    if (!wait_epoch(p, my_signal(p, kReleaseSignals, owner), epoch - p.num_slots, epoch, 0, owner)) *s_ok = 0;
+    const int64_t* released = my_signal(p, kReleaseSignals, owner);
+    if (!wait_epoch(p, released, epoch - p.num_slots, epoch, 0, owner, /*heed_abort=*/false)) *s_ok = 0;
   }
   __syncthreads();
   return *s_ok != 0;

@@ -39,8 +39,9 @@
 //
 // Synchronization protocol, one step = three kernels on the current stream:
 //   index_dist (requester): in every CTA, threads 0..W-1 wait until every
-//     owner has released this slot's previous step (epoch - num_slots; on a
-//     timeout the step fails and its owners are aborted);
+//     owner has released this slot's previous step (epoch - num_slots; an
+//     abort does not end this wait; on a timeout the step fails and its owners
+//     are aborted);
 //     every CTA stores ids/lengths/offsets straight into
 //     each owner's index block through NVLink peer pointers, then
 //     fence.sc.sys + atomicAdd on a local done counter; the last CTA stores
@@ -176,17 +177,19 @@ __device__ __forceinline__ int aborted_by(const StepParams& p, int64_t epoch) {
 // after the signal arrived: a peer that gave up on this rank's data aborts
 // first and signals after (release order), so its signal must not make stale
 // data look complete. `stage`: 0 index, 1 lookup, 2 combine, 3 backward.
+// `heed_abort` false: wait for the signal whatever the abort word says (the
+// release of an earlier step, which an abort of this one does not replace).
 __device__ __forceinline__ bool wait_epoch(const StepParams& p, const int64_t* slot, int64_t value, int64_t epoch,
-                                           int stage, int peer) {
+                                           int stage, int peer, bool heed_abort = true) {
   const uint64_t start = global_timer_ns();
   while (ld_acquire_sys(slot) < value) {
-    if (aborted_by(p, epoch) >= 0) break;
+    if (heed_abort && aborted_by(p, epoch) >= 0) break;
     if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
       record_error(p, epoch, ErrorCode::kTimeout, stage, peer);
       return false;
     }
   }
-  const int by = aborted_by(p, epoch);
+  const int by = heed_abort ? aborted_by(p, epoch) : -1;
   if (by >= 0) {
     record_error(p, epoch, ErrorCode::kPeerAbort, by);
     return false;

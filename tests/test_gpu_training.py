@@ -72,16 +72,17 @@ def test_training_matches_stock_on_gpus() -> None:
 
 @pytest.mark.peers
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
-@pytest.mark.parametrize("what", ["id", "capacity"])
+@pytest.mark.parametrize("what", ["id", "wid", "capacity"])
 def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str) -> None:
-    """A bad id is recorded on the device; a batch over the capacity gives the step up on the host (its
-    forward returns zeros and runs the stages empty, so every sharding of the model stays in step). Either
-    way the step's backward raises on both ranks (the bad rank its error, the peer the abort), no weight
-    moves, and the next steps train on both."""
+    """A bad id is recorded on the device of its rank only (``id``: in the EBC whose backward runs second, so
+    the first one's backward must give the step up from that record; ``wid``: in the one that runs first); a
+    batch over the capacity gives the step up on the host (its forward returns zeros and runs the stages
+    empty, so every sharding of the model stays in step). Either way the step's backward raises on both ranks
+    (the bad rank its error, the peer the abort), no weight moves, and the next steps train on both."""
     results = run_distributed(_bad_batch, 2, kind, what, "cuda")
     r0, r1 = results
-    expected = "has id 37 outside [0, 37)" if what == "id" else "exceeds PgasConfig.max_local_batch_size=16"
-    assert [e[:2] for e in r1["errors"]] == [(2, "PgasInputError" if what == "id" else "PgasCapacityError")], r1
+    expected = "exceeds PgasConfig.max_local_batch_size=16" if what == "capacity" else "has id 37 outside [0, 37)"
+    assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")], r1
     assert expected in r1["errors"][0][2]
     assert [e[:2] for e in r0["errors"]] == [(2, "PgasPeerAbortError")], r0
     assert r0["equal"] and r1["equal"], (r0, r1)

@@ -88,7 +88,9 @@ def _kjt(tables: Sequence[Tuple[int, int]], feature_table_map: List[int], batch:
 
 
 TABLES = [(40, 8), (29, 16), (6, 4), (9, OP_MAX_DIM)]
-FEATURE_TABLES = [0, 1, 1, 2, 3]  # table 1 is shared by features 1 and 2; the hot row is in table 0
+# Table 1 is shared by features 1 and 2; the hot row is in table 0. "wide" has a table of the widest dim the op
+# takes (on GPUs: 16 columns a lane), "narrow" only dims up to 128 (4 columns a lane).
+LAYOUTS = {"wide": [0, 1, 1, 2, 3], "narrow": [0, 1, 1, 2]}
 CASES = [
     pytest.param(opt, wdt, gdt, pooling, weighted, mode, id=f"{opt.name}-{mode.name}-{str(wdt)[6:]}-{str(gdt)[6:]}-"
                  f"{pooling.name}{'-weighted' if weighted else ''}")
@@ -103,15 +105,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("optimizer,weight_dtype,grad_dtype,pooling,weighted,mode", CASES)
-def test_op_matches_reference(device: str, optimizer: EmbOptimType, weight_dtype: torch.dtype,
+def test_op_matches_reference(device: str, layout: str, optimizer: EmbOptimType, weight_dtype: torch.dtype,
                               grad_dtype: torch.dtype, pooling: PoolingMode, weighted: bool,
                               mode: WeightDecayMode) -> None:
-    dev, batch = torch.device(device), 6
-    ref, ours = (FlatTables(TABLES, FEATURE_TABLES, optimizer, weight_dtype, pooling, mode, dev) for _ in range(2))
-    dim_sum = sum(TABLES[t][1] for t in FEATURE_TABLES)
+    dev, batch, feature_tables = torch.device(device), 6, LAYOUTS[layout]
+    tables = TABLES[:max(feature_tables) + 1]
+    ref, ours = (FlatTables(tables, feature_tables, optimizer, weight_dtype, pooling, mode, dev) for _ in range(2))
+    dim_sum = sum(tables[t][1] for t in feature_tables)
     for step in range(3):
-        kjt = _kjt(TABLES, FEATURE_TABLES, batch, weighted, seed=step, device=dev)
+        kjt = _kjt(tables, feature_tables, batch, weighted, seed=step, device=dev)
         grad = (torch.randn(batch + 2, dim_sum + 4, generator=torch.Generator().manual_seed(step)) * 0.1)
         grad = grad.to(grad_dtype).to(dev)[:batch, 2:2 + dim_sum]  # a view: row stride > D, unit column stride
         owner_backward([ref], kjt, grad, [step + 1], reference=True)
@@ -120,9 +124,10 @@ def test_op_matches_reference(device: str, optimizer: EmbOptimType, weight_dtype
             if got.dtype == torch.float16:  # the same fp32 update, rounded once: one fp16 ulp at most
                 ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp(min=2.0 ** -14)
                 assert bool(((got.float() - want.float()).abs() <= ulp).all()), f"step {step}"
-            else:  # summation orders differ (the row's square sum, the reference's segment sums)
-                torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
-        assert not torch.equal(ours.state()[0], FlatTables(TABLES, FEATURE_TABLES, optimizer, weight_dtype, pooling,
+            else:  # roundings differ (fmas, the row's square sum); Adam's step divides by the root of a small
+                # second moment and carries them to a few 1e-6 relative: issue 29's fp32 tolerance, rtol 1e-5
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        assert not torch.equal(ours.state()[0], FlatTables(tables, feature_tables, optimizer, weight_dtype, pooling,
                                                              mode, dev).state()[0])  # it did update
 
 

@@ -55,14 +55,17 @@ def _train(dmp: Any, batch: TrainBatch) -> None:
 
 
 def _bad(batch: TrainBatch, what: str) -> TrainBatch:
-    """An id past table t1's 37 rows (``id``), or a local batch above max_local_batch_size (``capacity``)."""
+    """An id past table t1's 37 rows (``id``; ``wid``: past w1's, in the weighted EBC, whose backward runs
+    first), or a local batch above max_local_batch_size (``capacity``)."""
     kjt = batch.kjt
     if what == "capacity":
         return TrainBatch(random_kjt(default_model().ebc.embedding_bag_configs(), 17, seeded(99)).to(
             kjt.values().device), batch.wkjt)
-    values = kjt.values().clone()
-    values[int(kjt.length_per_key()[0])] = 37  # the first id of feature tf1 (table t1, 37 rows)
-    return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
+    bad = batch.wkjt if what == "wid" else kjt
+    values = bad.values().clone()
+    values[int(bad.length_per_key()[0])] = 37  # the first id of feature 1 (table t1 or w1, 37 rows)
+    bad = KeyedJaggedTensor(bad.keys(), values, bad.weights_or_none(), bad.lengths(), stride=bad.stride())
+    return TrainBatch(kjt, bad) if what == "wid" else TrainBatch(bad, batch.wkjt)
 
 
 def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str) -> Dict[str, Any]:
@@ -81,11 +84,11 @@ def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str) ->
 
 
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
-@pytest.mark.parametrize("what", ["id", "capacity"])
+@pytest.mark.parametrize("what", ["id", "wid", "capacity"])
 def test_a_bad_batch_changes_nothing_and_the_next_steps_train(kind: str, what: str) -> None:
     r0, r1 = run_distributed(_bad_batch, 2, kind, what, "cpu")
-    expected = "has id 37 outside [0, 37)" if what == "id" else "exceeds PgasConfig.max_local_batch_size=16"
-    assert [e[:2] for e in r1["errors"]] == [(2, "PgasInputError" if what == "id" else "PgasCapacityError")]
+    expected = "exceeds PgasConfig.max_local_batch_size=16" if what == "capacity" else "has id 37 outside [0, 37)"
+    assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")]
     assert expected in r1["errors"][0][2]
     assert [e[:2] for e in r0["errors"]] == [(2, "PgasPeerAbortError")] and "rank 1 aborted" in r0["errors"][0][2]
     assert r0["equal"] and r1["equal"], (r0, r1)

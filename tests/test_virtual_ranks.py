@@ -146,10 +146,13 @@ def test_virtual_ranks_a_failed_step_gives_its_gradients_up(world: int) -> None:
                  torch.cat([offsets[:-1], offsets[-1:] + 1]), None, batch)  # the last bag gets id 37 of 37 rows
     vr.step(inputs, trains=True)
     assert vr.errors()[1][:3] == (ErrorCode.BAD_ID, 1, 37)
+    for d in range(world):
+        vr.gradient_rows(d, 1, 8).fill_(123.0)  # sentinel: rank 1 stores nothing
     flags = vr.exchange_gradients([torch.randn(8, 16, device=dev) for _ in range(world)], float(world))
     assert flags[1] == [3] * world + [1], flags
     for r in (r for r in range(world) if r != 1):
         assert flags[r] == [1 if s == 1 else 0 for s in range(world)] + [0], flags
+    assert all(bool((vr.gradient_rows(d, 1, 8) == 123.0).all()) for d in range(world))
     vr.release()
     vr.step([_inputs(rnd, hash_sizes, 8, False, dev) for _ in range(world)], trains=True)
     assert vr.exchange_gradients([torch.randn(8, 16, device=dev) for _ in range(world)], float(world)) == \

@@ -171,6 +171,7 @@ class DeviceStep(PgasStep):
         # Steps this rank gave up (bad input seen on the host): the error to raise for each, in place of the
         # record its kernels leave (a peer abort by this rank).
         self._gave_up: Dict[int, PgasError] = {}
+        self._grad_sent = 0  # the last step whose gradient (or give-up) grad_dist sent
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
@@ -289,6 +290,10 @@ class DeviceStep(PgasStep):
         except PgasError:
             raise
         except RuntimeError as e:  # an op refused or failed to launch: peers must not wait for this rank
+            if self._grad_sent != epoch:  # their await_grads reads the grad signal only: say this rank gave up
+                empty = torch.empty(0, self.layout.dim_sum, dtype=self.spec.out_dtype, device=self.device)
+                torch.ops.torchrec_pgas.grad_dist(empty, *self._state_args(), epoch, 0,
+                                                  gradient_divisor(self.world_size), True)
             raise self.fail(PgasError(f"{self.kind} backward of step {epoch} failed: {e}"), epoch) from e
         finally:
             self.release(epoch)
@@ -304,6 +309,7 @@ class DeviceStep(PgasStep):
         if sent.data_ptr() % 16:  # a view into its storage: grad_dist reads rows in 16-byte vectors
             sent = sent.clone()
         ops.grad_dist(sent, *args, epoch, batch, gradient_divisor(self.world_size), gave_up or sibling_gave_up)
+        self._grad_sent = epoch
         ops.await_grads(*args, self._grad_flags, epoch)
         profiling.mark("grad_exchange")
         whole = (self._grad_flags == 0).all()

@@ -309,8 +309,11 @@ class PgasStep(abc.ABC):
             self.run_backward(ticket, grad.contiguous())
         except PgasError:
             # The exception ends the whole backward: the other shardings' backwards of this step will not
-            # run either, so their counters go back too.
-            for t in [ticket] + [t for _, t in self.siblings_awaiting(ticket.epoch)]:
+            # run either, so their counters go back too and their records of the step are consumed (this
+            # error stands for the step; a record left behind would raise later on this rank alone).
+            _undo_iterations(ticket)
+            for other, t in self.siblings_awaiting(ticket.epoch):
+                other.step_failure(ticket.epoch)
                 _undo_iterations(t)
             raise
 
@@ -329,18 +332,20 @@ class PgasStep(abc.ABC):
         sharding runs each forward of a model once, so their epochs agree; every rank records a failed step
         (the failing rank its error, the others the abort), so every rank refuses alike. The failed step's
         TBE counters go back as its own backward would put them."""
+        first: Optional[PgasError] = None
         for other, ticket in self.siblings_awaiting(epoch):
-            err = other.step_failure(epoch)
+            err = other.step_failure(epoch)  # consumed in every sibling: none raises it again later
             if err is not None:
                 _undo_iterations(ticket)
-                return err
-        return None
+                first = first or err
+        return first
 
     def siblings_awaiting(self, epoch: int) -> List[Tuple["PgasStep", StepTicket]]:
-        """The other PGAS shardings of this process whose step ``epoch`` still awaits its backward, with
-        that step's ticket."""
+        """The other PGAS shardings of this process on this device whose step ``epoch`` still awaits its
+        backward, with that step's ticket (the shardings of one model run each forward once, so their epochs
+        agree; two models trained at once in one process are not told apart)."""
         pairs = [(other, other._tickets.get(epoch)) for other in list(_STEPS)
-                 if other is not self and epoch in other._awaiting_backward]
+                 if other is not self and other.device == self.device and epoch in other._awaiting_backward]
         return [(other, ticket) for other, ticket in pairs if ticket is not None]
 
     @abc.abstractmethod
