@@ -126,6 +126,21 @@ def test_matches_fbgemm_on_cpu(optimizer: EmbOptimType, precision: SparseType, p
     _compare(torch.device("cpu"), optimizer, precision, pooling, weighted)
 
 
+def test_weights_moved_to_new_storage_get_the_next_update() -> None:
+    """The op's table views are kept per TBE, keyed by the TBE's storage: weights moved to new storage (as a
+    re-placement does) get the next update, and the old storage gets nothing."""
+    cpu = torch.device("cpu")
+    tbe = _tbe(cpu, EmbOptimType.EXACT_SGD, SparseType.FP32, PoolingMode.SUM, 0.0, WeightDecayMode.NONE)
+    kjt, grad = _batch(cpu, False, seed=0)
+    owner_backward([tbe], kjt, grad, [1])
+    old = tbe.weights_host
+    tbe.weights_host = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+    old_before = old.detach().clone()
+    owner_backward([tbe], kjt, grad, [2])
+    assert torch.equal(old.detach(), old_before)
+    assert not torch.equal(tbe.weights_host.detach(), old_before)
+
+
 @pytest.mark.parametrize("mode", [WeightDecayMode.L2, WeightDecayMode.DECOUPLE])
 def test_rowwise_adagrad_weight_decay_follows_fbgemms_gpu_kernel(mode: WeightDecayMode) -> None:
     """FBGEMM 1.6's CPU kernel ignores row-wise Adagrad's weight decay (measured), its GPU kernel applies it
