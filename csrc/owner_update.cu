@@ -1,9 +1,9 @@
-// The owner update on the GPU: the algorithm of owner_update.h with a warp per
-// row run. A warp takes 32 consecutive sorted positions (grid-stride), finds
-// the runs that start there with one ballot, and applies each: the run's walk
-// and its row's update are uniform over the warp, its lanes split the row's
-// columns. No host sync: the id count is the tensors' size, the
-// hyper-parameters are read on the device.
+// The owner update on the GPU: the algorithm of owner_update.h with a group of
+// lanes per row run. A warp takes 32 consecutive sorted positions
+// (grid-stride), finds the runs that start there with one ballot, and deals
+// them to its groups in turn: a run's walk and its row's update are uniform
+// over its group, whose lanes split the row's columns. No host sync: the id
+// count is the tensors' size, the hyper-parameters are read on the device.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,41 +17,49 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// kMaxColumns: a lane's sums, sized by the widest table of the launch (registers bound the warps per SM).
-template <int kColumns>
-struct WarpLanes {
-  static constexpr int kCount = 32;
+// A group of kGroup lanes (8, 16 or 32) of a warp walks one run; a warp's
+// groups walk different runs at once, so narrow rows keep more rows in flight
+// per warp. kColumns: a lane's sums (dim <= kGroup * kColumns), sized by the
+// widest table of the launch (registers bound the warps per SM). Every
+// exchange names the group's lanes only: groups diverge, each on its own run.
+template <int kGroup, int kColumns>
+struct GroupLanes {
+  static constexpr int kCount = kGroup;
   static constexpr int kMaxColumns = kColumns;
-  int lane;
+  int lane;  // within the group
+  unsigned mask;  // the group's lanes in the warp
   __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; d < dim guards
   __device__ float sum(float x) const {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    for (int o = kGroup / 2; o > 0; o >>= 1) x += __shfl_xor_sync(mask, x, o, kGroup);
     return x;
   }
-  __device__ int count(bool flag) const { return __popc(__ballot_sync(0xffffffffu, flag)); }
+  __device__ int count(bool flag) const { return __popc(__ballot_sync(mask, flag) & mask); }
   template <typename T>
-  __device__ T broadcast(T x, int from) const { return __shfl_sync(0xffffffffu, x, from); }
-  __device__ void sync() const { __syncwarp(); }
+  __device__ T broadcast(T x, int from) const { return __shfl_sync(mask, x, from, kGroup); }
+  __device__ void sync() const { __syncwarp(mask); }
 };
 
-template <typename weight_t, typename grad_t, int kColumns>
+template <typename weight_t, typename grad_t, int kGroup, int kColumns>
 __global__ void __launch_bounds__(kThreads) owner_update_kernel(OwnerUpdateParams p) {
-  const int lane = threadIdx.x % 32;
+  constexpr int kGroups = 32 / kGroup;
+  const int lane = threadIdx.x % 32, group = lane / kGroup;
+  const unsigned mask = kGroup == 32 ? 0xffffffffu : ((1u << (kGroup % 32)) - 1u) << (group * kGroup);
+  const GroupLanes<kGroup, kColumns> lanes{lane % kGroup, mask};
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps * 32;
   for (int64_t base = (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * 32; base < p.n;
        base += stride) {
     unsigned starts = __ballot_sync(0xffffffffu, starts_run(p, base + lane));
-    while (starts != 0) {
+    for (int k = 0; starts != 0; ++k) {  // the k-th run that starts here is group k % kGroups's
       const int i = __ffs(starts) - 1;
       starts &= starts - 1;
-      update_run<WarpLanes<kColumns>, weight_t, grad_t>(p, base + i, WarpLanes<kColumns>{lane});
+      if (k % kGroups == group) update_run<GroupLanes<kGroup, kColumns>, weight_t, grad_t>(p, base + i, lanes);
     }
   }
 }
 
-template <typename weight_t, typename grad_t, int kColumns>
+template <typename weight_t, typename grad_t, int kGroup, int kColumns>
 void launch(const OwnerUpdateParams& p) {
-  const auto kernel = owner_update_kernel<weight_t, grad_t, kColumns>;
+  const auto kernel = owner_update_kernel<weight_t, grad_t, kGroup, kColumns>;
   const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident_ctas(kernel, kThreads)));
   kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
@@ -73,10 +81,16 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& order, const at
   for (const at::Tensor& w : weights) max_dim = std::max<int64_t>(max_dim, w.size(1));
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), [&](auto weight, auto grad_type) {
     if (p.n == 0) return;
-    if (max_dim <= 128) {
-      launch<decltype(weight), decltype(grad_type), 4>(p);
+    using weight_t = decltype(weight);
+    using grad_t = decltype(grad_type);
+    if (max_dim <= 32) {
+      launch<weight_t, grad_t, 8, 4>(p);
+    } else if (max_dim <= 64) {
+      launch<weight_t, grad_t, 16, 4>(p);
+    } else if (max_dim <= 128) {
+      launch<weight_t, grad_t, 32, 4>(p);
     } else {
-      launch<decltype(weight), decltype(grad_type), kOwnerMaxDim / 32>(p);
+      launch<weight_t, grad_t, 32, kOwnerMaxDim / 32>(p);
     }
   });
 }

@@ -1,8 +1,8 @@
 // The owner backward's update: one step of FBGEMM's exact optimizers (EXACT_SGD,
 // EXACT_ROWWISE_ADAGRAD, ADAM) applied by an owner to the rows of its TBE that
 // its sources' gradients touch, in the TBE's own weight and optimizer-state
-// storage. One algorithm, written once: owner_update.cu runs it with a warp
-// per row, owner_update_host.cpp with a CPU thread per row (the CPU path, the
+// storage. One algorithm, written once: owner_update.cu runs it with a group
+// of lanes per row, owner_update_host.cpp with a CPU thread per row (the CPU path, the
 // same code); torchrec_pgas/sharding/owner_backward.py is its torch-ops
 // reference.
 //
@@ -57,7 +57,7 @@
 
 namespace torchrec_pgas {
 
-// Largest table dim the update takes (a warp lane holds dim / 32 sums).
+// Largest table dim the update takes (a GPU lane holds up to dim / 32 sums).
 constexpr int kOwnerMaxDim = 512;
 
 // A table's views in the TBE's storage, built by the host from the op's
@@ -133,7 +133,7 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
   return {fmaf(-h.lr, step, w), m1, m2};
 }
 
-// Lanes (a warp, or one CPU thread) split a row's columns: lane l holds
+// Lanes (a group of a warp's lanes, or one CPU thread) split a row's columns: lane l holds
 // columns l, l + kCount, ... in g[0, columns(dim)), at most kMaxColumns; sum
 // adds a value over the lanes, count the lanes whose flag is set, broadcast
 // gives lane i's value to all, sync orders the lanes' reads of a row's state
