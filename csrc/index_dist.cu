@@ -545,8 +545,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   const int64_t slot = epoch % p.num_slots;
   const int64_t my_block = index_block(p, slot, p.rank);
   if (threadIdx.x < p.world) s_dst[threadIdx.x] = reinterpret_cast<uint8_t*>(p.peer_bufs[threadIdx.x]) + my_block;
-  // A step given up on the host publishes its empty header too, but only into blocks the owners released:
-  // an owner may still be reading the ids of the step that last used the slot.
   const bool released = owners_released(p, epoch, &s_ok);
   if (give_up || !released) {  // owners learn at their wait for this step's data
     if (!released && threadIdx.x < p.world) abort_peer(p, threadIdx.x, epoch);

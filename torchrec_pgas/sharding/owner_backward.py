@@ -25,7 +25,7 @@ FBGEMM's path (``PgasStep.replay``) serves those.
 import functools
 import itertools
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -164,26 +164,38 @@ def op_available() -> bool:
 
 _STORAGE = ("weights_dev", "weights_host", "weights_uvm", "momentum1_dev", "momentum1_host", "momentum1_uvm",
             "momentum2_dev", "momentum2_host", "momentum2_uvm")
-# Per TBE: (its storage's addresses, the op's table lists); rebuilt when the storage moves.
-_TABLES: "weakref.WeakKeyDictionary[nn.Module, Tuple[Tuple[int, ...], Optional[Tuple[List[torch.Tensor], ...]]]]" = (
+
+
+class _OpLayout(NamedTuple):
+    """What the op needs of a TBE that does not change between steps."""
+
+    tables: Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]  # weights, momentum1, momentum2
+    features: torch.Tensor  # OwnerFeatureDesc words (CPU)
+    feature_base: torch.Tensor  # each feature's first row key, on the gradient's device
+    key_dtype: torch.dtype  # int32 where the TBE's rows allow: a radix sort of half the key bits
+
+
+# Per TBE: (its storage's addresses, the gradient's device and first column; the layout, None where the op does
+# not take the TBE). Rebuilt when the storage moves; splitting 64 tables' views alone costs ~0.7 ms a step.
+_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[Tuple[object, ...], Optional[_OpLayout]]]" = (
     weakref.WeakKeyDictionary())
 
 
-def _op_tables(tbe: nn.Module, grads: torch.Tensor) -> Optional[Tuple[List[torch.Tensor], ...]]:
-    """The TBE's per-table weights, momentum1 and momentum2 as the op takes them, or None where they are not
-    what it writes (contiguous ``[rows, dim]`` weights beside ``grads``, fp32 states of the optimizer's
-    shapes, dims up to ``OP_MAX_DIM``). Cached per TBE: splitting 64 tables' views costs ~0.7 ms a step."""
-    storage = [getattr(tbe, name, None) for name in _STORAGE]
-    key = tuple(t.data_ptr() for t in storage if isinstance(t, torch.Tensor)) + (grads.device.index or -1,)
-    cached = _TABLES.get(tbe)
-    if cached is not None and cached[0] == key and len(key) > 1:
+def _op_layout(tbe: nn.Module, grads: torch.Tensor, first_col: int) -> Optional[_OpLayout]:
+    storage = tuple(t.data_ptr() for t in (getattr(tbe, name, None) for name in _STORAGE)
+                    if isinstance(t, torch.Tensor))
+    key = (storage, str(grads.device), first_col)
+    cached = _LAYOUTS.get(tbe)
+    if storage and cached is not None and cached[0] == key:
         return cached[1]
-    tables = _split_tables(tbe, grads)
-    _TABLES[tbe] = (key, tables)
-    return tables
+    layout = _build_layout(tbe, grads, first_col)
+    _LAYOUTS[tbe] = (key, layout)
+    return layout
 
 
-def _split_tables(tbe: nn.Module, grads: torch.Tensor) -> Optional[Tuple[List[torch.Tensor], ...]]:
+def _build_layout(tbe: nn.Module, grads: torch.Tensor, first_col: int) -> Optional[_OpLayout]:
+    """The TBE's layout for the op, or None where its tables are not what the op writes (contiguous
+    ``[rows, dim]`` weights beside ``grads``, fp32 states of the optimizer's shapes, dims up to ``OP_MAX_DIM``)."""
     weights = list(tbe.split_embedding_weights())
     states = tbe.split_optimizer_states() if tbe.optimizer != EmbOptimType.EXACT_SGD else [()] * len(weights)
     for (rows, dim, *_), w, st in zip(tbe.embedding_specs, weights, states):
@@ -193,32 +205,31 @@ def _split_tables(tbe: nn.Module, grads: torch.Tensor) -> Optional[Tuple[List[to
                 or [tuple(x.shape) for x in st] != shapes
                 or any(x.dtype != torch.float32 or not x.is_contiguous() for x in st)):
             return None
-    return weights, [st[0] for st in states if len(st) > 0], [st[1] for st in states if len(st) > 1]
+    table_map: List[int] = list(tbe.feature_table_map)
+    cols = itertools.accumulate([first_col] + [tbe.embedding_specs[t][1] for t in table_map])
+    # a table's row r has the key (rows of the tables before it) + r, as the op reads them
+    key_bases = list(itertools.accumulate([0] + [spec[0] for spec in tbe.embedding_specs]))
+    key_dtype = torch.int32 if key_bases[-1] < 2 ** 31 else torch.int64
+    return _OpLayout(
+        tables=(weights, [st[0] for st in states if len(st) > 0], [st[1] for st in states if len(st) > 1]),
+        features=as_words([build(OwnerFeatureDesc, table=t, grad_col=c) for t, c in zip(table_map, cols)],
+                          OwnerFeatureDesc),
+        feature_base=_upload(torch.tensor([key_bases[t] for t in table_map], dtype=key_dtype), grads.device),
+        key_dtype=key_dtype)
 
 
 def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first_col: int,
               iteration: Optional[int]) -> bool:
     """Steps 1-3 for one TBE in the extension's op (arguments as :func:`reference_update`); False where the
     op does not take the TBE's tables or this gradient (nothing applied then)."""
-    tables = _op_tables(tbe, grads)
-    table_map: List[int] = list(tbe.feature_table_map)
+    layout = _op_layout(tbe, grads, first_col)
     batch, values, lengths = kjt.stride(), kjt.values(), kjt.lengths().long()
-    if (tables is None or grads.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or grads.stride(1) != 1 or lengths.numel() != len(table_map) * batch):
+    if (layout is None or grads.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            or grads.stride(1) != 1 or lengths.numel() != len(tbe.feature_table_map) * batch):
         return False
-    dims = [tbe.embedding_specs[t][1] for t in table_map]
-    cols = list(itertools.accumulate([first_col] + dims))[:-1]
-    features = as_words([build(OwnerFeatureDesc, table=t, grad_col=c) for t, c in zip(table_map, cols)],
-                        OwnerFeatureDesc)
     dev = grads.device
     bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=values.numel())
-    # a table's row r has the key (rows of the tables before it) + r, as the op reads them; int32 keys where
-    # the TBE's rows allow: a radix sort of half the key bits
-    rows = [spec[0] for spec in tbe.embedding_specs]
-    key_bases = list(itertools.accumulate([0] + rows))
-    key_dtype = torch.int32 if key_bases[-1] < 2 ** 31 else torch.int64
-    feature_base = _upload(torch.tensor([key_bases[t] for t in table_map], dtype=key_dtype), dev)
-    keys, order = torch.sort(feature_base[bags // batch] + values.to(key_dtype), stable=True)
+    keys, order = torch.sort(layout.feature_base[bags // batch] + values.to(layout.key_dtype), stable=True)
     args, t = tbe.optimizer_args, float(iteration or 1)
     hyper = build(OwnerHyper, lr=float(tbe.get_learning_rate()), eps=args.eps, beta1=args.beta1, beta2=args.beta2,
                   weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t,
@@ -229,7 +240,7 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
                    mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=psw is not None, batch=batch)
     torch.ops.torchrec_pgas.owner_update(
         keys.long(), order, bags, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths),
-        None if psw is None else psw.float().contiguous(), grads, *tables, features,
+        None if psw is None else psw.float().contiguous(), grads, *layout.tables, layout.features,
         _upload(as_tensor(hyper).view(torch.float32), dev), as_tensor(config))
     return True
 
