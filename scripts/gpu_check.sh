@@ -24,7 +24,8 @@
 #   sanitizer  compute-sanitizer memcheck of a small 2-rank training case (on a one-GPU machine both ranks share
 #              it; SANITIZER_OWNER_BACKWARD: pgas, the default, or fbgemm), then of the owner update op's tests
 #   demo       the `make demo` job on nvshmem
-#   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate
+#   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate; then training
+#              with --sharding pgas --validate (its stock twin on the same batches) into <out>/dlrm_torchx_train.json
 #   dlrm-train the DLRM example training with --sharding pgas --validate through TrainPipelineSparseDist (the
 #              stock twin trained on the same batches, through the same pipeline) at each of DLRM_WORLDS (default
 #              "1 2"; ranks share GPUs when they outnumber them), DLRM_STEPS (50) steps; each run's loss
@@ -335,6 +336,14 @@ if has dlrm; then
     { echo "### torchx dlrm --sharding $sharding"; cat /tmp/dlrm.log; } >> "$OUT/torchx_dlrm.log"
     grep -E "DLRM|validate|job finished|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
   done
+  log "torchx DLRM training, --sharding pgas --pipeline sparse_dist --validate (the stock twin on the same batches)"
+  timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torchx.cli.main run -s local_cwd torchrec_pgas/components.py:dlrm \
+    --nproc_per_node 2 --gpus_per_node 2 -- --sharding pgas --train --pipeline sparse_dist --batch-size \
+    "${DLRM_BATCH:-2048}" --steps "${DLRM_STEPS:-50}" --max-rows 1000000 --validate \
+    --report "$OUT/dlrm_torchx_train.json" > /tmp/dlrm.log 2>&1
+  echo "torchx dlrm train exit $?" | tee -a "$OUT/summary.txt"
+  { echo "### torchx dlrm --sharding pgas --train"; cat /tmp/dlrm.log; } >> "$OUT/torchx_dlrm.log"
+  grep -E "DLRM|^samples/s|validate|job finished|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
 fi
 if has dlrm-train; then
   for n in ${DLRM_WORLDS:-1 2}; do
