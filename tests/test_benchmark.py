@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks.embedding import PRESETS, make_inputs
+from torchrec_pgas.sharding.owner_backward import op_available
 
 STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"]
 PGAS_STAGES = ["index_dist", "lookup", "combine", "output_dist"]  # "lookup" is the step's own mark
@@ -83,13 +84,17 @@ PGAS_TRAIN_STAGES = [*PGAS_STAGES, "grad_exchange", "kept_ids", "replay_lookup",
 
 def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
     """--owner-backward pgas: the PGAS side's updates come from the owner backward (no replayed lookup among
-    its stages), and the states still agree with stock's after the timed steps (the benchmark's own check:
-    atol 1e-4, rtol 1e-5; Adagrad's sums of squares differ in their last bits)."""
+    its stages), and the states still agree with stock's after the timed steps (the benchmark's own check
+    raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's CPU running sums differ in the
+    last bits, most in row-wise Adagrad's sums of squares, which run to tens)."""
     out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas")
     assert out["meta"]["owner_backward"] == "pgas"
     for row in out["rows"]:
-        assert row["max_state_diff"] <= 1e-4
-        assert list(row["pgas_train_stages_ms"]) == [s for s in PGAS_TRAIN_STAGES if s != "replay_lookup"]
+        assert row["max_state_diff"] <= 1e-3
+        # the op splits its stage: the keys and their sort, then the op (the torch-ops reference does not)
+        op_stages = ["owner_sort", "owner_update"] if op_available() else []
+        assert list(row["pgas_train_stages_ms"]) == [*PGAS_STAGES, "grad_exchange", "kept_ids", *op_stages,
+                                                     "owner_backward"]
 
 
 @pytest.mark.parametrize("pair", ["rw", "tw"])

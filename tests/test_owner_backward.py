@@ -45,6 +45,13 @@ TABLES = [(50, 8), (37, 16), (5, 4)]  # (rows, dim); a table of 5 rows takes the
 FEATURE_TABLES = [0, 1, 1, 2]  # table 1 is shared by features 1 and 2
 BATCH = 8
 HOT_IDS = 3000  # feature 3: one bag of 3000 ids of one row, next to ordinary bags
+# FBGEMM's CPU kernel sums a row's ids one after another in fp32: over 3000 ids of one row that alone is 1-3e-5
+# off the exact sum (its GPU kernel splits long runs over warps; ours sums compensated), so on CPUs the hot bag
+# holds 100 ids.
+CPU_HOT_IDS = 100
+# FBGEMM 1.6's GPU Adam with fp16 weights fails on any row of more than 32 ids (its CTA-per-row kernel: "Expected
+# tensor 'row_counter_dev' to have scalar type Float, but found Half"): the most it can be compared on.
+FP16_ADAM_HOT_IDS = 32
 
 
 def _tbe(device: torch.device, optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode,
@@ -63,13 +70,13 @@ def _tbe(device: torch.device, optimizer: EmbOptimType, precision: SparseType, p
     return tbe
 
 
-def _batch(device: torch.device, weighted: bool, seed: int) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
+def _batch(device: torch.device, weighted: bool, seed: int, hot_ids: int) -> Tuple[KeyedJaggedTensor, torch.Tensor]:
     """A KJT of the four features (empty bags, repeated ids, a hot row) and a pooled-output gradient."""
     gen = torch.Generator().manual_seed(seed)
     lengths, values = [], []
     for f, t in enumerate(FEATURE_TABLES):
         for b in range(BATCH):
-            n = HOT_IDS if (f == 3 and b == 2) else int(torch.randint(0, 7, (1,), generator=gen))
+            n = hot_ids if (f == 3 and b == 2) else int(torch.randint(0, 7, (1,), generator=gen))
             rows = TABLES[t][0]
             ids = torch.full((n,), 1) if f == 3 and b == 2 else torch.randint(0, rows, (n,), generator=gen)
             lengths.append(n)
@@ -85,11 +92,11 @@ def _batch(device: torch.device, weighted: bool, seed: int) -> Tuple[KeyedJagged
 
 def _compare(device: torch.device, optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode,
              weighted: bool, weight_decay: float = 0.0, mode: WeightDecayMode = WeightDecayMode.NONE,
-             steps: int = 3) -> None:
+             steps: int = 3, hot_ids: int = HOT_IDS) -> None:
     ref, ours = (_tbe(device, optimizer, precision, pooling, weight_decay, mode) for _ in range(2))
     assert unsupported(ours) is None
     for step in range(steps):
-        kjt, grad = _batch(device, weighted, seed=step)
+        kjt, grad = _batch(device, weighted, seed=step, hot_ids=hot_ids)
         out = ref(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none())
         out.backward(grad.to(out.dtype))
         ours.iter.add_(1)  # what ours's forward would have counted (Adam's bias correction reads it)
@@ -123,7 +130,7 @@ CPU_CASES = [
 @pytest.mark.parametrize("optimizer,precision,pooling,weighted", CPU_CASES)
 def test_matches_fbgemm_on_cpu(optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode,
                                weighted: bool) -> None:
-    _compare(torch.device("cpu"), optimizer, precision, pooling, weighted)
+    _compare(torch.device("cpu"), optimizer, precision, pooling, weighted, hot_ids=CPU_HOT_IDS)
 
 
 def test_weights_moved_to_new_storage_get_the_next_update() -> None:
@@ -131,7 +138,7 @@ def test_weights_moved_to_new_storage_get_the_next_update() -> None:
     re-placement does) get the next update, and the old storage gets nothing."""
     cpu = torch.device("cpu")
     tbe = _tbe(cpu, EmbOptimType.EXACT_SGD, SparseType.FP32, PoolingMode.SUM, 0.0, WeightDecayMode.NONE)
-    kjt, grad = _batch(cpu, False, seed=0)
+    kjt, grad = _batch(cpu, False, seed=0, hot_ids=HOT_IDS)
     owner_backward([tbe], kjt, grad, [1])
     old = tbe.weights_host
     tbe.weights_host = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
@@ -196,7 +203,9 @@ GPU_CASES = [
 @pytest.mark.parametrize("optimizer,precision,pooling,weighted,weight_decay,mode", GPU_CASES)
 def test_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode, weighted: bool,
                                weight_decay: float, mode: WeightDecayMode) -> None:
-    _compare(torch.device("cuda", 0), optimizer, precision, pooling, weighted, weight_decay, mode)
+    fbgemm_fails = optimizer == EmbOptimType.ADAM and precision == SparseType.FP16
+    _compare(torch.device("cuda", 0), optimizer, precision, pooling, weighted, weight_decay, mode,
+             hot_ids=FP16_ADAM_HOT_IDS if fbgemm_fails else HOT_IDS)
 
 
 def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float]]:
