@@ -18,7 +18,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from torchrec.modules.embedding_configs import DataType
 
 from test_training import Case, _train_cases
-from test_training_errors import _bad_batch, _misuse, check_misuse
+from test_training_errors import _bad_batch, _failed_backward, _misuse, check_failed_backward, check_misuse
 from torchrec_pgas.testing import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -91,3 +91,12 @@ def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str) -> None:
 @pytest.mark.peers
 def test_misuse_raises_clearly_on_gpus() -> None:
     check_misuse(run_distributed(_misuse, 2, "cuda"), "from rank 1")
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+def test_a_failed_backward_holds_no_slot_on_gpus(kind: str) -> None:
+    """The CPU twin's case. On GPUs a failed backward's exception alone (a reference cycle through the frame
+    that raised it) keeps the step's graph to a garbage collection: test_a_bad_batch_changes_nothing_on_gpus
+    failed so, three steps after the bad one."""
+    check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda"))

@@ -94,6 +94,48 @@ def test_a_bad_batch_changes_nothing_and_the_next_steps_train(kind: str, what: s
     assert r0["equal"] and r1["equal"], (r0, r1)
 
 
+def _failed_backward(rank: int, world: int, kind: str, device_type: str) -> Dict[str, Any]:
+    """Rank 1 skips step 2's backward, so rank 0's times out in the sharding whose backward runs first, which
+    ends the model's backward before its other sharding's. Rank 0 keeps the failed step's output (a logged
+    loss does; so does the exception's traceback until a garbage collection) and trains three more steps, the
+    last one in step 2's buffer slot."""
+    pgas, stock, batches = _sides(rank, world, kind, device_type, wait_s=5)
+    errors, kept = [], []
+    for i, batch in enumerate(batches):
+        if i != 2:
+            try:
+                _train(pgas, batch)
+            except PgasError as e:
+                errors.append((i, type(e).__name__, str(e)))
+            _train(stock, batch)
+            continue
+        loss = pgas(batch)[0]
+        if rank == 0:
+            kept.append(loss)
+            try:
+                loss.backward()
+            except PgasError as e:
+                errors.append((i, type(e).__name__, str(e)))
+        del loss
+        dist.barrier()  # rank 1 waits out rank 0's timeout
+    got, ref = local_state(pgas), local_state(stock)
+    return {"errors": errors, "equal": all(torch.equal(got[k], ref[k]) for k in ref) and got.keys() == ref.keys()}
+
+
+def check_failed_backward(results: List[Dict[str, Any]]) -> None:
+    """Rank 0's backward of step 2 raised (a timeout: rank 1 sent no gradient), nothing applied step 2, and
+    every later step trained on both ranks."""
+    r0, r1 = results
+    assert [e[:2] for e in r0["errors"]] == [(2, "PgasTimeoutError")], r0
+    assert r1["errors"] == [], r1
+    assert r0["equal"] and r1["equal"], (r0, r1)
+
+
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_a_failed_backward_holds_no_slot_of_the_other_shardings(kind: str) -> None:
+    check_failed_backward(run_distributed(_failed_backward, 2, kind, "cpu"))
+
+
 def _misuse(rank: int, world: int, device_type: str) -> Dict[str, Any]:
     pgas, stock, batches = _sides(rank, world, PGAS_ROW_WISE, device_type, wait_s=5)
     out: Dict[str, Any] = {}

@@ -324,7 +324,10 @@ class DeviceStep(PgasStep):
         # After the sync: every sharding's records of the step are in (their combines ran before).
         problem = self._backward_problem(epoch, self.failed_sibling(epoch))
         if problem is not None:
-            raise problem
+            try:
+                raise problem
+            finally:  # else the traceback holds this frame and the frame the exception: a cycle that keeps the
+                del problem  # step's graph and its GPU tensors alive until a garbage collection
         if f_hi > f_lo:
             col_lo = self._descs[f_lo].out_col
             col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim

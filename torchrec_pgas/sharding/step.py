@@ -260,9 +260,7 @@ class PgasStep(abc.ABC):
             raise PgasError(f"{self.kind}: {self.issued - self.looked_up} index dists are already in flight; "
                             f"at most {lay.num_slots} may run ahead of the lookup")
         for dropped in self._dropped:
-            if dropped in self._awaiting_backward:
-                self._awaiting_backward.discard(dropped)
-                self.release(dropped)
+            self.abandon_backward(dropped)
         self._dropped.clear()
         if epoch - lay.num_slots in self._awaiting_backward:
             raise PgasError(
@@ -309,13 +307,22 @@ class PgasStep(abc.ABC):
             self.run_backward(ticket, grad.contiguous())
         except PgasError:
             # The exception ends the whole backward: the other shardings' backwards of this step will not
-            # run either, so their counters go back too and their records of the step are consumed (this
-            # error stands for the step; a record left behind would raise later on this rank alone).
+            # run either, so their counters go back too, their records of the step are consumed (this
+            # error stands for the step; a record left behind would raise later on this rank alone) and
+            # their slots are released now, not when the step's graph is freed: a kept loss, or this
+            # exception's traceback until a garbage collection, holds it past the slot's next use.
             _undo_iterations(ticket)
             for other, t in self.siblings_awaiting(ticket.epoch):
                 other.step_failure(ticket.epoch)
                 _undo_iterations(t)
+                other.abandon_backward(ticket.epoch)
             raise
+
+    def abandon_backward(self, epoch: int) -> None:
+        """Release step ``epoch``'s slot if the step still awaits its backward, which will not run."""
+        if epoch in self._awaiting_backward:
+            self._awaiting_backward.discard(epoch)
+            self.release(epoch)
 
     @abc.abstractmethod
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
@@ -421,8 +428,9 @@ class PgasStep(abc.ABC):
 
         Why a replay and not FBGEMM's backward op called directly: that op's signature differs per optimizer
         and per FBGEMM release (state tensors, hyper-parameters, the lookup's saved metadata), and the TBE
-        module builds those arguments itself. The replay costs one more pooled lookup of the owner's rows (the
-        training benchmark is to measure it) and follows every optimizer FBGEMM ships, bit for bit."""
+        module builds those arguments itself. The replay costs one more pooled lookup of the owner's rows (measured
+        at about the forward's own lookup: benchmarks/NOTES.md §29) and follows every optimizer FBGEMM ships, bit
+        for bit."""
         if kjt.values().numel() == 0:
             return  # no row to update
         if self._owner_backward_applies(ticket.tbes):
