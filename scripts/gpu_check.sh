@@ -44,7 +44,9 @@
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
 #              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual
-#              ranks), into <out>/ncu (details, per-line source counters, run log; the report stays in /tmp)
+#              ranks, NCU_BENCH_ARGS: more benchmark arguments, e.g. NCU_KERNELS=owner_update NCU_PRESET=s000-weak
+#              NCU_BENCH_ARGS="--mode train --owner-backward pgas"), into <out>/ncu (details, per-line source
+#              counters, run log; the report stays in /tmp)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
 # The benchmark keeps results.json only (benchmarks.plots rebuilds the CSV from it); logs go to one file
@@ -233,7 +235,8 @@ NCUEOF
   else
     timeout "${NCU_TIMEOUT:-400}" "$PY" -m torch.distributed.run --nproc_per_node="${NCU_NPROC:-1}" --no-python bash /tmp/ncu_rank0.sh \
       "$PY" -m benchmarks.embedding --pair "${NCU_PAIR:-rw}" --preset "${NCU_PRESET:-profile}" --steps 3 \
-      --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu --out /tmp/ncu_profile > "$OUT/ncu/ncu_run.log" 2>&1
+      --warmup 1 --stage-steps 1 --sets 1 --no-graph --no-single-gpu ${NCU_BENCH_ARGS:-} --out /tmp/ncu_profile \
+      > "$OUT/ncu/ncu_run.log" 2>&1
   fi
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
   "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
