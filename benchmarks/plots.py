@@ -2,7 +2,7 @@
 
     python -m benchmarks.plots benchmarks/results/<run>
 
-Reads ``<run>/results.json`` (and ``planner_validation.csv`` if the planner was
+Reads ``<run>/results.json`` or ``results.json.gz`` (and ``planner_validation.csv`` if the planner was
 validated on the run) and writes the figures next to it, so a result
 folder carries its own pictures. A figure whose data the run did not produce
 (a preset left out, no single-GPU reference) is skipped, not drawn empty.
@@ -12,7 +12,6 @@ import argparse
 import csv
 import glob
 import itertools
-import json
 import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -23,6 +22,8 @@ from matplotlib.colors import LogNorm, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter
+
+from torchrec_pgas.planner.calibrate import read_results
 
 Row = Dict[str, Any]
 
@@ -38,6 +39,7 @@ PAPER_SPEEDUP = {"s000-weak": 2.10, "s000-strong": 2.95}
 # The same at 2, 3 and 4 GPUs (its 4x V100 runs).
 PAPER_SPEEDUP_BY_WORLD = {"s000-weak": {2: 2.10, 3: 1.95, 4: 1.87}, "s000-strong": {2: 2.95, 3: 2.55, 4: 2.44}}
 PAIR_STYLE = {"rw": "-", "tw": "--"}
+RESULTS = ("results.json", "results.json.gz")  # a run's results file: large old ones are kept gzipped
 
 
 def _times(x: float) -> str:
@@ -421,10 +423,14 @@ def comm_timeline(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     return fig
 
 
+def _results_file(folder: str) -> Optional[str]:
+    """The folder's results file, plain or gzipped; None if it has neither."""
+    return next((p for p in (os.path.join(folder, n) for n in RESULTS) if os.path.exists(p)), None)
+
+
 def _load(path: str) -> Dict[str, Any]:
-    """A results.json; older files name the world size in their meta only, so rows get it too."""
-    with open(path) as f:
-        results = json.load(f)
+    """A results file; older files name the world size in their meta only, so rows get it too."""
+    results = read_results(path)
     for r in results["rows"]:
         r.setdefault("world_size", results["meta"]["world_size"])
     return results
@@ -434,20 +440,18 @@ def make_plots(results_dir: str) -> List[str]:
     """Write every figure the results support into ``results_dir``; returns their paths. A folder of one
     run per pair (``rw/``, ``tw/``, each with its results.json) gets each run's figures in its subfolder
     and the planner's (fitted on both) next to them."""
-    if not os.path.exists(os.path.join(results_dir, "results.json")):
-        subdirs = sorted(d for d in glob.glob(os.path.join(results_dir, "*")) if os.path.exists(
-            os.path.join(d, "results.json")))
-        if not subdirs:
-            raise FileNotFoundError(f"no results.json in {results_dir} or its subfolders")
-        paths = [p for d in subdirs for p in make_plots(d)]
-        with open(os.path.join(subdirs[0], "results.json")) as f:
-            meta = json.load(f)["meta"]
-        fig = planner_scatter(meta, _validation(results_dir))
+    path = _results_file(results_dir)
+    if path is None:
+        found = [f for d in sorted(glob.glob(os.path.join(results_dir, "*"))) if (f := _results_file(d))]
+        if not found:
+            raise FileNotFoundError(f"no results.json(.gz) in {results_dir} or its subfolders")
+        paths = [p for f in found for p in make_plots(os.path.dirname(f))]
+        fig = planner_scatter(read_results(found[0])["meta"], _validation(results_dir))
         if fig is not None:
             paths.append(os.path.join(results_dir, "planner_scatter.png"))
             fig.savefig(paths[-1], dpi=120)
         return paths
-    results = _load(os.path.join(results_dir, "results.json"))
+    results = _load(path)
     meta, rows = results["meta"], results["rows"]
     validation = _validation(results_dir)
     figures = {
@@ -483,12 +487,12 @@ def _validation(results_dir: str) -> List[Dict[str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results_dir", help="folder holding results.json; the PNGs are written there")
+    parser.add_argument("results_dir", help="folder holding results.json(.gz); the PNGs are written there")
     results_dir = parser.parse_args().results_dir
     for path in make_plots(results_dir):
         print(path)
-    for path in sorted(glob.glob(os.path.join(results_dir, "results.json"))
-                       + glob.glob(os.path.join(results_dir, "*", "results.json"))):
+    for path in sorted(p for n in RESULTS for p in glob.glob(os.path.join(results_dir, n))
+                       + glob.glob(os.path.join(results_dir, "*", n))):
         for world, at in crossovers(_load(path)["rows"]).items():
             where = f"at {EngFormatter(unit='B', places=1)(at)} over NVLink per GPU" if at else "nowhere in this sweep"
             print(f"{os.path.dirname(path)}: world size {world}, stock eager catches up {where}")

@@ -20,17 +20,22 @@ A results file of one pair fits that pair's two backends. Uniform-id rows only (
 term). NCCL has no graph mode (stock TorchRec cannot be captured), so its graph coefficients are its eager
 ones; so are PGAS's when the run captured no graphs (CPU).
 
-Rows of a training run fit each backend's backward (``<backend>_bwd``) on the step less the same side's
-eager forward, measured in the same row; their forward columns also serve the forward fit. The backward's
-k_wire is the forward's: at one world size its wire bytes are W - 1 times its local ones for every backend
-(none at W = 1), so no fit could split the two. FBGEMM's backward cannot be captured, so graph mode's
-backward is the eager one. The table printed compares the model with every row it was fitted on (in
-sample): the forward per mode, and for training rows the backward and the whole step.
+Rows of a training run fit each backend's backward (``<backend>_bwd``) on the step less the backend's
+fitted eager forward, in relative error of the step: the planner decides on the step, priced as forward +
+backward. The step less the forward measured in the same row would carry that forward's noise as well (the
+stock s004 forwards of the 2x H100 training runs span 2.3-5.3 ms, host-bound; the step less them -0.7 to
+2.9 ms), and in its own relative error a difference near zero would outweigh all other rows. Their forward
+columns also serve the forward fit. The backward's k_wire is the forward's: at one world size its wire bytes
+are W - 1 times its local ones for every backend (none at W = 1), so no fit could split the two. FBGEMM's
+backward cannot be captured, so graph mode's backward is the eager one. The table printed compares the model with every row
+it was fitted on (in sample): the forward per mode, and for training rows the backward (the step less the
+row's forward; its error a share of the step) and the whole step.
 """
 
 import argparse
 import csv
 import dataclasses
+import gzip
 import importlib.util
 import json
 import os
@@ -47,6 +52,8 @@ from torchrec_pgas.planner.cost_model import (
     PGAS_TW,
     STOCK,
     TABLE_WISE,
+    TERMS,
+    Coefficients,
     CostModel,
     HardwareProfile,
     TableLoad,
@@ -62,13 +69,17 @@ PAIR_BACKENDS = {"row_wise": (NCCL_RW, PGAS_RW), "table_wise": (NCCL_TW, PGAS_TW
 COLUMNS = {"eager": ("stock_p50_ms", "pgas_p50_ms"), "graph": (None, "pgas_graph_p50_ms")}
 # A training run's whole step (forward + backward + fused optimizer) of the pair's (stock, PGAS) side, eager.
 TRAIN_COLUMNS = ("stock_train_p50_ms", "pgas_train_p50_ms")
+# What ``validate`` checks: the forward per timing mode, and the eager training step.
+VALIDATED_MODES = ("eager", "graph", "train")
+# A training run's --owner-backward (PgasConfig.owner_backward), as the profile's source names it.
+OWNER_BACKWARD = {"fbgemm": "FBGEMM", "pgas": "PGAS"}
 
 
 def measurements(row: Dict[str, Any]) -> Dict[Tuple[str, str, str], float]:
     """(backend, mode, pass) -> the ms that ``row`` measured; nothing for skewed ids (the model has no skew
     term). Passes: "fwd", the forward, per mode; of a training row also "train", the step, and "bwd", the
     step less the same side's eager forward (so the backward also carries the optimizer and what a training
-    forward costs over a no-grad one)."""
+    forward costs over a no-grad one; noise can make it zero or negative)."""
     if row["ids"] != "uniform":
         return {}
     backends = PAIR_BACKENDS[row.get("stock", "row_wise")]
@@ -77,8 +88,7 @@ def measurements(row: Dict[str, Any]) -> Dict[Tuple[str, str, str], float]:
     for b, col in zip(backends, TRAIN_COLUMNS):
         forward = out.get((b, "eager", "fwd"))
         if row.get(col) is not None and forward is not None:
-            if row[col] > forward:  # else the two medians' noise hides the backward: no relative error to fit
-                out[(b, "eager", "bwd")] = row[col] - forward
+            out[(b, "eager", "bwd")] = row[col] - forward
             out[(b, "eager", "train")] = row[col]
     return out
 
@@ -96,18 +106,29 @@ def step_tables(row: Dict[str, Any], backend: str) -> List[TableLoad]:
     return tables[:: row["world_size"]] if backend in TABLE_WISE else tables
 
 
-def samples(rows: List[Dict[str, Any]], backend: str, mode: str, pass_: str = "fwd") -> List[Dict[str, float]]:
-    """What ``fit_coefficients`` fits one (backend, mode) of a pass ("fwd", "bwd") on: per row that measured
-    it, the bytes of the tables one rank pays for and the ms."""
-    step_bytes = backward_bytes if pass_ == "bwd" else table_bytes
+def step_bytes(row: Dict[str, Any], backend: str, backward: bool = False) -> Dict[str, float]:
+    """The bytes per term (``TERMS``) of the tables one rank pays for in ``row``'s forward or backward."""
+    byts = [(backward_bytes if backward else table_bytes)(t, row["batch_per_gpu"], row["world_size"], backend)
+            for t in step_tables(row, backend)]
+    return {term: sum(getattr(b, term) for b in byts) for term in TERMS}
+
+
+def samples(rows: List[Dict[str, Any]], backend: str, mode: str,
+            forward: Optional[Coefficients] = None) -> List[Dict[str, float]]:
+    """What ``fit_coefficients`` fits one (backend, mode) on, per row that measured it: the bytes and the ms
+    of the forward; or, given the backend's fitted ``forward``, of the backward: the step less ``forward``'s
+    price of the row's forward, its error relative to the step (the module docstring says why)."""
     out = []
     for r in rows:
-        ms = measurements(r).get((backend, mode, pass_))
+        ms = measurements(r).get((backend, mode, "fwd" if forward is None else "train"))
         if ms is None:
             continue
-        byts = [step_bytes(t, r["batch_per_gpu"], r["world_size"], backend) for t in step_tables(r, backend)]
-        out.append({"hbm": sum(b.hbm for b in byts), "wire": sum(b.wire for b in byts),
-                    "local": sum(b.local for b in byts), "ms": ms})
+        if forward is None:
+            out.append({**step_bytes(r, backend), "ms": ms})
+            continue
+        fwd = step_bytes(r, backend)
+        priced = forward.alpha_ms + sum(fwd[term] * getattr(forward, "k_" + term) for term in TERMS)
+        out.append({**step_bytes(r, backend, backward=True), "ms": ms - priced, "scale": ms})
     return out
 
 
@@ -132,13 +153,17 @@ def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = No
                 raise ValueError(f"no uniform-id rows to fit {backend} on")
         # Stock TorchRec has no graph mode, and a CPU run captures no graphs: eager stands in.
         coeffs["graph"].setdefault(backend, coeffs["eager"][backend])
-        found = samples(rows, backend, "eager", "bwd")
+        found = samples(rows, backend, "eager", coeffs["eager"][backend])
         if found:  # the wire's price is the forward's (see the module docstring)
             bwd = fit_coefficients(found, {"wire": coeffs["eager"][backend].k_wire})
             coeffs["eager"][backend + BWD] = coeffs["graph"][backend + BWD] = bwd
     trained = [r for r in rows if any(p == "bwd" for _, _, p in measurements(r))]
+    owners = {r["owner_backward"] for r in trained if "owner_backward" in r}
+    if len(owners) > 1:  # one backward per backend cannot price two implementations
+        raise ValueError(f"training runs of different owner backwards: {sorted(owners)}")
     optimizers = ", ".join(sorted({str(r.get("optimizer")) for r in trained}))
-    backward = f"; backward: {len(trained)} training rows, {optimizers}, k_wire the forward's" if trained else ""
+    owner = "".join(f", {OWNER_BACKWARD[o]} owner backward" for o in owners)
+    backward = f"; backward: {len(trained)} training rows, {optimizers}{owner}, k_wire the forward's" if trained else ""
     source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
               f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']}{backward})")
     return HardwareProfile(name, f"{meta['world_size']}x {meta['device']}", meta["world_size"], source, coeffs)
@@ -170,27 +195,32 @@ def predicted_ms(profile: HardwareProfile, row: Dict[str, Any], backend: str, mo
 def prediction_table(profile: HardwareProfile,
                      results: Dict[str, Any]) -> Tuple[str, Dict[str, Tuple[float, float]]]:
     """Predicted vs measured per row, mode and pass (``measurements``); the median and the largest absolute
-    relative error per "backend/mode/pass"."""
+    relative error per "backend/mode/pass", a backward's relative to the row's step."""
     lines = [f"{'workload':<44} {'mode':<5} {'pass':<5} {'backend':<7} {'measured':>9} {'predicted':>9} {'error':>7}"]
     errors: Dict[str, List[float]] = {}
     for r in results["rows"]:
-        for (backend, mode, pass_), ms in measurements(r).items():
+        measured = measurements(r)
+        for (backend, mode, pass_), ms in measured.items():
             pred = predicted_ms(profile, r, backend, mode, pass_)
-            err = (pred - ms) / ms
+            err = (pred - ms) / measured[(backend, mode, "train" if pass_ == "bwd" else pass_)]
             errors.setdefault(f"{backend}/{mode}/{pass_}", []).append(abs(err))
             lines.append(f"{r['preset'] + '/' + r['name']:<44} {mode:<5} {pass_:<5} {backend:<7} {ms:>9.3f} "
                          f"{pred:>9.3f} {100 * err:>+6.1f}%")
     return "\n".join(lines), {k: (statistics.median(v), max(v)) for k, v in errors.items()}
 
 
-def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
+def validate(results: Dict[str, Any],
+             preset: str) -> Tuple[List[Dict[str, Any]], Dict[str, Dict[str, float]]]:
     """Out-of-sample check of the model and of the choice it makes, on every uniform workload of ``preset``.
 
-    Leave-one-out: each workload (its rows of every pair) is predicted by a profile fitted on all the
-    other workloads, so no row predicts itself. Per mode, the choice is the backend (of the two or four
+    Leave-one-out: each workload (its rows of every pair and run) is predicted by a profile fitted on all
+    the other workloads, so no row predicts itself. Per mode ("eager" and "graph", the forward; "train", the
+    eager training step, where training runs measured it), the choice is the backend (of the two or four
     measured) with the lowest predicted step; its regret is how much slower the chosen backend measured
     than the measured fastest one. In graph mode NCCL is priced (and measured) eager: stock TorchRec
-    cannot be captured.
+    cannot be captured. A forward is the forward run's: a training run's forward columns (timed between
+    training steps) stand in only where no forward run measured the workload. The summary is per kind,
+    "inference" (eager, graph) and "training".
     """
     rows = [r for r in results["rows"] if r["ids"] == "uniform"]
     names = list(dict.fromkeys(r["name"] for r in rows if r["preset"] == preset))
@@ -200,15 +230,18 @@ def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]]
     for name in names:
         mine = [r for r in rows if r["preset"] == preset and r["name"] == name]
         profile = fit({**results, "rows": [r for r in rows if r not in mine]}, f"loo-{name}")
-        for mode in COLUMNS:
+        mine.sort(key=lambda r: r.get("mode") != "train")  # forward runs last: their forwards win
+        for mode in VALIDATED_MODES:
             measured: Dict[str, float] = {}
             for r in mine:
                 for (b, m, p), ms in measurements(r).items():
-                    if p == "fwd" and m in (mode, "eager") and (m == mode or b in STOCK):
+                    forward = p == "fwd" and m in (mode, "eager") and (m == mode or b in STOCK)
+                    if (p == "train") if mode == "train" else forward:
                         measured[b] = ms
             if not any(b not in STOCK for b in measured):
-                continue  # no graph captured (a CPU run, or --no-graph)
-            model = CostModel(profile, mine[0]["world_size"], mine[0]["batch_per_gpu"], mode)
+                continue  # no graph captured (a CPU run, or --no-graph), or no training run
+            model = CostModel(profile, mine[0]["world_size"], mine[0]["batch_per_gpu"],
+                              "eager" if mode == "train" else mode, training=mode == "train")
             predicted = {b: model.step_ms(workload_tables(mine[0]), b) for b in measured}
             chosen = min(predicted, key=lambda b: (predicted[b], b not in STOCK))
             regret = measured[chosen] / min(measured.values()) - 1
@@ -218,26 +251,41 @@ def validate(results: Dict[str, Any], preset: str) -> Tuple[List[Dict[str, Any]]
                 out.append({"workload": name, "mode": mode, "backend": b, "measured_ms": measured[b],
                             "predicted_ms": predicted[b], "error": predicted[b] / measured[b] - 1,
                             "chosen": chosen, "regret": regret})
-    choices = {(v["workload"], v["mode"]): v["regret"] for v in out}
-    summary = {"median_abs_error": statistics.median(abs(v["error"]) for v in out),
-               "within_5pct": sum(g <= 0.05 for g in choices.values()) / len(choices),
-               "max_regret": max(choices.values())}
+    summary: Dict[str, Dict[str, float]] = {}
+    for kind, modes in (("inference", ("eager", "graph")), ("training", ("train",))):
+        found = [v for v in out if v["mode"] in modes]
+        if found:
+            choices = {(v["workload"], v["mode"]): v["regret"] for v in found}
+            summary[kind] = {"median_abs_error": statistics.median(abs(v["error"]) for v in found),
+                             "within_5pct": sum(g <= 0.05 for g in choices.values()) / len(choices),
+                             "max_regret": max(choices.values())}
     return out, summary
 
 
 DEFAULT_PRESETS = ["s004", "s000-weak", "s000-strong"]
 
 
+def read_results(path: str) -> Dict[str, Any]:
+    """A ``benchmarks.embedding`` results file, ``results.json`` or gzipped ``results.json.gz`` (how large
+    old runs are kept in the repository)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
+
+
 def merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Several results files (e.g. one per pair) of one machine as one: their rows, every preset and
-    commit. Runs of different world sizes or devices cannot share a profile."""
+    commit; a training run's rows also carry its owner backward (``fit`` names it). Runs of different world
+    sizes or devices cannot share a profile."""
     machines = {(r["meta"]["world_size"], r["meta"]["device"]) for r in runs}
     if len(machines) > 1:
         raise ValueError(f"results of different machines (world size, device): {sorted(machines)}")
     meta = dict(runs[0]["meta"])
     meta["presets"] = list(dict.fromkeys(p for r in runs for p in r["meta"]["presets"]))
     meta["commit"] = "+".join(dict.fromkeys(r["meta"]["commit"] for r in runs))
-    return {"meta": meta, "rows": [row for r in runs for row in r["rows"]]}
+    return {"meta": meta, "rows": [
+        {**row, "owner_backward": r["meta"]["owner_backward"]}
+        if r["meta"].get("mode") == "train" and "owner_backward" in r["meta"] else row
+        for r in runs for row in r["rows"]]}
 
 
 def measure(nproc: int, out_dir: str, bench_args: List[str]) -> List[str]:
@@ -265,7 +313,8 @@ def measure(nproc: int, out_dir: str, bench_args: List[str]) -> List[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="*", help="results.json files of benchmarks.embedding (not with --measure)")
+    parser.add_argument("results", nargs="*",
+                        help="results.json (or .json.gz) files of benchmarks.embedding (not with --measure)")
     parser.add_argument("--measure", type=int, metavar="NPROC",
                         help="first run the benchmark on NPROC local GPUs; its results go next to -o")
     parser.epilog = ("Arguments after -- go to benchmarks.embedding with --measure (default: the presets "
@@ -286,11 +335,7 @@ def main() -> None:
         parser.error("benchmark arguments after -- need --measure")
     if args.measure is not None:
         args.results = measure(args.measure, os.path.splitext(args.out)[0] + "_results", bench_args)
-    runs = []
-    for path in args.results:
-        with open(path) as f:
-            runs.append(json.load(f))
-    results = merge(runs)
+    results = merge([read_results(path) for path in args.results])
     profile = fit(results, args.name, load_profile(args.base) if args.base else None)
     with open(args.out, "w") as f:
         json.dump(profile.to_json(), f, indent=1)
@@ -307,9 +352,10 @@ def main() -> None:
             print(f"{'':<{len(args.validate) + 20}}{v['workload']:<40} {v['mode']:<5} {v['backend']:<7} "
                   f"{v['measured_ms']:>9.3f} {v['predicted_ms']:>9.3f} {100 * v['error']:>+6.1f}% "
                   f"{v['chosen']:<7} {100 * v['regret']:>6.1f}%")
-        print(f"median |error| {100 * summary['median_abs_error']:.1f}% (target <= 20%); choice within 5% of the "
-              f"measured better backend on {100 * summary['within_5pct']:.0f}% of (config, mode) (target >= 90%); "
-              f"max regret {100 * summary['max_regret']:.1f}% (target <= 10%)")
+        for kind, s in summary.items():
+            print(f"{kind}: median |error| {100 * s['median_abs_error']:.1f}% (target <= 20%); choice within 5% of "
+                  f"the measured better backend on {100 * s['within_5pct']:.0f}% of (config, mode) (target >= 90%); "
+                  f"max regret {100 * s['max_regret']:.1f}% (target <= 10%)")
         if args.csv:
             with open(args.csv, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -43,9 +43,14 @@ BWD = "_bwd"  # a profile's backward coefficients of backend b are its entry b +
 # Bytes of one id on the wire: TorchRec's values all-to-all sends int64; PGAS sends int32 local rows.
 ID_BYTES = {NCCL_RW: 8, PGAS_RW: 4, NCCL_TW: 8, PGAS_TW: 4}
 PROFILES = os.path.join(os.path.dirname(__file__), "profiles")
-DEFAULT_PROFILE = os.path.join(PROFILES, "h200x2_nvlink.json")
-# Shipped profiles by world size (the fixed costs grow with it); others fall back to DEFAULT_PROFILE.
-SHIPPED_PROFILES = {8: os.path.join(PROFILES, "h200x8_nvlink.json")}
+# Shipped profiles by GPU (in its CUDA device name) and world size (the fixed costs grow with both); a
+# GPU's other world sizes get its 2-GPU profile, other GPUs (or none named) DEFAULT_GPU's.
+SHIPPED_PROFILES = {
+    ("H200", 2): os.path.join(PROFILES, "h200x2_nvlink.json"),
+    ("H200", 8): os.path.join(PROFILES, "h200x8_nvlink.json"),
+    ("H100", 2): os.path.join(PROFILES, "h100x2_nvlink.json"),
+}
+DEFAULT_GPU = "H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +110,14 @@ class HardwareProfile:
 
 def load_profile(path: Optional[str] = None, device_name: Optional[str] = None,
                  world_size: Optional[int] = None) -> HardwareProfile:
-    """The profile at ``path``, else the shipped H200 NVLink profile fitted at ``world_size`` GPUs (the
-    2-GPU one for other sizes), warning if ``device_name`` says the hardware is something else: the
-    numbers then only rank the options roughly."""
-    with open(path or SHIPPED_PROFILES.get(world_size, DEFAULT_PROFILE)) as f:
+    """The profile at ``path``, else the shipped NVLink profile of the GPU that ``device_name`` (a CUDA
+    device name) names, fitted at ``world_size`` GPUs (``SHIPPED_PROFILES``), warning if no profile was
+    fitted on that GPU: the numbers then only rank the options roughly."""
+    gpu = next((g for g, _ in SHIPPED_PROFILES if device_name and g in device_name), None)
+    shipped = SHIPPED_PROFILES.get((gpu or DEFAULT_GPU, world_size), SHIPPED_PROFILES[(gpu or DEFAULT_GPU, 2)])
+    with open(path or shipped) as f:
         profile = HardwareProfile.from_json(json.load(f))
-    if path is None and device_name is not None and "H200" not in device_name:
+    if path is None and device_name is not None and gpu is None:
         warnings.warn(f"torchrec_pgas.planner: no hardware profile for '{device_name}'; using "
                       f"'{profile.name}' ({profile.device}). Calibrate with python -m torchrec_pgas.planner.calibrate")
     return profile
@@ -286,7 +293,9 @@ TERMS = ("hbm", "wire", "local")  # the per-byte terms of a fit's samples, in Co
 
 def fit_coefficients(samples: List[Dict[str, float]], known: Optional[Dict[str, float]] = None) -> Coefficients:
     """Non-negative least squares in relative error over samples with keys
-    ``hbm, wire, local, ms`` (an active-set loop over 4 unknowns: small enough to do by hand). The per-byte
+    ``hbm, wire, local, ms`` (an active-set loop over 4 unknowns: small enough to do by hand). A sample's
+    error is relative to its ``scale`` (ms) where it has one, else to its ``ms``: a backward sample's ms is
+    the difference of two measured steps, and its error counts as a share of the whole step. The per-byte
     terms in ``known`` (term -> ms per byte) keep that price, and terms no sample has bytes of (the wire at
     one GPU) price 0, instead of being fitted: samples that cannot tell a term apart from the others, or
     have none of it, would give it an invented price."""
@@ -295,8 +304,9 @@ def fit_coefficients(samples: List[Dict[str, float]], known: Optional[Dict[str, 
     known = known or {}
     x = np.array([[1.0, s["hbm"], s["wire"], s["local"]] for s in samples])
     y = np.array([s["ms"] for s in samples])
+    scale = np.array([s.get("scale", s["ms"]) for s in samples])
     held = np.array([0.0] + [known.get(k, 0.0) for k in TERMS])
-    a, rhs = x / y[:, None], 1 - x @ held / y  # relative error: small steps count as much as large ones
+    a, rhs = x / scale[:, None], (y - x @ held) / scale  # relative error: small steps count as much as large ones
     active = [0] + [i + 1 for i, k in enumerate(TERMS) if k not in known and x[:, i + 1].any()]
     while True:
         sol = held.copy()

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 from typing import Any, Dict, List, Optional, Set, Union
 
+import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -80,6 +81,12 @@ class Decision:
     reason: Optional[str]  # None: every priced type allowed, and the cost model decides
 
 
+def local_gpu(topology: Topology) -> Optional[str]:
+    """This host's CUDA device name when it plans for CUDA and has a GPU, so that the shipped profile of
+    that GPU prices the plan; None in a dry run without one (the default profile)."""
+    return torch.cuda.get_device_name() if topology.compute_device == "cuda" and torch.cuda.is_available() else None
+
+
 class PgasEnumerator(EmbeddingEnumerator):
     def __init__(
         self,
@@ -95,8 +102,8 @@ class PgasEnumerator(EmbeddingEnumerator):
         if backends not in ("auto", "pgas", "nccl"):
             raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)
-        self.model = CostModel(profile or load_profile(world_size=topology.world_size), topology.world_size, batch_size,
-                               mode, training)
+        profile = profile or load_profile(device_name=local_gpu(topology), world_size=topology.world_size)
+        self.model = CostModel(profile, topology.world_size, batch_size, mode, training)
         self.backends = backends
         self.decisions: List[Decision] = []
         self._offer: Dict[str, List[str]] = {}  # table -> the RW/TW-family types it may get

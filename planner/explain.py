@@ -8,7 +8,8 @@ The config is YAML or JSON::
     batch_per_rank: 4096
     mode: eager            # or graph (PGAS captured in a CUDA graph)
     training: false        # true: price forward + backward (cells "fwd+bwd" ms)
-    profile: null          # a calibrated profile JSON; default: the shipped H200 NVLink profile
+    profile: null          # a calibrated profile JSON; default: the shipped NVLink profile of device
+    device: null           # a CUDA device name, e.g. NVIDIA H100 80GB HBM3; default: H200
     tables:
       - {name: user_id, rows: 10000000, dim: 64, pooling: 1}
       - {name: history, rows: 1000000, dim: 64, pooling: [32, 8]}   # one mean per feature
@@ -33,8 +34,9 @@ def tables_from_config(cfg: Dict[str, Any]) -> List[TableLoad]:
 
 
 def explain(cfg: Dict[str, Any]) -> str:
-    model = CostModel(load_profile(cfg.get("profile"), world_size=int(cfg["world_size"])), int(cfg["world_size"]),
-                      int(cfg["batch_per_rank"]), cfg.get("mode", "eager"), bool(cfg.get("training", False)))
+    profile = load_profile(cfg.get("profile"), cfg.get("device"), int(cfg["world_size"]))
+    model = CostModel(profile, int(cfg["world_size"]), int(cfg["batch_per_rank"]), cfg.get("mode", "eager"),
+                      bool(cfg.get("training", False)))
     tables = tables_from_config(cfg)
     choice = model.choose(tables)
     lines = [f"profile {model.profile.name} ({model.profile.device}), world {model.world_size}, "

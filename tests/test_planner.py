@@ -16,7 +16,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
-from torchrec_pgas.planner.calibrate import fit, prediction_table, validate
+from torchrec_pgas.planner.calibrate import TRAIN_COLUMNS, fit, prediction_table, validate
 from torchrec_pgas.planner.cost_model import (
     BWD,
     NCCL_RW,
@@ -226,6 +226,33 @@ def test_fit_recovers_backward_coefficients_from_training_rows(forward_rows: boo
     assert not forward_only.has_backward(NCCL_RW) and "backward" not in forward_only.source
 
 
+def test_backward_fit_weighs_a_row_by_its_step() -> None:
+    """One training row's stock forward measured 1 ms slow (host noise), so its step less that forward is
+    0.01 ms: fitted in the step's relative error, the backward still prices every step within 1%; in the
+    difference's own relative error that row would pull the stock backward's fixed cost to ~0 and every
+    other stock step ~30% low."""
+    train = _grid(train=True)
+    train[0]["stock_p50_ms"] = train[0]["stock_train_p50_ms"] - 0.01
+    results = {"meta": META, "rows": train + _grid()}
+    fitted = fit(results, "noisy")
+    _, errors = prediction_table(fitted, results)
+    assert errors[f"{NCCL_RW}/eager/train"][1] < 0.01
+    assert fitted.backward(NCCL_RW, "eager").alpha_ms == pytest.approx(BWD_TRUTH[NCCL_RW].alpha_ms, rel=0.05)
+
+
+def test_owner_backward_named_and_never_mixed() -> None:
+    """``merge`` tags a training run's rows with its owner backward, which the profile's source names; one
+    fit of training runs of both owner backwards is refused (one backward cannot price both)."""
+    from torchrec_pgas.planner.calibrate import merge
+
+    runs = [{"meta": {**META, "mode": "train", "owner_backward": owner}, "rows": _grid(train=True)}
+            for owner in ("fbgemm", "pgas")]
+    forward = {"meta": {**META, "mode": "forward", "owner_backward": "fbgemm"}, "rows": _grid()}
+    assert ", FBGEMM owner backward, k_wire" in fit(merge([forward, runs[0]]), "fbgemm").source
+    with pytest.raises(ValueError, match="different owner backwards"):
+        fit(merge(runs), "mixed")
+
+
 def test_backward_fit_at_one_gpu_invents_no_wire_price() -> None:
     """At W = 1 a backward has no wire bytes: the owner's terms (fixed, HBM, local) are fitted and the wire
     keeps the forward's price, here known from forward rows at W = 2 (``fit`` takes rows of any size)."""
@@ -266,13 +293,14 @@ def test_in_sample_errors_of_the_training_terms_by_hand() -> None:
             {**base, "name": "skewed", "ids": "zipf", "stock_p50_ms": 9.0, "stock_train_p50_ms": 99.0}]
     table, errors = prediction_table(prof, {"rows": rows})
     lines = [line.split() for line in table.splitlines()[1:]]
-    assert ["p/off", "eager", "bwd", NCCL_RW, "0.750", "0.500", "-33.3%"] in lines
+    # a backward's error is a share of the step: nccl (0.5 - 0.75) / 2.0, pgas (0.3 - 0.2) / 0.4
+    assert ["p/off", "eager", "bwd", NCCL_RW, "0.750", "0.500", "-12.5%"] in lines
     assert ["p/off", "eager", "train", PGAS_RW, "0.400", "0.500", "+25.0%"] in lines
     assert len(lines) == 12 and not any(line[0] == "p/skewed" for line in lines)
-    assert errors[f"{NCCL_RW}/eager/bwd"] == pytest.approx((1 / 6, 1 / 3))
+    assert errors[f"{NCCL_RW}/eager/bwd"] == pytest.approx((0.0625, 0.125))
     assert errors[f"{NCCL_RW}/eager/train"] == pytest.approx((0.125, 0.25))
     assert errors[f"{NCCL_RW}/eager/fwd"] == pytest.approx((0.1, 0.2))
-    assert errors[f"{PGAS_RW}/eager/bwd"] == pytest.approx((0.25, 0.5))
+    assert errors[f"{PGAS_RW}/eager/bwd"] == pytest.approx((0.125, 0.25))
 
 
 def test_leave_one_out_validation_and_regret() -> None:
@@ -282,13 +310,15 @@ def test_leave_one_out_validation_and_regret() -> None:
     rows = [_result_row(t, b, p, prof) for t in (2, 8, 64) for b in (128, 4096) for p in (4, 16)]
     meta = {"presets": ["s004"], "commit": "x", "date": "d", "world_size": 2, "device": "GPU"}
     out, summary = validate({"meta": meta, "rows": rows}, "s004")
-    assert len(out) == 3 * len(rows)  # nccl eager, pgas eager, pgas graph
-    assert summary["median_abs_error"] < 1e-4 and summary["max_regret"] == 0 and summary["within_5pct"] == 1
+    assert len(out) == 3 * len(rows) and list(summary) == ["inference"]  # nccl eager, pgas eager, pgas graph
+    inference = summary["inference"]
+    assert inference["median_abs_error"] < 1e-4 and inference["max_regret"] == 0 and inference["within_5pct"] == 1
     rows[0]["pgas_p50_ms"] = rows[0]["stock_p50_ms"] * 1.5  # the model still says PGAS for this config
     out, summary = validate({"meta": meta, "rows": rows}, "s004")
     bad = [v for v in out if v["workload"] == rows[0]["name"] and v["mode"] == "eager"]
     assert {v["chosen"] for v in bad} == {PGAS_RW} and bad[0]["regret"] == pytest.approx(0.5)
-    assert summary["max_regret"] == pytest.approx(0.5) and summary["within_5pct"] == pytest.approx(23 / 24)
+    inference = summary["inference"]
+    assert inference["max_regret"] == pytest.approx(0.5) and inference["within_5pct"] == pytest.approx(23 / 24)
     for r in rows:  # a run without graph captures (CPU, --no-graph): eager rows only
         r["pgas_graph_p50_ms"] = None
     out, _ = validate({"meta": meta, "rows": rows}, "s004")
@@ -297,18 +327,69 @@ def test_leave_one_out_validation_and_regret() -> None:
         validate({"meta": meta, "rows": rows}, "s000-weak")
 
 
-@pytest.mark.parametrize("world,fitted_at", [(2, 2), (8, 8), (4, 2), (None, 2)])
-def test_shipped_profile_loads_and_unknown_hardware_warns(world: Optional[int], fitted_at: int) -> None:
-    """The profile fitted at the planner's world size when one is shipped, else the 2-GPU one."""
-    prof = load_profile(world_size=world)
+def test_validation_of_forward_and_training_runs() -> None:
+    """With a forward run and a training run of each workload, the forward is checked against the forward
+    run's (the training run's forward columns, here 10% slower, are timed between training steps) and the
+    training step (mode "train") against the training run's; one summary per kind."""
+    train = _grid(train=True)
+    for r in train:
+        r["stock_p50_ms"], r["pgas_p50_ms"] = 1.1 * r["stock_p50_ms"], 1.1 * r["pgas_p50_ms"]
+    forward = {r["name"]: r for r in _grid()}
+    out, summary = validate({"meta": META, "rows": list(forward.values()) + train}, "s004")
+    assert len(out) == 5 * len(train) and list(summary) == ["inference", "training"]
+    columns = {("eager", NCCL_RW): "stock_p50_ms", ("eager", PGAS_RW): "pgas_p50_ms",
+               ("graph", PGAS_RW): "pgas_graph_p50_ms"}
+    for v in out:
+        if v["mode"] == "train":
+            measured = next(r for r in train if r["name"] == v["workload"])[TRAIN_COLUMNS[v["backend"] == PGAS_RW]]
+        else:
+            measured = forward[v["workload"]][columns[v["mode"], v["backend"]]]
+        assert v["measured_ms"] == measured
+    assert summary["training"]["max_regret"] == 0 and summary["training"]["median_abs_error"] < 0.05
+
+
+H100 = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() on the 2x H100 machine
+
+
+def _committed_results(prof: HardwareProfile) -> List[str]:
+    """The results files of the run a shipped profile was fitted on (its source names the commit): committed,
+    so the fit can be redone and checked."""
     commit = re.search(r"commit (\w+)", prof.source)
-    assert prof.world_size == fitted_at and commit is not None
-    # the run it was fitted on is committed, so the fit can be redone and checked
+    assert commit is not None
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}*", "**", "results.json"),
+    return glob.glob(os.path.join(root, "benchmarks", "results", f"*-{commit.group(1)}*", "**", "results.json*"),
                      recursive=True)
-    with pytest.warns(UserWarning, match="no hardware profile"):
-        load_profile(device_name="NVIDIA A100")
+
+
+@pytest.mark.parametrize("device,world,gpu,fitted_at", [
+    (None, 2, "H200", 2), (None, 8, "H200", 8), (None, 4, "H200", 2), (None, None, "H200", 2),
+    ("NVIDIA H200", 8, "H200", 8), (H100, 2, "H100", 2), (H100, 8, "H100", 2)])
+def test_shipped_profile_loads_and_unknown_hardware_warns(device: Optional[str], world: Optional[int], gpu: str,
+                                                          fitted_at: int) -> None:
+    """The profile fitted on the planner's GPU (H200 if unnamed) at its world size when one is shipped, else
+    that GPU's 2-GPU one; a GPU without a profile gets H200's, with a warning."""
+    prof = load_profile(device_name=device, world_size=world)
+    assert prof.world_size == fitted_at and gpu in prof.device and _committed_results(prof)
+    with pytest.warns(UserWarning, match="no hardware profile for 'NVIDIA A100'.*H200"):
+        load_profile(device_name="NVIDIA A100", world_size=world)
+
+
+def test_shipped_h100_profile_has_training_terms() -> None:
+    """The 2x H100 profile was fitted on its forward and training runs (FBGEMM's owner backward, the default):
+    every backend has backward terms, graph mode's the eager ones (FBGEMM's backward is not captured)."""
+    prof = load_profile(device_name=H100, world_size=2)
+    assert "7761925" in prof.source and "training rows" in prof.source and _committed_results(prof)
+    for b in (NCCL_RW, PGAS_RW, NCCL_TW, PGAS_TW):
+        assert prof.has_backward(b, "eager") and prof.backward(b, "graph") == prof.backward(b, "eager")
+
+
+def test_enumerator_prices_with_the_local_gpus_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning for CUDA on a host with a GPU uses that GPU's shipped profile; a dry run without one, H200's."""
+    assert "H200" in PgasEnumerator(Topology(world_size=2, compute_device="cpu"), 8).model.profile.device
+    topo = Topology(world_size=2, compute_device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
+    assert PgasEnumerator(topo, 8).model.profile.device == "2x " + H100
 
 
 CONSTRAINTS = {
@@ -340,9 +421,11 @@ def test_decision_table_says_why() -> None:
 
 
 def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str]:
-    # Planning is a dry run: a CUDA topology needs no GPU (TorchRec offers no row-wise on CPU).
+    # Planning is a dry run: a CUDA topology needs no GPU (TorchRec offers no row-wise on CPU). The H200 profile
+    # on any host (on a GPU host the enumerator would take that GPU's).
     topo = Topology(world_size=2, compute_device="cuda")
-    enumerator = PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends, training=training)
+    enumerator = PgasEnumerator(topo, 8, constraints=CONSTRAINTS, backends=backends, training=training,
+                                profile=load_profile(world_size=2))
     stats = PgasDecisionStats()
     planner = _planner(topo, 8, enumerator=enumerator, constraints=CONSTRAINTS, stats=[stats])
     plan = planner.plan(default_model(), [PgasEmbeddingBagCollectionSharder()])
