@@ -107,6 +107,7 @@ PAIRS: Dict[str, Pair] = {
                lambda i, w: pgas_table_wise(i % w), ("splits_launch", "splits_a2a", "values_a2a", "lookup",
                                                      "output_dist")),
 }
+AB_BLOCK = 10  # --layout-ab: steps per block, the two layouts' blocks alternating
 ATOL, RTOL = 1e-4, 1e-5  # fp32 sums of up to 128 rows from ranks in different orders
 # --optimizer: FBGEMM's optimizer and its state bytes per row of dimension d (fp32 state), for the floor.
 OPTIMIZERS: Dict[str, Tuple[EmbOptimType, Callable[[int], int]]] = {
@@ -559,9 +560,25 @@ def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
 # ---- one workload -------------------------------------------------------------------
 
 
+def layout_ab(pgas: DistributedModelParallel, inference: DistributedModelParallel, stock: DistributedModelParallel,
+              inputs: List[KeyedJaggedTensor], args: argparse.Namespace, device: torch.device) -> Dict[str, float]:
+    """What a no-grad forward pays for training support: the PGAS forward with the training layout (``pgas``)
+    and with ``PgasConfig(training=False)`` (``inference``), timed in alternating blocks of ``AB_BLOCK``
+    steps, so that the drift of host-bound steps between two sweeps (±15-50% on s004) falls on both alike."""
+    for x in inputs:
+        torch.testing.assert_close(inference(x).values(), stock(x).values(), atol=ATOL, rtol=RTOL)
+    n, timed = len(inputs), {"training": [], "inference": []}
+    for _ in range(max(1, args.steps // AB_BLOCK)):
+        for layout, dmp in (("training", pgas), ("inference", inference)):
+            timed[layout] += time_steps(lambda i, m=dmp: m(inputs[i % n]).values(), AB_BLOCK, 2, device)
+    check_errors(inference)
+    return {f"pgas_{layout}_layout_p50_ms": p50(t) for layout, t in timed.items()}
+
+
 def run_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
                  inputs: List[KeyedJaggedTensor], args: argparse.Namespace, device: torch.device,
-                 bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
+                 bandwidths: Optional[Tuple[float, float]],
+                 inference: Optional[DistributedModelParallel] = None) -> Dict[str, Any]:
     pair = PAIRS[args.pair]
     err = 0.0
     for x in inputs:  # the two sides agree before anything is timed
@@ -610,6 +627,8 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
                    roofline_pgas=floor / row["pgas_p50_ms"])
         if row["pgas_graph_p50_ms"]:
             row["roofline_graph"] = floor / row["pgas_graph_p50_ms"]
+    if inference is not None:
+        row.update(layout_ab(pgas, inference, stock, inputs, args, device))
     if args.mode == "train":
         row.update(train_workload(w, stock, pgas, inputs, flows, args, device, bandwidths))
     return row
@@ -746,6 +765,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--inference-only", action="store_true",
                         help="PgasConfig(training=False): two slots, no gradient region (the forwards are no-grad)")
+    parser.add_argument("--layout-ab", action="store_true",
+                        help="also time the PGAS forward with PgasConfig(training=False), in alternating blocks "
+                             "with the training layout's (what a no-grad forward pays for training support)")
     parser.add_argument("--mode", default="forward", choices=["forward", "train"],
                         help="train: the training step too, after the forward (module docstring)")
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
@@ -757,6 +779,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "train" and args.inference_only:
         parser.error("--mode train needs the training layout: drop --inference-only")
+    if args.layout_ab and (args.inference_only or args.mode == "train"):
+        parser.error("--layout-ab compares the two layouts' forwards: drop --inference-only and --mode train")
     presets = args.preset or ["quick"]
 
     cuda = torch.cuda.is_available()
@@ -810,13 +834,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                                 training=not args.inference_only, owner_backward=args.owner_backward)
             stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)
             pgas = shard_ebc(ws[0], True, args.pair, config, device, fused_params)
+            inference = (shard_ebc(ws[0], True, args.pair, dataclasses.replace(config, training=False), device,
+                                   fused_params) if args.layout_ab else None)
             for w in ws:
                 progress.set_postfix_str(f"{w.preset}/{w.name}")
-                rows.append(run_workload(w, stock, pgas, inputs.pop(w), args, device, bandwidths))
+                rows.append(run_workload(w, stock, pgas, inputs.pop(w), args, device, bandwidths, inference))
                 progress.update()
                 if rank == 0:
                     save(rows, [])
-            del stock, pgas
+            del stock, pgas, inference
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

@@ -135,3 +135,14 @@ def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pai
         bwd = ids * (row_bytes + 24) + distinct * 2 * (row_bytes + 4)
         assert row["train_hbm_bytes"] == int((ids * row_bytes + bwd).max())
         assert row["train_floor_ms"] is None  # CPU: no bandwidths measured
+
+
+def test_layout_ab_times_both_layouts_after_checking_them(tmp_path: Any) -> None:
+    """--layout-ab: the PGAS forward with PgasConfig(training=False) is checked against stock, then timed in
+    blocks alternating with the training layout's; each row gets both medians."""
+    out = _run(str(tmp_path), 2, "--pair", "tw", "--layout-ab", "--steps", "20")
+    for row in out["rows"]:
+        assert row["pgas_training_layout_p50_ms"] > 0 and row["pgas_inference_layout_p50_ms"] > 0, row
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.embedding", "--layout-ab", "--inference-only"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--layout-ab" in bad.stderr
