@@ -100,10 +100,11 @@ else
 fi
 
 # Builds the tree's extension (an editable install; its outputs are git-ignored), once per content of its
-# sources: a later call of this script on the same machine skips the ~75 s pip round (the stamp in /tmp).
+# sources: a later call of this script on the same machine skips the ~75 s pip round (the stamp in /tmp), as
+# long as the built extension still imports from this tree.
 build() { "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >> /tmp/setup.log 2>&1; }
 STAMP=$(cat setup.py csrc/* | sha1sum | cut -c1-16)
-if [ "$(cat /tmp/pgas_build.stamp 2>/dev/null)" = "$STAMP:$(pwd)" ]; then
+if [ "$(cat /tmp/pgas_build.stamp 2>/dev/null)" = "$STAMP:$(pwd)" ] && "$PY" -c "import torchrec_pgas._C" 2> /dev/null; then
   log "extension already built from these sources"
 else
   log "build extension"
