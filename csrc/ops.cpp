@@ -43,11 +43,11 @@ void await_grads(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor&
 void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                      const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                      const at::Tensor& status, const at::Tensor& config, int64_t epoch);
-void owner_update_cpu(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
+void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config);
-void owner_update_cuda(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
+void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags,
                        const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config);
@@ -115,12 +115,12 @@ TORCH_LIBRARY(torchrec_pgas, m) {
       "Tensor status, Tensor config, int epoch) -> ()");
   // The owner backward's update (owner_update.h): one optimizer step of the rows the kept ids touch, in place
   // in the tables' weights and optimizer states (per table: [rows, dim] weights; momentum1 fp32 [rows]
-  // (row-wise Adagrad) or [rows, dim] (Adam); momentum2 [rows, dim] (Adam)). keys/order: the ids' sorted
-  // row keys and where each came from; bags, offsets, per_sample_weights: the kept ids' bags; grad: the
-  // pooled gradient; features: CPU OwnerFeatureDesc words; hyper: OwnerHyper (fp32, on the device);
+  // (row-wise Adagrad) or [rows, dim] (Adam); momentum2 [rows, dim] (Adam)). keys: the ids' row keys,
+  // sorted (int32 or int64); bags (int32), per_sample_weights: each sorted id's bag and weight; offsets: the
+  // kept ids' bag offsets; grad: the pooled gradient; features: CPU OwnerFeatureDesc words; hyper: OwnerHyper (fp32, on the device);
   // config: the bytes of an OwnerUpdateConfig (CPU uint8).
   m.def(
-      "owner_update(Tensor keys, Tensor order, Tensor bags, Tensor offsets, Tensor? per_sample_weights, "
+      "owner_update(Tensor keys, Tensor bags, Tensor offsets, Tensor? per_sample_weights, "
       "Tensor grad, Tensor(a!)[] weights, Tensor(b!)[] momentum1, Tensor(c!)[] momentum2, Tensor features, "
       "Tensor hyper, Tensor config) -> ()");
 }

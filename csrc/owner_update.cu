@@ -1,8 +1,9 @@
 // The owner update on the GPU: the algorithm of owner_update.h with a group of
 // lanes per row run. A warp takes 32 consecutive sorted positions
 // (grid-stride), finds the runs that start there with one ballot, and deals
-// them to its groups in turn: a run's walk and its row's update are uniform
-// over its group, whose lanes split the row's columns. No host sync: the id
+// them to its groups round-robin, the groups walking theirs side by side: a
+// run's walk and its row's update are uniform over its group, whose lanes
+// split the row's columns. No host sync: the id
 // count is the tensors' size, the hyper-parameters are read on the device.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -48,11 +49,14 @@ __global__ void __launch_bounds__(kThreads) owner_update_kernel(OwnerUpdateParam
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps * 32;
   for (int64_t base = (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * 32; base < p.n;
        base += stride) {
-    unsigned starts = __ballot_sync(0xffffffffu, starts_run(p, base + lane));
-    for (int k = 0; starts != 0; ++k) {  // the k-th run that starts here is group k % kGroups's
-      const int i = __ffs(starts) - 1;
-      starts &= starts - 1;
-      if (k % kGroups == group) update_run<GroupLanes<kGroup, kColumns>, weight_t, grad_t>(p, base + i, lanes);
+    // The runs that start here, dealt round-robin: the group's are bits group, group + kGroups, ... of
+    // `starts`. Every group walks its next run in the same iteration (trip counts differ by one at most),
+    // so the groups' loads issue together instead of one group's run at a time.
+    unsigned mine = __ballot_sync(0xffffffffu, starts_run(p, base + lane));
+    for (int s = 0; s < group; ++s) mine &= mine - 1;
+    while (mine != 0) {
+      update_run<GroupLanes<kGroup, kColumns>, weight_t, grad_t>(p, base + __ffs(mine) - 1, lanes);
+      for (int s = 0; s < kGroups; ++s) mine &= mine - 1;
     }
   }
 }
@@ -68,14 +72,13 @@ void launch(const OwnerUpdateParams& p) {
 
 }  // namespace
 
-void owner_update_cuda(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
-                       const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const c10::cuda::CUDAGuard guard(grad.device());
   std::vector<at::Tensor> on_device;  // descriptors on the device, alive until the launch is queued
-  const OwnerUpdateParams p = owner_update_params(keys, order, bags, offsets, psw, grad, weights, momentum1, momentum2,
+  const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, on_device);
   int64_t max_dim = 0;
   for (const at::Tensor& w : weights) max_dim = std::max<int64_t>(max_dim, w.size(1));
@@ -83,12 +86,12 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& order, const at
     if (p.n == 0) return;
     using weight_t = decltype(weight);
     using grad_t = decltype(grad_type);
-    if (max_dim <= 32) {
+    if (max_dim <= 32) {  // four runs in flight per warp up to dim 64, two up to 128
       launch<weight_t, grad_t, 8, 4>(p);
     } else if (max_dim <= 64) {
-      launch<weight_t, grad_t, 16, 4>(p);
+      launch<weight_t, grad_t, 8, 8>(p);
     } else if (max_dim <= 128) {
-      launch<weight_t, grad_t, 32, 4>(p);
+      launch<weight_t, grad_t, 16, 8>(p);
     } else {
       launch<weight_t, grad_t, 32, kOwnerMaxDim / 32>(p);
     }

@@ -7,35 +7,29 @@
 // reference.
 //
 // Inputs, n kept ids of one TBE (the owner's rebuild of the ids stock hands
-// its TBE, PgasStep.kept_ids: feature-major, then source, then sample):
-//   keys[n]   the ids' row keys, sorted, stable: table t's row r is
+// its TBE, PgasStep.kept_ids: feature-major, then source, then sample), in
+// the order of their sorted row keys (a stable sort: a row's ids in arrival
+// order):
+//   keys[n]   the ids' row keys, sorted, int32 or int64: table t's row r is
 //             key_base[t] + r, key_base the running sum of the tables' rows
-//   order[n]  order[q]: which kept id the q-th sorted key is
-//   bags[k]   kept id k's bag, feature * batch + sample (the gradient's row is
-//             the sample, its columns the feature's)
+//   bags[n]   each sorted id's bag, feature * batch + sample (int32; the
+//             gradient's row is the sample, its columns the feature's)
 //   offsets   the kept ids' bag offsets [F * batch + 1] (a MEAN bag's length)
-//   psw[k]    per-sample weights, or none
+//   psw[n]    each sorted id's per-sample weight, or none
 //   grad      the pooled gradient, [batch][>= grad_col + dim] per feature
-// A row's ids form one run of equal keys. The run's first position walks it
-// in sorted order, which is arrival order (the sort is stable), 32 ids at a
-// time (each lane reads one id's bag, weight and length, then the lanes take
+// The ids' metadata comes in sorted order so that a run reads it as one
+// coalesced segment: a run's chain of dependent loads is its keys and bags,
+// then its gradient rows beside its weight row (loaded before the sum, which
+// does not need it), then the update's stores. A row's ids form one run of
+// equal keys. The run's first position walks it
+// in sorted order, which is arrival order (the sort is stable), a group of
+// lanes' width of ids at a time (each lane reads one id's bag, weight and length, then the lanes take
 // the ids' gradient rows in order). Each id's term is as FBGEMM's GPU backward
-// forms it (a MEAN bag's gradient times 1/length rounded to the gradient's
-// dtype; weighted: times the id's weight), and the terms are summed in fp32
-// with Kahan compensation: a plain running sum drifts by about n * eps / 4 over
-// a hot row's n ids (1-3e-5 at 3000), FBGEMM's GPU kernel splits long runs
-// over warps, and the compensated sum stays within an ulp or two of the exact
-// one at any length. One deterministic sum per row whatever the device (the
-// products are rounded before the sum, never contracted into it), no per-id
-// gradient rows in memory. Then one update of that row and its optimizer state in fp32, stored
-// in the weights' dtype (round to nearest). Runs own disjoint rows: no two
-// workers write one row, nothing is atomic.
-//
 // Bounds: the host checks every table view and feature descriptor against the
 // tensors they name (owner_update_host.cpp). On the device a key outside
-// every table's rows, an id index outside [0, n), a bag outside [0, F * batch)
-// or an id of a feature of another table than its key's is skipped: the keys
-// decide the rows written, the bags the gradient read.
+// every table's rows, a bag outside [0, F * batch) or an id of a feature of
+// another table than its key's is skipped: the keys decide the rows written,
+// the bags the gradient read.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -76,9 +70,9 @@ struct OwnerTable {
 };
 
 struct OwnerUpdateParams {
-  const int64_t* keys;
-  const int64_t* order;
-  const int64_t* bags;
+  const int32_t* keys32;  // the sorted keys: one of the two is set
+  const int64_t* keys64;
+  const int32_t* bags;
   const int64_t* offsets;
   const float* psw;  // null: unweighted
   const void* grad;  // the gradient's dtype: the kernels' grad_t
@@ -92,9 +86,13 @@ struct OwnerUpdateParams {
   int64_t num_tables;
 };
 
+PGAS_UPDATE_FN int64_t key_at(const OwnerUpdateParams& p, int64_t q) {
+  return p.keys32 != nullptr ? static_cast<int64_t>(p.keys32[q]) : p.keys64[q];
+}
+
 // Whether sorted position q starts a run (a row's first id).
 PGAS_UPDATE_FN bool starts_run(const OwnerUpdateParams& p, int64_t q) {
-  return q < p.n && (q == 0 || p.keys[q] != p.keys[q - 1]);
+  return q < p.n && (q == 0 || key_at(p, q) != key_at(p, q - 1));
 }
 
 // The table whose key range holds `key` (the last with key_base <= key).
@@ -152,15 +150,14 @@ struct RunId {
 };
 
 PGAS_UPDATE_FN RunId run_id(const OwnerUpdateParams& p, int64_t q, int64_t table) {
-  const int64_t k = p.order[q];
-  const int64_t bag = k >= 0 && k < p.n ? p.bags[k] : -1;
+  const int64_t bag = p.bags[q];
   if (bag < 0 || bag >= p.num_features * p.config.batch) return {-1, 0.f, 0.f};
   const int64_t f = bag / p.config.batch;
   if (p.features[f].table != table) return {-1, 0.f, 0.f};
-  const int64_t length = p.offsets[bag + 1] - p.offsets[bag];
+  const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
   return {(bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col,
-          p.config.weighted ? p.psw[k] : 1.f,
-          p.config.mean && length > 0 ? static_cast<float>(1.0 / static_cast<double>(length)) : 1.f};
+          p.config.weighted ? p.psw[q] : 1.f,
+          length > 1 ? static_cast<float>(1.0 / static_cast<double>(length)) : 1.f};
 }
 
 // a * b rounded to fp32 on its own: never contracted into a following add.
@@ -186,13 +183,13 @@ template <typename Lanes, typename grad_t>
 PGAS_UPDATE_FN void sum_run(const OwnerUpdateParams& p, int64_t start, int64_t table, Lanes lanes, float* g) {
   const grad_t* grad = static_cast<const grad_t*>(p.grad);
   const int dim = static_cast<int>(p.tables[table].dim);
-  const int64_t key = p.keys[start];
+  const int64_t key = key_at(p, start);
   float carry[Lanes::kMaxColumns];
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) g[j] = carry[j] = 0.f;
-  for (int64_t q0 = start; q0 < p.n && p.keys[q0] == key; q0 += Lanes::kCount) {
+  for (int64_t q0 = start; q0 < p.n && key_at(p, q0) == key; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
-    const bool in_run = q < p.n && p.keys[q] == key;  // the run's ids are a prefix of the lanes
+    const bool in_run = q < p.n && key_at(p, q) == key;  // the run's ids are a prefix of the lanes
     const RunId mine = in_run ? run_id(p, q, table) : RunId{-1, 0.f, 0.f};
     const int ids = lanes.count(in_run);
     // Branch-free and unrolled: the gradient rows of several ids are loading at once.
@@ -216,10 +213,33 @@ PGAS_UPDATE_FN void sum_run(const OwnerUpdateParams& p, int64_t start, int64_t t
   }
 }
 
+// A row's weights (the lane's columns) and row-wise momentum as they were
+// before the update: loaded before the row's gradient is summed, since they do
+// not depend on it, so that their loads overlap the gradient rows'.
+template <int kMaxColumns>
+struct RowBefore {
+  float w[kMaxColumns];
+  float momentum;  // row-wise Adagrad's; else 0
+};
+
+template <typename Lanes, typename weight_t>
+PGAS_UPDATE_FN void load_row(const OwnerTable& table, int64_t row, const OwnerUpdateConfig& config, Lanes lanes,
+                             RowBefore<Lanes::kMaxColumns>& before) {
+  const int dim = static_cast<int>(table.dim);
+  const weight_t* w = static_cast<const weight_t*>(table.weights) + row * dim;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    before.w[j] = d < dim ? static_cast<float>(w[d]) : 0.f;
+  }
+  before.momentum = config.optimizer == Optimizer::kRowwiseAdagrad ? table.momentum1[row] : 0.f;
+}
+
 // One optimizer step of `row` of `table` with its summed gradient g.
 template <typename Lanes, typename weight_t>
 PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const OwnerHyper& h,
-                               const OwnerUpdateConfig& config, Lanes lanes, const float* g) {
+                               const OwnerUpdateConfig& config, Lanes lanes, const float* g,
+                               const RowBefore<Lanes::kMaxColumns>& before) {
   const int dim = static_cast<int>(table.dim);
   weight_t* w = static_cast<weight_t*>(table.weights) + row * dim;
   RowStep step{h.lr, 1.f};  // SGD
@@ -228,13 +248,12 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
     PGAS_UNROLL
     for (int j = 0; j < lanes.columns(dim); ++j) {
       const int d = lanes.lane + j * Lanes::kCount;
-      const float gd = d < dim ? adagrad_decayed(g[j], static_cast<float>(w[d]), h, config.weight_decay_mode) : 0.f;
+      const float gd = d < dim ? adagrad_decayed(g[j], before.w[j], h, config.weight_decay_mode) : 0.f;
       squares = fmaf(gd, gd, squares);
     }
-    float* momentum = table.momentum1 + row;
-    const float m = *momentum + lanes.sum(squares) / static_cast<float>(dim);
-    lanes.sync();  // every lane has read the old momentum
-    if (lanes.lane == 0) *momentum = m;
+    const float m = before.momentum + lanes.sum(squares) / static_cast<float>(dim);
+    lanes.sync();  // every lane has read the old momentum (load_row)
+    if (lanes.lane == 0) table.momentum1[row] = m;
     step = adagrad_row_step(m, h, config.weight_decay_mode);
   }
   float* m1 = config.optimizer == Optimizer::kAdam ? table.momentum1 + row * dim : nullptr;
@@ -244,10 +263,10 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
     const int d = lanes.lane + j * Lanes::kCount;
     if (d >= dim) continue;
     if (m1 == nullptr) {
-      w[d] = static_cast<weight_t>(fmaf(-step.multiplier, g[j], step.correction * static_cast<float>(w[d])));
+      w[d] = static_cast<weight_t>(fmaf(-step.multiplier, g[j], step.correction * before.w[j]));
       continue;
     }
-    const AdamColumn c = adam_column(static_cast<float>(w[d]), g[j], m1[d], m2[d], h);
+    const AdamColumn c = adam_column(before.w[j], g[j], m1[d], m2[d], h);
     w[d] = static_cast<weight_t>(c.w);
     m1[d] = c.m1;
     m2[d] = c.m2;
@@ -257,20 +276,22 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
 // Applies the run that starts at sorted position `start`.
 template <typename Lanes, typename weight_t, typename grad_t>
 PGAS_UPDATE_FN void update_run(const OwnerUpdateParams& p, int64_t start, Lanes lanes) {
-  const int64_t table = table_of(p, p.keys[start]);
-  const int64_t row = p.keys[start] - p.tables[table].key_base;
+  const int64_t key = key_at(p, start);
+  const int64_t table = table_of(p, key);
+  const int64_t row = key - p.tables[table].key_base;
   if (row < 0 || row >= p.tables[table].rows) return;
+  RowBefore<Lanes::kMaxColumns> before;
+  load_row<Lanes, weight_t>(p.tables[table], row, p.config, lanes, before);
   float g[Lanes::kMaxColumns];
   sum_run<Lanes, grad_t>(p, start, table, lanes, g);
-  update_row<Lanes, weight_t>(p.tables[table], row, *p.hyper, p.config, lanes, g);
+  update_row<Lanes, weight_t>(p.tables[table], row, *p.hyper, p.config, lanes, g, before);
 }
 
 // Host side (owner_update_host.cpp): the op's inputs checked, naming the bad
 // one, and the kernels' parameters built from them, their tables and feature
 // descriptors copied to the inputs' device into `on_device` (which must
 // outlive the launch). The gradient's dtype is checked by the dispatch.
-OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
-                                              const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
+OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
                                               const at::Tensor& grad, at::TensorList weights,
                                               at::TensorList momentum1, at::TensorList momentum2,
                                               const at::Tensor& features, const at::Tensor& hyper,

@@ -11,9 +11,9 @@
 namespace torchrec_pgas {
 namespace {
 
-void check_ids(const at::Tensor& t, const char* name, int64_t n, const at::Device& device) {
-  PGAS_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(),
-             "owner_update: %s must be a contiguous 1-D int64 tensor", name);
+void check_ids(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n, const at::Device& device) {
+  PGAS_CHECK(t.scalar_type() == dtype && t.dim() == 1 && t.is_contiguous(),
+             "owner_update: %s must be a contiguous 1-D %s tensor", name, c10::toString(dtype));
   PGAS_CHECK(t.numel() == n, "owner_update: %s has %lld elements, expected %lld", name,
              static_cast<long long>(t.numel()), static_cast<long long>(n));
   PGAS_CHECK(t.device() == device, "owner_update: %s is on another device than the gradient", name);
@@ -118,8 +118,7 @@ void update_on_host(const OwnerUpdateParams& p) {
 
 }  // namespace
 
-OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
-                                              const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
+OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
                                               const at::Tensor& grad, at::TensorList weights,
                                               at::TensorList momentum1, at::TensorList momentum2,
                                               const at::Tensor& features, const at::Tensor& hyper,
@@ -129,10 +128,11 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
   const at::Device device = grad.device();
   PGAS_CHECK(grad.dim() == 2 && grad.stride(1) == 1 && grad.size(0) >= c.batch,
              "owner_update: grad must be [>= batch, D] with unit column stride");
-  check_ids(keys, "keys", n, device);
-  check_ids(order, "order", n, device);
-  check_ids(bags, "bags", n, device);
-  check_ids(offsets, "offsets", num_features * c.batch + 1, device);
+  PGAS_CHECK(num_features * c.batch < (int64_t{1} << 31), "owner_update: %lld bags exceed int32 bag numbers",
+             static_cast<long long>(num_features * c.batch));
+  check_ids(keys, "keys", keys.scalar_type() == at::kInt ? at::kInt : at::kLong, n, device);
+  check_ids(bags, "bags", at::kInt, n, device);
+  check_ids(offsets, "offsets", at::kLong, num_features * c.batch + 1, device);
   PGAS_CHECK(!c.weighted || (psw.has_value() && psw->scalar_type() == at::kFloat && psw->is_contiguous() &&
                              psw->numel() == n && psw->device() == device),
              "owner_update: a weighted update needs contiguous fp32 per-sample weights, one per id");
@@ -148,9 +148,9 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
   std::memcpy(tables_host.data_ptr(), tables.data(), table_bytes);
   on_device = {upload(features, device), upload(tables_host, device)};
   return OwnerUpdateParams{
-      keys.data_ptr<int64_t>(),
-      order.data_ptr<int64_t>(),
-      bags.data_ptr<int64_t>(),
+      keys.scalar_type() == at::kInt ? keys.data_ptr<int32_t>() : nullptr,
+      keys.scalar_type() == at::kInt ? nullptr : keys.data_ptr<int64_t>(),
+      bags.data_ptr<int32_t>(),
       offsets.data_ptr<int64_t>(),
       c.weighted ? psw->data_ptr<float>() : nullptr,
       grad.data_ptr(),
@@ -167,13 +167,12 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
 
 
 // CPU implementation of torchrec_pgas::owner_update (the same algorithm as the CUDA kernel).
-void owner_update_cpu(const at::Tensor& keys, const at::Tensor& order, const at::Tensor& bags,
-                      const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   std::vector<at::Tensor> on_device;
-  const OwnerUpdateParams p = owner_update_params(keys, order, bags, offsets, psw, grad, weights, momentum1, momentum2,
+  const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, on_device);
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), [&](auto weight, auto grad_type) {
     update_on_host<decltype(weight), decltype(grad_type)>(p);

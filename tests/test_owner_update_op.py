@@ -89,7 +89,7 @@ def _kjt(tables: Sequence[Tuple[int, int]], feature_table_map: List[int], batch:
 
 TABLES = [(40, 8), (29, 16), (6, 4), (9, 64), (7, 128), (9, OP_MAX_DIM)]
 # Table 1 is shared by features 1 and 2; the hot row is in table 0. The widest table of a layout picks the GPU
-# kernel's lanes: 8 lanes a row up to dim 32, 16 up to 64, 32 up to 128 (4 columns a lane), 32 with 16 columns
+# kernel's lanes: 8 lanes a row up to dim 32 (4 columns a lane) and 64 (8), 16 up to 128 (8), 32 with 16 columns
 # up to the widest dim the op takes.
 LAYOUTS = {"dim16": [0, 1, 1, 2], "dim64": [0, 1, 1, 2, 3], "dim128": [0, 1, 1, 2, 4], "dim512": [0, 1, 1, 2, 5]}
 CASES = [
@@ -135,7 +135,7 @@ def test_op_matches_reference(device: str, layout: str, optimizer: EmbOptimType,
 def _op_args(**change: object) -> dict:
     """A valid one-table, one-feature SGD update (4 ids, batch 2), with ``change`` applied."""
     args = dict(
-        keys=torch.tensor([1, 1, 3, 9]), order=torch.tensor([0, 2, 1, 3]), bags=torch.tensor([0, 0, 1, 1]),
+        keys=torch.tensor([1, 1, 3, 9]), bags=torch.tensor([0, 0, 1, 1], dtype=torch.int32),
         offsets=torch.tensor([0, 2, 4]), per_sample_weights=None, grad=torch.ones(2, 4),
         weights=[torch.zeros(10, 4)], momentum1=[], momentum2=[],
         features=as_words([build(OwnerFeatureDesc, table=0, grad_col=0)], OwnerFeatureDesc),
@@ -167,7 +167,7 @@ def test_op_takes_each_rows_table_from_its_key() -> None:
     w0, w1 = torch.zeros(10, 4), torch.zeros(5, 4)
     features = as_words([build(OwnerFeatureDesc, table=0, grad_col=0), build(OwnerFeatureDesc, table=1, grad_col=4)],
                         OwnerFeatureDesc)
-    args = _op_args(keys=torch.tensor([1, 12, 12]), order=torch.tensor([0, 1, 2]), bags=torch.tensor([0, 1, 2]),
+    args = _op_args(keys=torch.tensor([1, 12, 12]), bags=torch.tensor([0, 1, 2], dtype=torch.int32),
                     offsets=torch.tensor([0, 1, 2, 3, 3]), grad=torch.ones(2, 8), weights=[w0, w1],
                     features=features)
     _run(args)  # bag 1 is feature 0 (table 0): skipped in table 1's run; bag 2 is feature 1, sample 0
@@ -184,6 +184,8 @@ def test_op_takes_each_rows_table_from_its_key() -> None:
     (dict(features=as_words([build(OwnerFeatureDesc, table=1, grad_col=0)], OwnerFeatureDesc)),
      "feature 0 names table 1 of 1"),
     (dict(offsets=torch.tensor([0, 4])), "offsets has 2 elements, expected 3"),
+    (dict(bags=torch.tensor([0, 0, 1, 1])), "bags must be a contiguous 1-D Int tensor"),
+    (dict(keys=torch.tensor([1, 1, 3, 9], dtype=torch.int16)), "keys must be a contiguous 1-D Long tensor"),
     (dict(config=torch.zeros(8, dtype=torch.uint8)), "the 40 bytes of an OwnerUpdateConfig"),
     (dict(config=as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.ROWWISE_ADAGRAD, weight_decay_mode=0,
                                  mean=0, weighted=0, batch=2))), "momentum1 has 0 tensors; table 0 needs one"),

@@ -227,24 +227,27 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     layout = _op_layout(tbe, grads, first_col)
     batch, values, lengths = kjt.stride(), kjt.values(), kjt.lengths().long()
     if (layout is None or grads.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or grads.stride(1) != 1 or lengths.numel() != len(tbe.feature_table_map) * batch):
+            or grads.stride(1) != 1 or lengths.numel() != len(tbe.feature_table_map) * batch
+            or lengths.numel() >= 2 ** 31):  # the op numbers bags in int32
         return False
     dev = grads.device
-    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=values.numel())
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev, dtype=torch.int32), lengths,
+                                   output_size=values.numel())
     keys, order = torch.sort(layout.feature_base[bags // batch] + values.to(layout.key_dtype), stable=True)
-    profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys and their sort, the op
+    # each id's bag and weight in the sorted order: a row's ids then read their metadata as one segment
+    bags, psw = bags[order], kjt.weights_or_none()
+    psw = None if psw is None else psw.float()[order]
+    profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys, their sort and gather; the op
     args, t = tbe.optimizer_args, float(iteration or 1)
     hyper = build(OwnerHyper, lr=float(tbe.get_learning_rate()), eps=args.eps, beta1=args.beta1, beta2=args.beta2,
                   weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t,
                   bias_correction2=1.0 - args.beta2 ** t, reserved=0.0)
-    psw = kjt.weights_or_none()
     mode = args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
                    mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=psw is not None, batch=batch)
     torch.ops.torchrec_pgas.owner_update(
-        keys.long(), order, bags, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths),
-        None if psw is None else psw.float().contiguous(), grads, *layout.tables, layout.features,
-        _upload(as_tensor(hyper).view(torch.float32), dev), as_tensor(config))
+        keys, bags, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths), psw, grads, *layout.tables,
+        layout.features, _upload(as_tensor(hyper).view(torch.float32), dev), as_tensor(config))
     profiling.mark("owner_update")
     return True
 
