@@ -86,9 +86,10 @@ def _types(case: Case, model: TwoEbcModel, world: int) -> Dict[str, str]:
     if case.kind == PGAS_TABLE_WISE:
         return spread_tables(model, world)
     types = all_tables(model, PGAS_ROW_WISE)
-    if case.kind == "mixed":  # all four types in one EBC each
-        types.update({"t0": "row_wise", "t1": "pgas_table_wise@1", "t3": "table_wise@0",
-                      "w0": "pgas_table_wise@0", "w2": "table_wise@1"})
+    if case.kind == "mixed":  # all four types in one EBC each (the table-wise ones on rank 0 alone at W = 1)
+        last = min(1, world - 1)
+        types.update({"t0": "row_wise", "t1": f"pgas_table_wise@{last}", "t3": "table_wise@0",
+                      "w0": "pgas_table_wise@0", "w2": f"table_wise@{last}"})
     return types
 
 

@@ -74,7 +74,8 @@ def test_matches_stock_table_wise_bit_exact(device: str, world: int) -> None:
     for res in _run(_matches_stock, world, device):
         assert len(res["diffs"]) == 10 and max(res["diffs"].values()) == 0.0
         assert res["steps"] == 2 and res["same_state_dict"]
-        assert res["permutes"] == [False, False] and any(res["input_orders"])
+        # at W >= 4 each EBC's four tables land on ranks 0-3 in input order: there is no permute to take over
+        assert res["permutes"] == [False, False] and (any(res["input_orders"]) or world >= 4)
         assert res["optim_keys"] == res["stock_optim_keys"] and res["optim_keys"]
 
 
