@@ -49,10 +49,6 @@ HOT_IDS = 3000  # feature 3: one bag of 3000 ids of one row, next to ordinary ba
 # off the exact sum (its GPU kernel splits long runs over warps; ours sums compensated), so on CPUs the hot bag
 # holds 100 ids.
 CPU_HOT_IDS = 100
-# FBGEMM 1.6's GPU Adam with fp16 weights fails on any row of more than 32 ids (its CTA-per-row kernel: "Expected
-# tensor 'row_counter_dev' to have scalar type Float, but found Half"): the hot bag's 20 ids and the feature's other
-# bags give the hot row 21-28 ids over the three steps (32 in the hot bag made 33-40 and failed on GPUs).
-FP16_ADAM_HOT_IDS = 20
 
 
 def _tbe(device: torch.device, optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode,
@@ -187,8 +183,16 @@ def test_unsupported_names_what_stays_fbgemms() -> None:
     assert "cache" in str(unsupported(tbe))
 
 
+# FBGEMM 1.6's GPU Adam with fp16 weights raises in its backward ("Expected tensor 'row_counter_dev' to have scalar
+# type Float, but found Half", from its CTA-per-row kernel), measured with hot rows of 3000, 33-40 and 21-28 ids on
+# H100s: stock TorchRec cannot train such a table, so there is nothing to compare with (the op's fp16 Adam is
+# checked against the reference in test_owner_update_op.py). Strict: the day FBGEMM runs it, these cases fail
+# and the comparison comes back.
+_FBGEMM_FP16_ADAM = pytest.mark.xfail(raises=RuntimeError, strict=True,
+                                      reason="FBGEMM 1.6's GPU Adam backward raises with fp16 weights")
 GPU_CASES = [
-    (opt, precision, pooling, weighted, wd, mode)
+    pytest.param(opt, precision, pooling, weighted, wd, mode,
+                 marks=[_FBGEMM_FP16_ADAM] if opt == EmbOptimType.ADAM and precision == SparseType.FP16 else [])
     for opt, wd, mode in ((EmbOptimType.EXACT_SGD, 0.0, WeightDecayMode.NONE),
                           (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0, WeightDecayMode.NONE),
                           (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01, WeightDecayMode.L2),
@@ -204,9 +208,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("optimizer,precision,pooling,weighted,weight_decay,mode", GPU_CASES)
 def test_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode, weighted: bool,
                                weight_decay: float, mode: WeightDecayMode) -> None:
-    fbgemm_fails = optimizer == EmbOptimType.ADAM and precision == SparseType.FP16
-    _compare(torch.device("cuda", 0), optimizer, precision, pooling, weighted, weight_decay, mode,
-             hot_ids=FP16_ADAM_HOT_IDS if fbgemm_fails else HOT_IDS)
+    _compare(torch.device("cuda", 0), optimizer, precision, pooling, weighted, weight_decay, mode)
 
 
 def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float]]:
