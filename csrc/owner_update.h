@@ -1,10 +1,10 @@
 // The owner backward's update: one step of FBGEMM's exact optimizers (EXACT_SGD,
 // EXACT_ROWWISE_ADAGRAD, ADAM) applied by an owner to the rows of its TBE that
 // its sources' gradients touch, in the TBE's own weight and optimizer-state
-// storage. One algorithm, written once: owner_update.cu runs it with a group
-// of lanes per row, owner_update_host.cpp with a CPU thread per row (the CPU path, the
-// same code); torchrec_pgas/sharding/owner_backward.py is its torch-ops
-// reference.
+// storage. One algorithm, written once (walk_chunk): owner_update.cu runs it
+// with a warp per chunk of sorted ids, owner_update_host.cpp with a CPU thread
+// per chunk (the CPU path, the same code); torchrec_pgas/sharding/owner_backward.py
+// is its torch-ops reference.
 //
 // Inputs, n kept ids of one TBE (the owner's rebuild of the ids stock hands
 // its TBE, PgasStep.kept_ids: feature-major, then source, then sample), in
@@ -17,14 +17,22 @@
 //   offsets   the kept ids' bag offsets [F * batch + 1] (a MEAN bag's length)
 //   psw[n]    each sorted id's per-sample weight, or none
 //   grad      the pooled gradient, [batch][>= grad_col + dim] per feature
-// The ids' metadata comes in sorted order so that a run reads it as one
-// coalesced segment: a run's chain of dependent loads is its keys and bags,
-// then its gradient rows beside its weight row (loaded before the sum, which
-// does not need it), then the update's stores. A row's ids form one run of
-// equal keys. The run's first position walks it
-// in sorted order, which is arrival order (the sort is stable), a group of
-// lanes' width of ids at a time (each lane reads one id's bag, weight and length, then the lanes take
-// the ids' gradient rows in order). Each id's term is as FBGEMM's GPU backward
+// A row's ids form one run of equal keys. The walk streams through the sorted
+// positions: the ids' fields are read as coalesced segments, each id's
+// gradient row is read straight from the pooled gradient (no per-id gradient
+// rows in memory) and added to its run's sum, and a run's row is updated once
+// the next run starts. Each id's term is as FBGEMM's GPU backward forms it (a
+// MEAN bag's gradient times 1/length rounded to the gradient's dtype;
+// weighted: times the id's weight), and the terms are summed in sorted order
+// in fp32 with Kahan compensation: a plain running sum drifts by about
+// n * eps / 4 over a hot row's n ids (1-3e-5 at 3000), FBGEMM's GPU kernel
+// splits long runs over warps, and the compensated sum stays within an ulp or
+// two of the exact one at any length. One deterministic sum per row whatever
+// the device (the products are rounded before the sum, never contracted into
+// it). Then one update of that row and its optimizer state in fp32, stored in
+// the weights' dtype (round to nearest). Each run is walked by the walker of
+// the chunk it starts in: no two walkers write one row, nothing is atomic.
+//
 // Bounds: the host checks every table view and feature descriptor against the
 // tensors they name (owner_update_host.cpp). On the device a key outside
 // every table's rows, a bag outside [0, F * batch) or an id of a feature of
@@ -46,17 +54,17 @@
 #if defined(__CUDACC__)
 #define PGAS_UPDATE_FN __device__ __forceinline__
 #define PGAS_UNROLL _Pragma("unroll")
-#define PGAS_UNROLL_4 _Pragma("unroll 4")
 #else
 #define PGAS_UPDATE_FN inline
 #define PGAS_UNROLL
-#define PGAS_UNROLL_4
 #endif
 
 namespace torchrec_pgas {
 
 // Largest table dim the update takes (a GPU lane holds up to dim / 32 sums).
 constexpr int kOwnerMaxDim = 512;
+// Sorted positions per chunk: the walkers' unit of work on every device.
+constexpr int64_t kOwnerChunk = 256;
 
 // A table's views in the TBE's storage, built by the host from the op's
 // tensors (never from addresses Python passed).
@@ -88,11 +96,6 @@ struct OwnerUpdateParams {
 
 PGAS_UPDATE_FN int64_t key_at(const OwnerUpdateParams& p, int64_t q) {
   return p.keys32 != nullptr ? static_cast<int64_t>(p.keys32[q]) : p.keys64[q];
-}
-
-// Whether sorted position q starts a run (a row's first id).
-PGAS_UPDATE_FN bool starts_run(const OwnerUpdateParams& p, int64_t q) {
-  return q < p.n && (q == 0 || key_at(p, q) != key_at(p, q - 1));
 }
 
 // The table whose key range holds `key` (the last with key_base <= key).
@@ -135,29 +138,48 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
   return {fmaf(-h.lr, step, w), m1, m2};
 }
 
-// Lanes (a group of a warp's lanes, or one CPU thread) split a row's columns: lane l holds
-// columns l, l + kCount, ... in g[0, columns(dim)), at most kMaxColumns; sum
-// adds a value over the lanes, count the lanes whose flag is set, broadcast
-// gives lane i's value to all, sync orders the lanes' reads of a row's state
-// before a write.
+// Lanes (a warp, or one CPU thread) play two parts in the walk below. Over a
+// row, lane l holds columns l, l + kCount, ... in arrays of kMaxColumns
+// (columns(dim) of them in use); over the sorted positions, a batch of kCount
+// positions is read lane-per-position, then each position's fields are
+// broadcast. sum adds a value over the lanes, ballot gathers a flag per lane
+// (lane i: bit i), sync orders the lanes' reads of a row's state before a
+// write. kDepth: the ids whose gradient rows (and, at a run's start, weight
+// row) are loaded before the first of them is summed.
 
-// One id's part of a run: where its gradient row starts (-1: skipped), its
-// per-sample weight and its MEAN factor.
-struct RunId {
+// What the walk needs of sorted position q, read lane-per-position: its row
+// (table -1: a key outside every table's rows, whose run is skipped), whether it
+// starts its row's run, and its term's source: where its gradient row starts
+// (-1: the id adds nothing: a bad bag, or a feature of another table than its
+// key's), its per-sample weight and its MEAN factor.
+struct IdMeta {
+  int64_t row;
   int64_t src;
   float weight;
   float inv_length;
+  int32_t table;
+  int32_t dim;
+  bool starts;
 };
 
-PGAS_UPDATE_FN RunId run_id(const OwnerUpdateParams& p, int64_t q, int64_t table) {
+PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
+  const int64_t key = key_at(p, q);
+  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key};
+  const int64_t t = table_of(p, key);
+  const int64_t row = key - p.tables[t].key_base;
+  if (row < 0 || row >= p.tables[t].rows) return m;
+  m.table = static_cast<int32_t>(t);
+  m.row = row;
+  m.dim = static_cast<int32_t>(p.tables[t].dim);
   const int64_t bag = p.bags[q];
-  if (bag < 0 || bag >= p.num_features * p.config.batch) return {-1, 0.f, 0.f};
+  if (bag < 0 || bag >= p.num_features * p.config.batch) return m;
   const int64_t f = bag / p.config.batch;
-  if (p.features[f].table != table) return {-1, 0.f, 0.f};
+  if (p.features[f].table != t) return m;
   const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
-  return {(bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col,
-          p.config.weighted ? p.psw[q] : 1.f,
-          length > 1 ? static_cast<float>(1.0 / static_cast<double>(length)) : 1.f};
+  m.src = (bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col;
+  m.weight = p.config.weighted ? p.psw[q] : 1.f;
+  m.inv_length = length > 1 ? static_cast<float>(1.0 / static_cast<double>(length)) : 1.f;
+  return m;
 }
 
 // a * b rounded to fp32 on its own: never contracted into a following add.
@@ -177,63 +199,23 @@ PGAS_UPDATE_FN void add_compensated(float& sum, float& carry, float term) {
   sum = t;
 }
 
-// The summed gradient of the run that starts at sorted position `start`
-// (rows of `table`) into g, in arrival order.
-template <typename Lanes, typename grad_t>
-PGAS_UPDATE_FN void sum_run(const OwnerUpdateParams& p, int64_t start, int64_t table, Lanes lanes, float* g) {
-  const grad_t* grad = static_cast<const grad_t*>(p.grad);
-  const int dim = static_cast<int>(p.tables[table].dim);
-  const int64_t key = key_at(p, start);
-  float carry[Lanes::kMaxColumns];
-  PGAS_UNROLL
-  for (int j = 0; j < lanes.columns(dim); ++j) g[j] = carry[j] = 0.f;
-  for (int64_t q0 = start; q0 < p.n && key_at(p, q0) == key; q0 += Lanes::kCount) {
-    const int64_t q = q0 + lanes.lane;
-    const bool in_run = q < p.n && key_at(p, q) == key;  // the run's ids are a prefix of the lanes
-    const RunId mine = in_run ? run_id(p, q, table) : RunId{-1, 0.f, 0.f};
-    const int ids = lanes.count(in_run);
-    // Branch-free and unrolled: the gradient rows of several ids are loading at once.
-    PGAS_UNROLL_4
-    for (int i = 0; i < ids; ++i) {
-      const int64_t src = lanes.broadcast(mine.src, i);
-      const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
-      PGAS_UNROLL
-      for (int j = 0; j < lanes.columns(dim); ++j) {
-        const int d = lanes.lane + j * Lanes::kCount;
-        const bool take = src >= 0 && d < dim;
-        float s = take ? static_cast<float>(grad[src + d]) : 0.f;
-        if (p.config.mean) s = static_cast<float>(static_cast<grad_t>(mul_rn(s, inv_length)));
-        if (p.config.weighted) s = mul_rn(s, weight);
-        float sum = g[j], lost = carry[j];
-        add_compensated(sum, lost, s);
-        g[j] = take ? sum : g[j];
-        carry[j] = take ? lost : carry[j];
-      }
-    }
-  }
-}
-
 // A row's weights (the lane's columns) and row-wise momentum as they were
-// before the update: loaded before the row's gradient is summed, since they do
-// not depend on it, so that their loads overlap the gradient rows'.
+// before the update: loaded with the gradient rows of its run's first ids.
 template <int kMaxColumns>
 struct RowBefore {
   float w[kMaxColumns];
   float momentum;  // row-wise Adagrad's; else 0
 };
 
-template <typename Lanes, typename weight_t>
-PGAS_UPDATE_FN void load_row(const OwnerTable& table, int64_t row, const OwnerUpdateConfig& config, Lanes lanes,
-                             RowBefore<Lanes::kMaxColumns>& before) {
-  const int dim = static_cast<int>(table.dim);
-  const weight_t* w = static_cast<const weight_t*>(table.weights) + row * dim;
-  PGAS_UNROLL
-  for (int j = 0; j < lanes.columns(dim); ++j) {
-    const int d = lanes.lane + j * Lanes::kCount;
-    before.w[j] = d < dim ? static_cast<float>(w[d]) : 0.f;
-  }
-  before.momentum = config.optimizer == Optimizer::kRowwiseAdagrad ? table.momentum1[row] : 0.f;
-}
+// The run being summed: its row, its summed gradient so far and its row's state.
+template <int kMaxColumns>
+struct OpenRun {
+  int32_t table;  // -1: none open, or a key outside the tables (nothing to update)
+  int64_t row;
+  float g[kMaxColumns];
+  float carry[kMaxColumns];
+  RowBefore<kMaxColumns> before;
+};
 
 // One optimizer step of `row` of `table` with its summed gradient g.
 template <typename Lanes, typename weight_t>
@@ -252,7 +234,7 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
       squares = fmaf(gd, gd, squares);
     }
     const float m = before.momentum + lanes.sum(squares) / static_cast<float>(dim);
-    lanes.sync();  // every lane has read the old momentum (load_row)
+    lanes.sync();  // every lane has read the old momentum
     if (lanes.lane == 0) table.momentum1[row] = m;
     step = adagrad_row_step(m, h, config.weight_decay_mode);
   }
@@ -273,18 +255,111 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
   }
 }
 
-// Applies the run that starts at sorted position `start`.
+// One id's gradient row (the lane's columns), as FBGEMM's GPU backward forms
+// its term: a MEAN bag's gradient times 1/length rounded to the gradient's
+// dtype, then times the per-sample weight; zeros where the id adds nothing.
+template <typename Lanes, typename grad_t>
+PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, int64_t src, int dim, float weight, float inv_length,
+                              Lanes lanes, float* term) {
+  const grad_t* grad = static_cast<const grad_t*>(p.grad);
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    float s = src >= 0 && d < dim ? static_cast<float>(grad[src + d]) : 0.f;
+    if (p.config.mean) s = static_cast<float>(static_cast<grad_t>(mul_rn(s, inv_length)));
+    if (p.config.weighted) s = mul_rn(s, weight);
+    term[j] = s;
+  }
+}
+
+// A run's first id: its row's state before the update (the lane's columns).
+template <typename Lanes, typename weight_t>
+PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64_t row, Lanes lanes,
+                                RowBefore<Lanes::kMaxColumns>& before) {
+  const OwnerTable& t = p.tables[table < 0 ? 0 : table];
+  const int dim = table < 0 ? 0 : static_cast<int>(t.dim);
+  const weight_t* w = static_cast<const weight_t*>(t.weights) + row * dim;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    before.w[j] = d < dim ? static_cast<float>(w[d]) : 0.f;
+  }
+  before.momentum =
+      table >= 0 && p.config.optimizer == Optimizer::kRowwiseAdagrad ? t.momentum1[row] : 0.f;
+}
+
+// Applies the open run, if any.
+template <typename Lanes, typename weight_t>
+PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OpenRun<Lanes::kMaxColumns>& run, Lanes lanes) {
+  if (run.table >= 0) update_row<Lanes, weight_t>(p.tables[run.table], run.row, *p.hyper, p.config, lanes, run.g,
+                                                  run.before);
+}
+
+// The walk of one chunk of sorted positions [lo, hi): every run that starts
+// in it, in sorted order, each summed over its ids (past hi if it runs on) and
+// applied when the next run starts. Positions before the chunk's first run
+// start belong to the previous chunk's run: skipped. Per batch of kCount
+// positions: the fields lane-per-position (id_meta); then, kDepth ids at a
+// time, their gradient rows and their runs' weight rows are loaded before the
+// first is summed, so a walker keeps kDepth rows in flight. Every branch is
+// uniform over the lanes (all of them walk the same id), so they stay
+// converged. A row's ids are summed by one walker: a row hit by a million ids
+// is one walker's million loads.
 template <typename Lanes, typename weight_t, typename grad_t>
-PGAS_UPDATE_FN void update_run(const OwnerUpdateParams& p, int64_t start, Lanes lanes) {
-  const int64_t key = key_at(p, start);
-  const int64_t table = table_of(p, key);
-  const int64_t row = key - p.tables[table].key_base;
-  if (row < 0 || row >= p.tables[table].rows) return;
-  RowBefore<Lanes::kMaxColumns> before;
-  load_row<Lanes, weight_t>(p.tables[table], row, p.config, lanes, before);
-  float g[Lanes::kMaxColumns];
-  sum_run<Lanes, grad_t>(p, start, table, lanes, g);
-  update_row<Lanes, weight_t>(p.tables[table], row, *p.hyper, p.config, lanes, g, before);
+PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Lanes lanes) {
+  constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
+  OpenRun<kColumns> run;
+  run.table = -1;
+  run.row = 0;
+  bool opened = false;  // a run of this chunk has started
+  for (int64_t q0 = lo; q0 < p.n; q0 += Lanes::kCount) {
+    const int64_t q = q0 + lanes.lane;
+    const IdMeta mine = q < p.n ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true};
+    // The batch ends at the first position that starts a run at or past hi (or at n): the next chunk's.
+    const unsigned past = lanes.ballot(mine.starts && (q >= hi || q >= p.n));
+    const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
+    const unsigned starts = lanes.ballot(mine.starts);
+    for (int i0 = 0; i0 < end; i0 += kDepth) {
+      float term[kDepth][kColumns];
+      RowBefore<kColumns> before[kDepth];
+      int32_t tables[kDepth], dims[kDepth];
+      int64_t rows[kDepth];
+      bool adds[kDepth], opens[kDepth];
+      PGAS_UNROLL
+      for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
+        const int i = i0 + k < end ? i0 + k : end - 1;
+        // a live id belongs to a run of this chunk: one opened before, or at or before it in this batch
+        const bool live = i0 + k < end && (opened || (starts & (~0u >> (31 - i))) != 0);
+        opens[k] = live && ((starts >> i) & 1u) != 0;
+        tables[k] = lanes.broadcast(mine.table, i);
+        dims[k] = lanes.broadcast(mine.dim, i);
+        rows[k] = lanes.broadcast(mine.row, i);
+        const int64_t src = lanes.broadcast(mine.src, i);
+        const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
+        adds[k] = live && src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dims[k], weight, inv_length, lanes, term[k]);
+        load_before<Lanes, weight_t>(p, opens[k] ? tables[k] : -1, rows[k], lanes, before[k]);
+      }
+      PGAS_UNROLL
+      for (int k = 0; k < kDepth; ++k) {  // the sums, in sorted order
+        if (opens[k]) {
+          close_run<Lanes, weight_t>(p, run, lanes);
+          run.table = tables[k];
+          run.row = rows[k];
+          run.before = before[k];
+          PGAS_UNROLL
+          for (int j = 0; j < lanes.columns(dims[k]); ++j) run.g[j] = run.carry[j] = 0.f;
+          opened = true;
+        }
+        if (adds[k]) {
+          PGAS_UNROLL
+          for (int j = 0; j < lanes.columns(dims[k]); ++j) add_compensated(run.g[j], run.carry[j], term[k][j]);
+        }
+      }
+    }
+    if (end < Lanes::kCount || (!opened && q0 + Lanes::kCount >= hi)) break;
+  }
+  close_run<Lanes, weight_t>(p, run, lanes);
 }
 
 // Host side (owner_update_host.cpp): the op's inputs checked, naming the bad

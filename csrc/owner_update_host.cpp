@@ -1,6 +1,6 @@
 // The owner update's host side: its inputs checked (they decide the rows the
 // update writes and the gradient it reads), the kernels' parameters built, and
-// the CPU path: the algorithm of owner_update.h with one CPU thread per row run.
+// the CPU path: the walk of owner_update.h with one CPU thread per chunk of sorted ids.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -98,10 +98,12 @@ at::Tensor upload(const at::Tensor& host, const at::Device& device) {
 struct HostLanes {
   static constexpr int kCount = 1;
   static constexpr int kMaxColumns = kOwnerMaxDim;
+  static constexpr int kDepth = 1;
   int lane = 0;
   int columns(int dim) const { return dim; }
   float sum(float x) const { return x; }
-  int count(bool flag) const { return flag ? 1 : 0; }
+  unsigned ballot(bool flag) const { return flag ? 1u : 0u; }
+  int first(unsigned) const { return 0; }
   template <typename T>
   T broadcast(T x, int) const { return x; }
   void sync() const {}
@@ -109,9 +111,10 @@ struct HostLanes {
 
 template <typename weight_t, typename grad_t>
 void update_on_host(const OwnerUpdateParams& p) {
-  at::parallel_for(0, p.n, 2048, [&](int64_t lo, int64_t hi) {
-    for (int64_t q = lo; q < hi; ++q) {
-      if (starts_run(p, q)) update_run<HostLanes, weight_t, grad_t>(p, q, HostLanes{});
+  const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
+  at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      walk_chunk<HostLanes, weight_t, grad_t>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, HostLanes{});
     }
   });
 }
