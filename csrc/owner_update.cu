@@ -17,13 +17,16 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // A warp as the walk's lanes: kColumns columns a lane (dim <= 32 * kColumns,
-// sized by the widest table of the launch: registers bound the warps per SM),
-// and as many ids' rows in flight as those registers allow.
+// sized by the widest table of the launch), and as many ids' rows in flight
+// (kDepth) as registers allow at kMinBlocks CTAs per SM. Chosen with ptxas
+// (nvcc 13.0, sm_90a): 80 registers and no spills up to dim 64 (3 CTAs, 4 or 3
+// rows in flight a warp).
 template <int kColumns>
 struct WarpLanes {
   static constexpr int kCount = 32;
   static constexpr int kMaxColumns = kColumns;
-  static constexpr int kDepth = kColumns <= 2 ? 4 : kColumns <= 4 ? 2 : 1;
+  static constexpr int kDepth = kColumns == 1 ? 4 : kColumns == 2 ? 3 : kColumns <= 4 ? 2 : 1;
+  static constexpr int kMinBlocks = kColumns <= 2 ? 3 : kColumns <= 4 ? 2 : 1;
   int lane;
   __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; d < dim guards
   __device__ float sum(float x) const {
@@ -38,7 +41,8 @@ struct WarpLanes {
 };
 
 template <typename weight_t, typename grad_t, int kColumns>
-__global__ void __launch_bounds__(kThreads) owner_update_kernel(OwnerUpdateParams p) {
+__global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
+    owner_update_kernel(OwnerUpdateParams p) {
   const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
   const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks;
@@ -58,7 +62,8 @@ void launch(const OwnerUpdateParams& p) {
 
 }  // namespace
 
-void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
+                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");

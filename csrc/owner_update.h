@@ -29,9 +29,13 @@
 // splits long runs over warps, and the compensated sum stays within an ulp or
 // two of the exact one at any length. One deterministic sum per row whatever
 // the device (the products are rounded before the sum, never contracted into
-// it). Then one update of that row and its optimizer state in fp32, stored in
-// the weights' dtype (round to nearest). Each run is walked by the walker of
-// the chunk it starts in: no two walkers write one row, nothing is atomic.
+// it); only row-wise Adagrad's sum of the row's squares adds in another order
+// on a GPU (each lane's columns, then across the lanes) than on the CPU.
+// Then one update of that row and its optimizer state in fp32, stored in the
+// weights' dtype (round to nearest). Each run is walked by the walker of
+// the chunk it starts in: no two walkers write one row, nothing is atomic
+// (so the keys must be sorted: unsorted ones would split a row into runs that
+// two walkers update at once).
 //
 // Bounds: the host checks every table view and feature descriptor against the
 // tensors they name (owner_update_host.cpp). On the device a key outside
@@ -121,8 +125,8 @@ struct RowStep {  // w <- correction * w - multiplier * g
 
 PGAS_UPDATE_FN RowStep adagrad_row_step(float momentum, const OwnerHyper& h, WeightDecay mode) {
   const float multiplier = h.lr / (sqrtf(momentum) + h.eps);
-  const float correction = mode == WeightDecay::kL2        ? 1.f - multiplier * h.weight_decay
-                           : mode == WeightDecay::kDecouple ? 1.f - h.lr * h.weight_decay
+  const float correction = mode == WeightDecay::kL2        ? fmaf(-multiplier, h.weight_decay, 1.f)
+                           : mode == WeightDecay::kDecouple ? fmaf(-h.lr, h.weight_decay, 1.f)
                                                             : 1.f;
   return {multiplier, correction};
 }
@@ -153,7 +157,7 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
 // (-1: the id adds nothing: a bad bag, or a feature of another table than its
 // key's), its per-sample weight and its MEAN factor.
 struct IdMeta {
-  int64_t row;
+  int32_t row;  // < 2^31: checked on the host
   int64_t src;
   float weight;
   float inv_length;
@@ -169,7 +173,7 @@ PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
   const int64_t row = key - p.tables[t].key_base;
   if (row < 0 || row >= p.tables[t].rows) return m;
   m.table = static_cast<int32_t>(t);
-  m.row = row;
+  m.row = static_cast<int32_t>(row);
   m.dim = static_cast<int32_t>(p.tables[t].dim);
   const int64_t bag = p.bags[q];
   if (bag < 0 || bag >= p.num_features * p.config.batch) return m;
@@ -323,7 +327,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
       float term[kDepth][kColumns];
       RowBefore<kColumns> before[kDepth];
       int32_t tables[kDepth], dims[kDepth];
-      int64_t rows[kDepth];
+      int32_t rows[kDepth];
       bool adds[kDepth], opens[kDepth];
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
@@ -366,11 +370,11 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
 // one, and the kernels' parameters built from them, their tables and feature
 // descriptors copied to the inputs' device into `on_device` (which must
 // outlive the launch). The gradient's dtype is checked by the dispatch.
-OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
-                                              const at::Tensor& grad, at::TensorList weights,
-                                              at::TensorList momentum1, at::TensorList momentum2,
-                                              const at::Tensor& features, const at::Tensor& hyper,
-                                              const at::Tensor& config, std::vector<at::Tensor>& on_device);
+OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
+                                      const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+                                      at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
+                                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                                      std::vector<at::Tensor>& on_device);
 
 // Calls fn(weight_t{}, grad_t{}) for the update's weight and gradient dtypes.
 template <typename Fn>

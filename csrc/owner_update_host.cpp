@@ -58,6 +58,8 @@ std::vector<OwnerTable> checked_tables(at::TensorList weights, at::TensorList mo
                "the first table's dtype", t);
     PGAS_CHECK(w.size(1) > 0 && w.size(1) <= kOwnerMaxDim, "owner_update: table %zu has dim %lld, outside [1, %d]",
                t, static_cast<long long>(w.size(1)), kOwnerMaxDim);
+    PGAS_CHECK(w.size(0) < (int64_t{1} << 31), "owner_update: table %zu has %lld rows, more than int32 row numbers",
+               t, static_cast<long long>(w.size(0)));
     OwnerTable table{w.data_ptr(), nullptr, nullptr, key_base, w.size(0), w.size(1)};
     if (c.optimizer == Optimizer::kRowwiseAdagrad) {
       table.momentum1 = checked_state(momentum1, t, "momentum1", w.size(0), w);
@@ -121,11 +123,11 @@ void update_on_host(const OwnerUpdateParams& p) {
 
 }  // namespace
 
-OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
-                                              const at::Tensor& grad, at::TensorList weights,
-                                              at::TensorList momentum1, at::TensorList momentum2,
-                                              const at::Tensor& features, const at::Tensor& hyper,
-                                              const at::Tensor& config, std::vector<at::Tensor>& on_device) {
+OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
+                                      const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+                                      at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
+                                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                                      std::vector<at::Tensor>& on_device) {
   const OwnerUpdateConfig c = checked_config(config);
   const int64_t n = keys.numel(), num_features = features.dim() == 2 ? features.size(0) : 0;
   const at::Device device = grad.device();
@@ -170,7 +172,8 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
 
 
 // CPU implementation of torchrec_pgas::owner_update (the same algorithm as the CUDA kernel).
-void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
+                      const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
