@@ -326,8 +326,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
     for (int i0 = 0; i0 < end; i0 += kDepth) {
       float term[kDepth][kColumns];
       RowBefore<kColumns> before[kDepth];
-      int32_t tables[kDepth], dims[kDepth];
-      int32_t rows[kDepth];
+      int32_t tables[kDepth], dims[kDepth], rows[kDepth];
       bool adds[kDepth], opens[kDepth];
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
