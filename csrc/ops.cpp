@@ -117,8 +117,8 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   // in the tables' weights and optimizer states (per table: [rows, dim] weights; momentum1 fp32 [rows]
   // (row-wise Adagrad) or [rows, dim] (Adam); momentum2 [rows, dim] (Adam)). keys: the ids' row keys,
   // sorted (int32 or int64); bags (int32), per_sample_weights: each sorted id's bag and weight; offsets: the
-  // kept ids' bag offsets; grad: the pooled gradient; features: CPU OwnerFeatureDesc words; hyper: OwnerHyper (fp32, on the device);
-  // config: the bytes of an OwnerUpdateConfig (CPU uint8).
+  // kept ids' bag offsets; grad: the pooled gradient; features: CPU OwnerFeatureDesc words; hyper:
+  // OwnerHyper (fp32, on the device); config: the bytes of an OwnerUpdateConfig (CPU uint8).
   m.def(
       "owner_update(Tensor keys, Tensor bags, Tensor offsets, Tensor? per_sample_weights, "
       "Tensor grad, Tensor(a!)[] weights, Tensor(b!)[] momentum1, Tensor(c!)[] momentum2, Tensor features, "

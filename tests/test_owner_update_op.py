@@ -89,8 +89,8 @@ def _kjt(tables: Sequence[Tuple[int, int]], feature_table_map: List[int], batch:
 
 TABLES = [(40, 8), (29, 16), (6, 4), (9, 64), (7, 128), (9, OP_MAX_DIM)]
 # Table 1 is shared by features 1 and 2; the hot row is in table 0. The widest table of a layout picks the GPU
-# kernel's lanes: 8 lanes a row up to dim 32 (4 columns a lane) and 64 (8), 16 up to 128 (8), 32 with 16 columns
-# up to the widest dim the op takes.
+# kernel's columns a lane (a warp per row: 1 up to dim 32, 2 up to 64, 4 up to 128, 16 up to the widest dim the
+# op takes) and with them its rows in flight.
 LAYOUTS = {"dim16": [0, 1, 1, 2], "dim64": [0, 1, 1, 2, 3], "dim128": [0, 1, 1, 2, 4], "dim512": [0, 1, 1, 2, 5]}
 CASES = [
     pytest.param(opt, wdt, gdt, pooling, weighted, mode, id=f"{opt.name}-{mode.name}-{str(wdt)[6:]}-{str(gdt)[6:]}-"

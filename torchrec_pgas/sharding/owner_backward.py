@@ -15,8 +15,8 @@ What FBGEMM's fused backward does for its exact optimizers, as one pass over the
 The update formulas are those of FBGEMM's GPU kernels (its CPU kernels ignore row-wise Adagrad's weight
 decay and round fp16 SGD stochastically). Two implementations of the one algorithm: the extension's op
 ``torch.ops.torchrec_pgas.owner_update`` (``csrc/owner_update.h``: a CUDA kernel, a warp per chunk of sorted ids,
-and its CPU path, the same walk with a thread per chunk; steps 1-3 fused, no per-id gradient rows in memory), used where
-the extension is built; and the reference below in torch ops on any device (a pure-Python install, tables
+and its CPU path, the same walk with a thread per chunk; steps 1-3 fused, no per-id gradient rows in memory),
+used where the extension is built; and the reference below in torch ops on any device (a pure-Python install, tables
 wider than the op takes, and the tests' oracle). Both cover EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
 decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what they do not cover, and
 FBGEMM's path (``PgasStep.replay``) serves those.
@@ -233,7 +233,8 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     dev = grads.device
     bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev, dtype=torch.int32), lengths,
                                    output_size=values.numel())
-    keys, order = torch.sort(layout.feature_base[bags // batch] + values.to(layout.key_dtype), stable=True)
+    bag_base = layout.feature_base.repeat_interleave(batch)  # each bag's first row key: no division per id
+    keys, order = torch.sort(bag_base[bags] + values.to(layout.key_dtype), stable=True)
     # each id's bag and weight in the sorted order: a row's ids then read their metadata as one segment
     bags, psw = bags[order], kjt.weights_or_none()
     psw = None if psw is None else psw.float()[order]
