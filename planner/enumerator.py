@@ -26,7 +26,7 @@ a table's constraints allow; a family the constraints allow only one type of kee
 model (``CostModel(training=True)``): ``Perf.bwd_compute`` is the owner's fused TBE backward (PGAS: plus
 the replayed lookup), ``Perf.bwd_comms`` the pooled gradient's way back (stock: all-gather / all-to-all;
 PGAS: one-sided, row-wise only to the owners that served each bag). The other types keep TorchRec's
-forward + backward estimates, plus the same fixed-cost share.
+forward + backward estimates, plus the same fixed-cost shares (forward and backward).
 """
 
 import copy
@@ -147,7 +147,9 @@ class PgasEnumerator(EmbeddingEnumerator):
         num_tables = self.num_tables = len({o.name for o in options})
         out: List[ShardingOption] = []
         loads: Dict[str, TableLoad] = {}
-        nccl_share = self.model.profile.get(NCCL_RW, self.model.mode).alpha_ms / max(1, num_tables)
+        profile, mode = self.model.profile, self.model.mode
+        nccl_share = profile.get(NCCL_RW, mode).alpha_ms / max(1, num_tables)
+        nccl_bwd_share = profile.backward(NCCL_RW, mode).alpha_ms / max(1, num_tables) if self.model.training else 0.0
         families = self._families()
         for o in options:
             offer = self._offer.get(o.name, [])
@@ -162,11 +164,13 @@ class PgasEnumerator(EmbeddingEnumerator):
             if o.sharding_type in families and o.sharding_type not in offer:
                 continue  # a non-fused option of a family the table may only get as PGAS
             if o.sharding_type != ShardingType.DATA_PARALLEL.value:
-                # TW/CW/TWRW and non-fused RW run TorchRec's input and output dists: the same
-                # fixed cost (host syncs, collective latency) its bandwidth-only estimate leaves out.
+                # TW/CW/TWRW and non-fused RW run TorchRec's input and output dists (and in training
+                # their backward): the same fixed costs (host syncs, collective latency) that its
+                # bandwidth-only estimate leaves out, as the fused row-wise option pays them.
                 for shard in o.shards:
                     if shard.perf is not None:
-                        shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share)
+                        shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share,
+                                                         bwd_comms=shard.perf.bwd_comms + nccl_bwd_share)
             out.append(o)
         self.decisions = [Decision(load, self._offer[name], self._why.get(name)) for name, load in loads.items()]
         return out

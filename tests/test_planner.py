@@ -110,7 +110,9 @@ def test_training_prices_forward_and_backward_and_fitted_backward_coefficients_w
     assert (got.bwd_compute, got.bwd_comms) == pytest.approx((b.hbm * 1e-8, 0.5 / 2))  # half the fixed cost
     assert model.alpha_ms(PGAS_RW) == 1.5 and model.alpha_ms(NCCL_RW) == 1.0
     assert model.table_price(t, NCCL_RW, 2) == train.table_price(t, NCCL_RW, 2)  # not fitted: forward's
-    assert not any(load_profile(world_size=w).has_backward(b) for w in (2, 8) for b in (NCCL_RW, PGAS_RW))
+    # the shipped 8x H200 profile was fitted on forward runs only; the 2-GPU ones on training runs too
+    assert not any(load_profile(world_size=8).has_backward(b) for b in (NCCL_RW, PGAS_RW))
+    assert all(load_profile(world_size=2).has_backward(b) for b in (NCCL_RW, PGAS_RW, NCCL_TW, PGAS_TW))
 
 
 def test_step_and_table_prices_and_the_choice() -> None:
@@ -478,10 +480,12 @@ def test_explain_cli(tmp_path: Any) -> None:
 
 
 def test_explain_training() -> None:
-    """Training: every price cell is "fwd+bwd", the header says so and which coefficients priced the backward."""
+    """Training: every price cell is "fwd+bwd", the header says so and which coefficients priced the backward
+    (2x H200: fitted for all four; 8x H200, fitted on forward runs only: the forward's per-byte stand-in)."""
     cfg = {"world_size": 2, "batch_per_rank": 8192, "tables": [{"name": "a", "rows": 10**6, "dim": 128, "pooling": 32}]}
     infer, train = explain(cfg).splitlines(), explain({**cfg, "training": True}).splitlines()
-    assert "training" not in infer[0] and "bwd: the forward's per-byte coefficients" in train[0]
+    assert "training" not in infer[0] and "bwd: fitted for nccl_rw, pgas_rw, nccl_tw, pgas_tw" in train[0]
+    assert "bwd: the forward's per-byte coefficients" in explain({**cfg, "world_size": 8, "training": True})
     assert "pgas_rw ms f+b" in train[1] and "f+b" not in infer[1]
     cells, plain = train[2].split()[6:10], infer[2].split()[6:10]
     assert all(float(c.split("+")[1]) > 0 for c in cells)
