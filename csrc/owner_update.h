@@ -294,9 +294,9 @@ PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64
 
 // Applies the open run, if any.
 template <typename Lanes, typename weight_t>
-PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OpenRun<Lanes::kMaxColumns>& run, Lanes lanes) {
-  if (run.table >= 0) update_row<Lanes, weight_t>(p.tables[run.table], run.row, *p.hyper, p.config, lanes, run.g,
-                                                  run.before);
+PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, const OpenRun<Lanes::kMaxColumns>& run,
+                              Lanes lanes) {
+  if (run.table >= 0) update_row<Lanes, weight_t>(p.tables[run.table], run.row, h, p.config, lanes, run.g, run.before);
 }
 
 // The walk of one chunk of sorted positions [lo, hi): every run that starts
@@ -312,6 +312,7 @@ PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OpenRun<Lanes::k
 template <typename Lanes, typename weight_t, typename grad_t>
 PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Lanes lanes) {
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
+  const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
   OpenRun<kColumns> run;
   run.table = -1;
   run.row = 0;
@@ -341,12 +342,12 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
         const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
         adds[k] = live && src >= 0;
         load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dims[k], weight, inv_length, lanes, term[k]);
-        load_before<Lanes, weight_t>(p, opens[k] ? tables[k] : -1, rows[k], lanes, before[k]);
+        if (opens[k]) load_before<Lanes, weight_t>(p, tables[k], rows[k], lanes, before[k]);
       }
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // the sums, in sorted order
         if (opens[k]) {
-          close_run<Lanes, weight_t>(p, run, lanes);
+          close_run<Lanes, weight_t>(p, h, run, lanes);
           run.table = tables[k];
           run.row = rows[k];
           run.before = before[k];
@@ -362,7 +363,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
     }
     if (end < Lanes::kCount || (!opened && q0 + Lanes::kCount >= hi)) break;
   }
-  close_run<Lanes, weight_t>(p, run, lanes);
+  close_run<Lanes, weight_t>(p, h, run, lanes);
 }
 
 // Host side (owner_update_host.cpp): the op's inputs checked, naming the bad
