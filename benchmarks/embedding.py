@@ -673,14 +673,14 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
 # ---- driver -------------------------------------------------------------------------
 
 
-def _commit() -> str:
+def git_commit() -> str:
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return git.stdout.strip() if git.returncode == 0 else "unknown"
 
 
-def _device_tag(device: torch.device, world: int) -> str:
+def device_tag(device: torch.device, world: int) -> str:
     if device.type != "cuda":
         return f"cpux{world}"
     name = torch.cuda.get_device_name(device).lower().split()
@@ -810,7 +810,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         """Write results.json/csv (rank 0); after every workload, so a run cut short keeps its rows."""
         meta = {
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
-            "commit": _commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": git_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
             "pgas_training_layout": not args.inference_only, "mode": args.mode,
@@ -820,7 +820,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "argv": sys.argv,
         }
         out_dir = args.out or os.path.join(
-            "benchmarks", "results", f"{meta['date']}-{_device_tag(device, world)}-{meta['commit']}")
+            "benchmarks", "results", f"{meta['date']}-{device_tag(device, world)}-{meta['commit']}")
         write_results(out_dir, meta, rows, single)
         return out_dir
 

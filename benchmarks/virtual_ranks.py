@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchmarks.embedding import PRESETS, Workload, _commit, make_inputs, p50, p90
+from benchmarks.embedding import PRESETS, Workload, git_commit, make_inputs, p50, p90
 from torchrec_pgas.virtual_ranks import STAGES, RankInput, VirtualRanks
 
 
@@ -69,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     torch.cuda.empty_cache()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name(device), commit=_commit(), torch=torch.__version__,
+        meta = dict(device=torch.cuda.get_device_name(device), commit=git_commit(), torch=torch.__version__,
                     argv=argv if argv is not None else sys.argv)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -41,6 +41,9 @@
 #              (COMPARE_VIRTUAL, default the same at W = 2), in the order of COMPARE_ROUNDS (default
 #              "tree old tree2": the tree, the older one, the tree again to show the drift); scripts/compare_runs.py prints every step and stage time side by side into
 #              <out>/compare.txt, each build's results packed into <out>/compare/<build>.json
+#   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
+#              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
+#              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full)
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
 #              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual
@@ -151,18 +154,33 @@ scratch_copy() {
 }
 ab_build() { (cd "$1" && "$PY" setup.py -q build_ext --inplace) >> /tmp/setup.log 2>&1; }
 
+# variant_dir VARIANT: where a step runs for VARIANT ("tree": the tree itself; else a scratch copy of the tree,
+# /tmp/ab-<name>, with VARIANT's csrc/ files copied over its csrc/, built there); fails if the build does.
+variant_dir() {
+  if [ "$1" = tree ]; then echo .; return; fi
+  local dir=/tmp/ab-$(basename "$1")
+  { scratch_copy "$dir" && cp "$1"/csrc/* "$dir/csrc/" && ab_build "$dir"; } \
+    || { echo "build of $1 failed" | tee -a "$OUT/summary.txt" >&2; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; return 1; }
+  echo "$dir"
+}
+variant_name() { if [ "$2" = tree ]; then echo "$1"; else echo "$1-$(basename "$2")"; fi; }
+
+# ncu_export REPORT KERNELS: an ncu report's details and per-line source counters into $OUT/ncu, its headline
+# lines (KERNELS: a grep pattern of the kernel names) into summary.txt.
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+ncu_export() {
+  "$NCU" --import "$1" --page details > "$OUT/ncu/ncu_details.txt" 2>&1
+  "$NCU" --import "$1" --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
+  grep -E "$2|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp|Executed Instructions  " \
+    "$OUT/ncu/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
+}
+
 if has virtual; then
   # One results.json per variant (the tree's first) under $OUT/virtual[-variant], their logs in virtual.log.
   read -r -a VARGS <<< "${VIRTUAL_ARGS:---preset s000-weak --preset s000-strong --world 1 --world 2 --pair rw --pair tw}"
   for variant in tree ${AB_VARIANTS:-}; do
-    name=virtual
-    dir=.  # where it runs: the tree, or the variant's scratch copy
-    if [ "$variant" != tree ]; then
-      name=virtual-$(basename "$variant")
-      dir=/tmp/ab-$(basename "$variant")
-      { scratch_copy "$dir" && cp "$variant"/csrc/* "$dir/csrc/" && ab_build "$dir"; } \
-        || { echo "build of $variant failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; continue; }
-    fi
+    name=$(variant_name virtual "$variant")
+    dir=$(variant_dir "$variant") || continue
     log "virtual ranks ($variant, in $dir): ${VARGS[*]}"
     mkdir -p "$OUT/$name"
     (cd "$dir" && PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" \
@@ -171,6 +189,33 @@ if has virtual; then
     { echo "### $variant"; cat /tmp/virtual.log; } >> "$OUT/virtual.log"
     grep -E "^W=|Error" /tmp/virtual.log | tee -a "$OUT/summary.txt"
   done
+fi
+
+if has owner-op; then
+  # benchmarks.owner_op on GPU 0 for the tree and each of AB_VARIANTS (results under $OUT/owner-op[-variant]),
+  # then, with OWNER_OP_NCU=1, ncu of the tree's walk (every section: the op alone fits ncu's memory save).
+  read -r -a OARGS <<< "${OWNER_OP_ARGS:---preset s000-weak --preset s000-strong --steps 20}"
+  for variant in tree ${AB_VARIANTS:-}; do
+    name=$(variant_name owner-op "$variant")
+    dir=$(variant_dir "$variant") || continue
+    log "owner op against FBGEMM ($variant, in $dir): ${OARGS[*]}"
+    (cd "$dir" && PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${OWNER_OP_TIMEOUT:-300}" \
+      "$PY" -m benchmarks.owner_op "${OARGS[@]}" --out "$OUT/$name") > /tmp/owner_op.log 2>&1
+    echo "owner-op $variant exit $?" | tee -a "$OUT/summary.txt"
+    { echo "### $variant"; cat /tmp/owner_op.log; } >> "$OUT/owner_op.log"
+    sed -n '/^measured:/,$p' /tmp/owner_op.log | grep -v "^results:" | tee -a "$OUT/summary.txt"
+    grep -E "Error" /tmp/owner_op.log | tail -3 | tee -a "$OUT/summary.txt"
+  done
+  if [ -n "${OWNER_OP_NCU:-}" ]; then
+    log "ncu: owner_update_kernel, benchmarks.owner_op --side pgas (${OWNER_OP_NCU_PRESET:-s000-weak})"
+    mkdir -p "$OUT/ncu"
+    CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f -k regex:owner_update --import-source yes \
+      --launch-skip 1 --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op "$PY" -m benchmarks.owner_op \
+      --side pgas --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 --out /tmp/ncu_owner_op_run \
+      > "$OUT/ncu/ncu_run.log" 2>&1
+    echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
+    ncu_export /tmp/ncu_owner_op.ncu-rep "owner_update_kernel|Stall"
+  fi
 fi
 
 if has compare; then
@@ -211,7 +256,6 @@ fi
 
 if has profile; then
   # By default on one GPU (world 1): our fused lookup next to FBGEMM's TBE forward on the same gather.
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   NCU_K=${NCU_KERNELS:-index_dist|pooled_lookup|combine_partials}
   log "ncu: $NCU_K (${NCU_NPROC:-1} GPUs, ${NCU_PRESET:-profile}, pair ${NCU_PAIR:-rw})"
   mkdir -p "$OUT/ncu"
@@ -240,10 +284,7 @@ NCUEOF
       > "$OUT/ncu/ncu_run.log" 2>&1
   fi
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
-  "$NCU" --import /tmp/ncu_report.ncu-rep --page details > "$OUT/ncu/ncu_details.txt" 2>&1
-  "$NCU" --import /tmp/ncu_report.ncu-rep --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
-  grep -E "pooled_lookup_kernel|index_dist_kernel|combine_partials_kernel|split_embedding|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp" \
-    "$OUT/ncu/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
+  ncu_export /tmp/ncu_report.ncu-rep "pooled_lookup_kernel|index_dist_kernel|combine_partials_kernel|split_embedding"
 fi
 
 if has tests || has quick-tests; then

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks.embedding import PRESETS, make_inputs
+from benchmarks.owner_op import INPUT_SEED
 from torchrec_pgas.sharding.owner_backward import op_available
 
 STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"]
@@ -95,6 +96,32 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
         op_stages = ["owner_sort", "owner_update"] if op_available() else []
         assert list(row["pgas_train_stages_ms"]) == [*PGAS_STAGES, "grad_exchange", "kept_ids", *op_stages,
                                                      "owner_backward"]
+
+
+@pytest.mark.skipif(not op_available(), reason="the owner_update op is not built (no nvcc here)")
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: Any, optimizer: str) -> None:
+    """benchmarks.owner_op on CPU: both backwards on the same ids, states compared after the first step (within
+    the training tests' rtol 1e-5 of FBGEMM's CPU kernel), the op's two stages and the backward's bytes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
+    cmd = [sys.executable, "-m", "benchmarks.owner_op", "--preset", "smoke", "--steps", "3", "--warmup", "1",
+           "--optimizer", optimizer, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(tmp_path, "results.json")) as f:
+        out = json.load(f)
+    assert out["meta"]["commit"] == "testsha" and out["meta"]["sides"] == ["fbgemm", "pgas"]
+    workloads = PRESETS["smoke"](1)
+    assert [r["name"] for r in out["rows"]] == [w.name for w in workloads]
+    for row, w in zip(out["rows"], workloads):
+        assert row["max_state_rel_diff"] < 1e-4
+        assert list(row["pgas_stages_ms"]) == ["owner_sort", "owner_update"]
+        assert 0 < row["fbgemm_p50_ms"] <= row["fbgemm_p90_ms"] and 0 < row["pgas_p50_ms"] <= row["pgas_p90_ms"]
+        x = make_inputs(w, w.tables, w.batch_per_gpu, 1, INPUT_SEED, torch.device("cpu"))[0]
+        distinct = sum(jt.values().unique().numel() for jt in x.to_dict().values())
+        assert row["distinct_rows"] == distinct and row["ids"] > distinct
+        state_bytes = 4 if optimizer == "rowwise_adagrad" else 0
+        assert row["hbm_bytes"] == row["ids"] * (4 * w.dim + 24) + distinct * 2 * (4 * w.dim + state_bytes)
 
 
 @pytest.mark.parametrize("pair", ["rw", "tw"])
