@@ -19,7 +19,7 @@ constexpr int kWarps = kThreads / 32;
 // A warp as the walk's lanes: kColumns columns a lane (dim <= 32 * kColumns,
 // sized by the widest table of the launch), and as many ids' rows in flight
 // (kDepth) as registers allow at kMinBlocks CTAs per SM. Chosen with ptxas
-// (nvcc 13.0, sm_90a): 80 registers and no spills up to dim 64 (3 CTAs, 4 or 3
+// (nvcc 13.0, sm_90a): at most 76 registers and no spills up to dim 64 (3 CTAs, 4 or 3
 // rows in flight a warp).
 template <int kColumns>
 struct WarpLanes {
@@ -40,20 +40,20 @@ struct WarpLanes {
   __device__ void sync() const { __syncwarp(); }
 };
 
-template <typename weight_t, typename grad_t, int kColumns>
+template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
     owner_update_kernel(OwnerUpdateParams p) {
   const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
   const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks;
        c += static_cast<int64_t>(gridDim.x) * kWarps) {
-    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, lanes);
+    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, lanes);
   }
 }
 
-template <typename weight_t, typename grad_t, int kColumns>
+template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 void launch(const OwnerUpdateParams& p) {
-  const auto kernel = owner_update_kernel<weight_t, grad_t, kColumns>;
+  const auto kernel = owner_update_kernel<weight_t, grad_t, kOptimizer, kColumns>;
   const int64_t needed = (p.n + kWarps * kOwnerChunk - 1) / (kWarps * kOwnerChunk);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident_ctas(kernel, kThreads)));
   kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
@@ -73,18 +73,20 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
                                                   features, hyper, config, on_device);
   int64_t max_dim = 0;
   for (const at::Tensor& w : weights) max_dim = std::max<int64_t>(max_dim, w.size(1));
-  dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), [&](auto weight, auto grad_type) {
+  dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
+                        [&](auto weight, auto grad_type, auto optimizer) {
     if (p.n == 0) return;
     using weight_t = decltype(weight);
     using grad_t = decltype(grad_type);
+    constexpr Optimizer kOptimizer = decltype(optimizer)::value;
     if (max_dim <= 32) {
-      launch<weight_t, grad_t, 1>(p);
+      launch<weight_t, grad_t, kOptimizer, 1>(p);
     } else if (max_dim <= 64) {
-      launch<weight_t, grad_t, 2>(p);
+      launch<weight_t, grad_t, kOptimizer, 2>(p);
     } else if (max_dim <= 128) {
-      launch<weight_t, grad_t, 4>(p);
+      launch<weight_t, grad_t, kOptimizer, 4>(p);
     } else {
-      launch<weight_t, grad_t, kOwnerMaxDim / 32>(p);
+      launch<weight_t, grad_t, kOptimizer, kOwnerMaxDim / 32>(p);
     }
   });
 }

@@ -50,6 +50,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "pgas_check.h"
@@ -222,14 +223,14 @@ struct OpenRun {
 };
 
 // One optimizer step of `row` of `table` with its summed gradient g.
-template <typename Lanes, typename weight_t>
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const OwnerHyper& h,
                                const OwnerUpdateConfig& config, Lanes lanes, const float* g,
                                const RowBefore<Lanes::kMaxColumns>& before) {
   const int dim = static_cast<int>(table.dim);
   weight_t* w = static_cast<weight_t*>(table.weights) + row * dim;
   RowStep step{h.lr, 1.f};  // SGD
-  if (config.optimizer == Optimizer::kRowwiseAdagrad) {
+  if (kOptimizer == Optimizer::kRowwiseAdagrad) {
     float squares = 0.f;
     PGAS_UNROLL
     for (int j = 0; j < lanes.columns(dim); ++j) {
@@ -242,8 +243,8 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
     if (lanes.lane == 0) table.momentum1[row] = m;
     step = adagrad_row_step(m, h, config.weight_decay_mode);
   }
-  float* m1 = config.optimizer == Optimizer::kAdam ? table.momentum1 + row * dim : nullptr;
-  float* m2 = config.optimizer == Optimizer::kAdam ? table.momentum2 + row * dim : nullptr;
+  float* m1 = kOptimizer == Optimizer::kAdam ? table.momentum1 + row * dim : nullptr;
+  float* m2 = kOptimizer == Optimizer::kAdam ? table.momentum2 + row * dim : nullptr;
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
     const int d = lanes.lane + j * Lanes::kCount;
@@ -277,7 +278,7 @@ PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, int64_t src, int dim, 
 }
 
 // A run's first id: its row's state before the update (the lane's columns).
-template <typename Lanes, typename weight_t>
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64_t row, Lanes lanes,
                                 RowBefore<Lanes::kMaxColumns>& before) {
   const OwnerTable& t = p.tables[table < 0 ? 0 : table];
@@ -289,14 +290,16 @@ PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64
     before.w[j] = d < dim ? static_cast<float>(w[d]) : 0.f;
   }
   before.momentum =
-      table >= 0 && p.config.optimizer == Optimizer::kRowwiseAdagrad ? t.momentum1[row] : 0.f;
+      table >= 0 && kOptimizer == Optimizer::kRowwiseAdagrad ? t.momentum1[row] : 0.f;
 }
 
 // Applies the open run, if any.
-template <typename Lanes, typename weight_t>
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, const OpenRun<Lanes::kMaxColumns>& run,
                               Lanes lanes) {
-  if (run.table >= 0) update_row<Lanes, weight_t>(p.tables[run.table], run.row, h, p.config, lanes, run.g, run.before);
+  if (run.table >= 0) {
+    update_row<Lanes, weight_t, kOptimizer>(p.tables[run.table], run.row, h, p.config, lanes, run.g, run.before);
+  }
 }
 
 // The walk of one chunk of sorted positions [lo, hi): every run that starts
@@ -309,7 +312,7 @@ PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, c
 // uniform over the lanes (all of them walk the same id), so they stay
 // converged. A row's ids are summed by one walker: a row hit by a million ids
 // is one walker's million loads.
-template <typename Lanes, typename weight_t, typename grad_t>
+template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Lanes lanes) {
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
   const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
@@ -342,12 +345,12 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
         const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
         adds[k] = live && src >= 0;
         load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dims[k], weight, inv_length, lanes, term[k]);
-        if (opens[k]) load_before<Lanes, weight_t>(p, tables[k], rows[k], lanes, before[k]);
+        if (opens[k]) load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, before[k]);
       }
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // the sums, in sorted order
         if (opens[k]) {
-          close_run<Lanes, weight_t>(p, h, run, lanes);
+          close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
           run.table = tables[k];
           run.row = rows[k];
           run.before = before[k];
@@ -363,7 +366,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
     }
     if (end < Lanes::kCount || (!opened && q0 + Lanes::kCount >= hi)) break;
   }
-  close_run<Lanes, weight_t>(p, h, run, lanes);
+  close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
 }
 
 // Host side (owner_update_host.cpp): the op's inputs checked, naming the bad
@@ -376,16 +379,26 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
                                       std::vector<at::Tensor>& on_device);
 
-// Calls fn(weight_t{}, grad_t{}) for the update's weight and gradient dtypes.
+// Calls fn(weight_t{}, grad_t{}, optimizer) for the update's weight and gradient dtypes and its optimizer (an
+// std::integral_constant: each optimizer's walk is its own kernel, without the others' branches).
 template <typename Fn>
-void dispatch_owner_update(at::ScalarType grad, at::ScalarType weights, Fn&& fn) {
+void dispatch_owner_update(at::ScalarType grad, at::ScalarType weights, Optimizer optimizer, Fn&& fn) {
   PGAS_CHECK(weights == at::kFloat || weights == at::kHalf, "owner_update: weights are %s, not fp32 or fp16",
              c10::toString(weights));
+  auto with_optimizer = [&](auto weight, auto grad_type) {
+    switch (optimizer) {
+      case Optimizer::kSgd: return fn(weight, grad_type, std::integral_constant<Optimizer, Optimizer::kSgd>{});
+      case Optimizer::kRowwiseAdagrad:
+        return fn(weight, grad_type, std::integral_constant<Optimizer, Optimizer::kRowwiseAdagrad>{});
+      case Optimizer::kAdam: return fn(weight, grad_type, std::integral_constant<Optimizer, Optimizer::kAdam>{});
+    }
+    PGAS_CHECK(false, "owner_update: optimizer %lld unknown", static_cast<long long>(optimizer));
+  };
   auto with_grad = [&](auto weight) {
     switch (grad) {
-      case at::kFloat: return fn(weight, float{});
-      case at::kHalf: return fn(weight, c10::Half{});
-      case at::kBFloat16: return fn(weight, c10::BFloat16{});
+      case at::kFloat: return with_optimizer(weight, float{});
+      case at::kHalf: return with_optimizer(weight, c10::Half{});
+      case at::kBFloat16: return with_optimizer(weight, c10::BFloat16{});
       default: PGAS_CHECK(false, "owner_update: gradient dtype %s is not fp32, fp16 or bf16", c10::toString(grad));
     }
   };

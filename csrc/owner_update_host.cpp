@@ -111,12 +111,12 @@ struct HostLanes {
   void sync() const {}
 };
 
-template <typename weight_t, typename grad_t>
+template <typename weight_t, typename grad_t, Optimizer kOptimizer>
 void update_on_host(const OwnerUpdateParams& p) {
   const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
-      walk_chunk<HostLanes, weight_t, grad_t>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, HostLanes{});
+      walk_chunk<HostLanes, weight_t, grad_t, kOptimizer>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, HostLanes{});
     }
   });
 }
@@ -180,9 +180,10 @@ void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::
   std::vector<at::Tensor> on_device;
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, on_device);
-  dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), [&](auto weight, auto grad_type) {
-    update_on_host<decltype(weight), decltype(grad_type)>(p);
-  });
+  dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
+                        [&](auto weight, auto grad_type, auto optimizer) {
+                          update_on_host<decltype(weight), decltype(grad_type), decltype(optimizer)::value>(p);
+                        });
 }
 
 }  // namespace torchrec_pgas
