@@ -292,11 +292,12 @@ def distinct_rows(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, 
     return per_owner / len(inputs)
 
 
-def backward_hbm_bytes(w: Workload, t: Traffic, distinct: torch.Tensor, optimizer: str) -> torch.Tensor:
-    """Each owner's backward at its HBM floor: a gradient row read per id, the key sort, one read and write
-    of each distinct touched row and its optimizer state."""
-    row_bytes = 4 * w.dim
-    return t.owned_ids * (row_bytes + SORT_BYTES_PER_ID) + distinct * 2 * (row_bytes + OPTIMIZERS[optimizer][1](w.dim))
+def backward_hbm_bytes(w: Workload, t: Traffic, distinct: torch.Tensor, optimizer: str,
+                       weight_bytes: int = 4) -> torch.Tensor:
+    """Each owner's backward at its HBM floor: a gradient row read per id (fp32), the key sort, one read and
+    write of each distinct touched row (``weight_bytes`` an element) and its optimizer state."""
+    return (t.owned_ids * (4 * w.dim + SORT_BYTES_PER_ID)
+            + distinct * 2 * (weight_bytes * w.dim + OPTIMIZERS[optimizer][1](w.dim)))
 
 
 # ---- models -----------------------------------------------------------------------

@@ -219,10 +219,14 @@ class CostModel:
         b = (backward_bytes if backward else table_bytes)(t, self.batch_per_rank, self.world_size, backend)
         return c.alpha_ms, b.hbm * c.k_hbm, b.wire * c.k_wire + b.local * c.k_local
 
+    def fixed_ms(self, backend: str) -> Tuple[float, float]:
+        """The fixed cost of a step on ``backend``: (forward's, backward's; 0 for inference)."""
+        bwd = self.profile.backward(backend, self.mode).alpha_ms if self.training else 0.0
+        return self.profile.get(backend, self.mode).alpha_ms, bwd
+
     def alpha_ms(self, backend: str) -> float:
         """The fixed cost of a step on ``backend`` (training: forward's + backward's)."""
-        bwd = self.profile.backward(backend, self.mode).alpha_ms if self.training else 0.0
-        return self.profile.get(backend, self.mode).alpha_ms + bwd
+        return sum(self.fixed_ms(backend))
 
     def marginal_ms(self, t: TableLoad, backend: str) -> float:
         """What adding table ``t`` to a backend costs a step (no fixed part; training: forward + backward)."""

@@ -26,13 +26,13 @@ a table's constraints allow; a family the constraints allow only one type of kee
 model (``CostModel(training=True)``): ``Perf.bwd_compute`` is the owner's fused TBE backward (PGAS: plus
 the replayed lookup), ``Perf.bwd_comms`` the pooled gradient's way back (stock: all-gather / all-to-all;
 PGAS: one-sided, row-wise only to the owners that served each bag). The other types keep TorchRec's
-forward + backward estimates, plus the same fixed-cost shares (forward and backward).
+forward + backward estimates, plus shares of stock's fixed costs (forward and backward) as the priced options carry.
 """
 
 import copy
 import dataclasses
 import logging
-from typing import Any, Dict, List, Optional, Set, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -147,9 +147,6 @@ class PgasEnumerator(EmbeddingEnumerator):
         num_tables = self.num_tables = len({o.name for o in options})
         out: List[ShardingOption] = []
         loads: Dict[str, TableLoad] = {}
-        profile, mode = self.model.profile, self.model.mode
-        nccl_share = profile.get(NCCL_RW, mode).alpha_ms / max(1, num_tables)
-        nccl_bwd_share = profile.backward(NCCL_RW, mode).alpha_ms / max(1, num_tables) if self.model.training else 0.0
         families = self._families()
         for o in options:
             offer = self._offer.get(o.name, [])
@@ -164,16 +161,29 @@ class PgasEnumerator(EmbeddingEnumerator):
             if o.sharding_type in families and o.sharding_type not in offer:
                 continue  # a non-fused option of a family the table may only get as PGAS
             if o.sharding_type != ShardingType.DATA_PARALLEL.value:
-                # TW/CW/TWRW and non-fused RW run TorchRec's input and output dists (and in training
-                # their backward): the same fixed costs (host syncs, collective latency) that its
-                # bandwidth-only estimate leaves out, as the fused row-wise option pays them.
-                for shard in o.shards:
-                    if shard.perf is not None:
-                        shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + nccl_share,
-                                                         bwd_comms=shard.perf.bwd_comms + nccl_bwd_share)
+                _add_fixed_cost(o, *self._fixed_share(o, num_tables))
             out.append(o)
         self.decisions = [Decision(load, self._offer[name], self._why.get(name)) for name, load in loads.items()]
         return out
+
+    def _fixed_share(self, o: ShardingOption, num_tables: int) -> Tuple[float, float]:
+        """Per shard (forward, backward) fixed cost of an option TorchRec prices itself: non-fused RW, TW, CW and
+        TWRW run TorchRec's input and output dists (and in training their backward), whose fixed costs (host
+        syncs, collective latency) its bandwidth-only estimate leaves out. Shared as ``table_price`` shares
+        the fused options': row-wise 1 / n on every rank; the others stock table-wise's, W / n for the table,
+        split over its shards (n tables)."""
+        row_wise = o.sharding_type == ROW_WISE
+        backend = NCCL_RW if row_wise or NCCL_TW not in self.model.backends else NCCL_TW
+        share = (1 if row_wise else self.model.world_size / max(1, len(o.shards))) / max(1, num_tables)
+        fwd, bwd = self.model.fixed_ms(backend)
+        return fwd * share, bwd * share
+
+
+def _add_fixed_cost(o: ShardingOption, fwd_ms: float, bwd_ms: float) -> None:
+    for shard in o.shards:
+        if shard.perf is not None:
+            shard.perf = dataclasses.replace(shard.perf, fwd_comms=shard.perf.fwd_comms + fwd_ms,
+                                             bwd_comms=shard.perf.bwd_comms + bwd_ms)
 
 
 def _load(o: ShardingOption) -> TableLoad:

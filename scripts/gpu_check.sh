@@ -155,24 +155,29 @@ scratch_copy() {
 ab_build() { (cd "$1" && "$PY" setup.py -q build_ext --inplace) >> /tmp/setup.log 2>&1; }
 
 # variant_dir VARIANT: where a step runs for VARIANT ("tree": the tree itself; else a scratch copy of the tree,
-# /tmp/ab-<name>, with VARIANT's csrc/ files copied over its csrc/, built there); fails if the build does.
+# /tmp/ab-<name>, with VARIANT's csrc/ files copied over its csrc/, built there once per content of the tree's
+# and the variant's sources); fails if the build does.
 variant_dir() {
   if [ "$1" = tree ]; then echo .; return; fi
-  local dir=/tmp/ab-$(basename "$1")
-  { scratch_copy "$dir" && cp "$1"/csrc/* "$dir/csrc/" && ab_build "$dir"; } \
-    || { echo "build of $1 failed" | tee -a "$OUT/summary.txt" >&2; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; return 1; }
+  local dir=/tmp/ab-$(basename "$1") stamp
+  stamp=$(cat setup.py csrc/* "$1"/csrc/* | sha1sum | cut -c1-16)
+  if [ "$(cat "$dir/.variant_stamp" 2>/dev/null)" != "$stamp" ]; then
+    { scratch_copy "$dir" && cp "$1"/csrc/* "$dir/csrc/" && ab_build "$dir" && echo "$stamp" > "$dir/.variant_stamp"; } \
+      || { echo "build of $1 failed" | tee -a "$OUT/summary.txt" >&2; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; return 1; }
+  fi
   echo "$dir"
 }
 variant_name() { if [ "$2" = tree ]; then echo "$1"; else echo "$1-$(basename "$2")"; fi; }
 
-# ncu_export REPORT KERNELS: an ncu report's details and per-line source counters into $OUT/ncu, its headline
-# lines (KERNELS: a grep pattern of the kernel names) into summary.txt.
+# ncu_export REPORT NAME KERNELS: an ncu report's details and per-line source counters into
+# $OUT/ncu/NAME_details.txt and NAME_source.csv, its headline lines (KERNELS: a grep pattern of the kernel
+# names) into summary.txt.
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 ncu_export() {
-  "$NCU" --import "$1" --page details > "$OUT/ncu/ncu_details.txt" 2>&1
-  "$NCU" --import "$1" --page source --csv --print-source cuda,sass > "$OUT/ncu/ncu_source.csv" 2>&1
-  grep -E "$2|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp|Executed Instructions  " \
-    "$OUT/ncu/ncu_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
+  "$NCU" --import "$1" --page details > "$OUT/ncu/$2_details.txt" 2>&1
+  "$NCU" --import "$1" --page source --csv --print-source cuda,sass > "$OUT/ncu/$2_source.csv" 2>&1
+  grep -E "$3|DRAM Throughput|Memory Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Duration|Theoretical Occupancy|Block Limit Registers|No Eligible|Issued Warp|Executed Instructions  " \
+    "$OUT/ncu/$2_details.txt" | cut -c1-150 | tee -a "$OUT/summary.txt"
 }
 
 if has virtual; then
@@ -212,9 +217,9 @@ if has owner-op; then
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f -k regex:owner_update --import-source yes \
       --launch-skip 1 --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op "$PY" -m benchmarks.owner_op \
       --side pgas --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 --out /tmp/ncu_owner_op_run \
-      > "$OUT/ncu/ncu_run.log" 2>&1
+      > "$OUT/ncu/ncu_owner_op_run.log" 2>&1
     echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
-    ncu_export /tmp/ncu_owner_op.ncu-rep "owner_update_kernel|Stall"
+    ncu_export /tmp/ncu_owner_op.ncu-rep ncu_owner_op "owner_update_kernel|Stall"
   fi
 fi
 
@@ -284,7 +289,7 @@ NCUEOF
       > "$OUT/ncu/ncu_run.log" 2>&1
   fi
   echo "ncu exit $?" | tee -a "$OUT/summary.txt"
-  ncu_export /tmp/ncu_report.ncu-rep "pooled_lookup_kernel|index_dist_kernel|combine_partials_kernel|split_embedding"
+  ncu_export /tmp/ncu_report.ncu-rep ncu "pooled_lookup_kernel|index_dist_kernel|combine_partials_kernel|split_embedding"
 fi
 
 if has tests || has quick-tests; then

@@ -437,6 +437,33 @@ def _plan_types(backends: str = "auto", training: bool = False) -> Dict[str, str
     return types
 
 
+def _unpriced_perfs(profile: HardwareProfile, training: bool) -> Dict[str, Any]:
+    """Shard perfs of the options TorchRec prices itself (t1 row-wise, t2 table-wise, both on UVM caching)."""
+    uvm = ["fused_uvm_caching"]
+    constraints = {"t1": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=uvm),
+                   "t2": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=uvm)}
+    enumerator = PgasEnumerator(Topology(world_size=2, compute_device="cuda"), 8, constraints=constraints,
+                                training=training, profile=profile)
+    options = enumerator.enumerate(default_model(), [PgasEmbeddingBagCollectionSharder()])
+    return {o.name: o.shards[0].perf for o in options if o.name in constraints}
+
+
+def test_options_torchrec_prices_carry_stock_fixed_costs_as_the_priced_ones() -> None:
+    """A non-fused option pays stock's fixed costs as ``table_price`` shares them (n = 8 tables, W = 2):
+    row-wise 1 / n of nccl_rw's on each shard, table-wise W / n of nccl_tw's on its owner; the backward's
+    only when training. Checked as the difference a profile with 1 ms more fixed cost makes."""
+    base = load_profile(world_size=2)
+    eager = {b: dataclasses.replace(c, alpha_ms=c.alpha_ms + 1.0) for b, c in base.coefficients["eager"].items()}
+    dearer = dataclasses.replace(base, coefficients={**base.coefficients, "eager": eager})
+    for training in (False, True):
+        cheap, dear = _unpriced_perfs(base, training), _unpriced_perfs(dearer, training)
+        for name, share in (("t1", 1 / 8), ("t2", 2 / 8)):
+            assert dear[name].fwd_comms - cheap[name].fwd_comms == pytest.approx(share)
+            assert dear[name].bwd_comms - cheap[name].bwd_comms == pytest.approx(share if training else 0.0)
+            assert (dear[name].fwd_compute, dear[name].bwd_compute) == (cheap[name].fwd_compute,
+                                                                       cheap[name].bwd_compute)
+
+
 def test_enumerator_prices_both_and_honours_constraints_and_modes() -> None:
     auto = _plan_types()
     # the shipped H200 profile: PGAS's fixed cost is ~8x lower, so every free RW table goes PGAS
