@@ -77,7 +77,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
-from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling
+from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
@@ -865,7 +865,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"measured: HBM {bandwidths[0]:.0f} GB/s (copy), P2P {bandwidths[1]:.0f} GB/s per direction")
         print(summary_table(rows, single))
         print(f"results: {out_dir}/results.json")
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

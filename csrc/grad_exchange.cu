@@ -27,6 +27,10 @@
 // of a step that is not whole).
 // release_sources stores e into every source's release slot: the source's
 // next index dist into this slot waits for it.
+// Epoch 0 names the step of this sharding's last lookup (state[kCtrLookup]):
+// a training step captured in a CUDA graph runs its backward right after its
+// forward, and each replay's epoch is the device's, not the one the host saw
+// at capture.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
@@ -43,6 +47,10 @@ enum GradSource : int64_t { kArrived = 0, kGaveUp = 1, kTimedOut = 2, kNotWaited
 // feature, lane i reads the length of bag i that the owner holds (one
 // coalesced read of the owner's index block), and the warp stores the rows of
 // the bags with ids there, 4 columns a lane.
+__device__ __forceinline__ int64_t step_epoch(const StepParams& p, int64_t epoch) {
+  return epoch != 0 ? epoch : p.state[kCtrLookup];
+}
+
 template <typename out_t>
 __device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __restrict__ grad, int64_t slot, float inv_divisor,
                                           int f, int b0) {
@@ -81,6 +89,7 @@ __device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __re
 template <typename out_t>
 __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const out_t* __restrict__ grad, int64_t epoch,
                                                             float inv_divisor, int abort) {
+  epoch = step_epoch(p, epoch);
   const int64_t slot = epoch % p.num_slots;
   const bool failed = abort || p.state[kStepFailed + slot] == epoch;
   const int batch = static_cast<int>(p.batch);
@@ -99,6 +108,7 @@ __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const
 
 // Thread s: source s's gradient of step `epoch` (see GradSource); thread W: this rank's step.
 __global__ void await_grads_kernel(StepParams p, int64_t* flags, int64_t epoch) {
+  epoch = step_epoch(p, epoch);
   const int s = threadIdx.x;
   const bool failed = p.state[kStepFailed + epoch % p.num_slots] == epoch;
   if (s == p.world) flags[s] = failed ? 1 : 0;
@@ -115,6 +125,7 @@ __global__ void await_grads_kernel(StepParams p, int64_t* flags, int64_t epoch) 
 }
 
 __global__ void release_sources_kernel(StepParams p, int64_t epoch) {
+  epoch = step_epoch(p, epoch);
   for (int s = 0; s < p.world; ++s) st_release_sys(peer_signal(p, s, kReleaseSignals), epoch);
 }
 
@@ -139,7 +150,7 @@ void grad_dist(const at::Tensor& grad, const at::Tensor& buf, const at::Tensor& 
                  grad.size(1) == p.dim_sum,
              "grad_dist: the gradient must be a contiguous CUDA [%lld, %lld] tensor", static_cast<long long>(batch),
              static_cast<long long>(p.dim_sum));
-  PGAS_CHECK(epoch >= 1 && divisor >= 1.0, "grad_dist: epoch %lld, divisor %f", static_cast<long long>(epoch),
+  PGAS_CHECK(epoch >= 0 && divisor >= 1.0, "grad_dist: epoch %lld, divisor %f", static_cast<long long>(epoch),
              divisor);
   PGAS_CHECK(reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0,
              "grad_dist: the gradient must start on 16 bytes (its rows are read in vectors of 4)");
@@ -164,6 +175,7 @@ void await_grads(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor&
                  const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                  const at::Tensor& config, const at::Tensor& flags, int64_t epoch) {
   const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
+  PGAS_CHECK(epoch >= 0, "await_grads: epoch %lld", static_cast<long long>(epoch));
   PGAS_CHECK(flags.is_cuda() && flags.scalar_type() == at::kLong && flags.numel() >= p.world + 1,
              "await_grads: flags must be CUDA int64, one per rank and one for this rank's step");
   await_grads_kernel<<<1, kMaxWorld + 1, 0, at::cuda::getCurrentCUDAStream()>>>(p, flags.data_ptr<int64_t>(), epoch);
@@ -174,6 +186,7 @@ void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Ten
                      const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                      const at::Tensor& status, const at::Tensor& config, int64_t epoch) {
   const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
+  PGAS_CHECK(epoch >= 0, "release_sources: epoch %lld", static_cast<long long>(epoch));
   release_sources_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(p, epoch);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

@@ -46,11 +46,13 @@ void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Ten
 void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
-                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config);
+                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                      const c10::optional<at::Tensor>& apply);
 void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags,
                        const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
-                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config);
+                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                       const c10::optional<at::Tensor>& apply);
 at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                                  const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                                  const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
@@ -118,11 +120,12 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   // (row-wise Adagrad) or [rows, dim] (Adam); momentum2 [rows, dim] (Adam)). keys: the ids' row keys,
   // sorted (int32 or int64); bags (int32), per_sample_weights: each sorted id's bag and weight; offsets: the
   // kept ids' bag offsets; grad: the pooled gradient; features: CPU OwnerFeatureDesc words; hyper:
-  // OwnerHyper (fp32, on the device); config: the bytes of an OwnerUpdateConfig (CPU uint8).
+  // OwnerHyper (fp32, on the device); config: the bytes of an OwnerUpdateConfig (CPU uint8); apply: none, or
+  // an int64 word on the device, 0 for a step no rank may apply (the captured training step's failure check).
   m.def(
       "owner_update(Tensor keys, Tensor bags, Tensor offsets, Tensor? per_sample_weights, "
       "Tensor grad, Tensor(a!)[] weights, Tensor(b!)[] momentum1, Tensor(c!)[] momentum2, Tensor features, "
-      "Tensor hyper, Tensor config) -> ()");
+      "Tensor hyper, Tensor config, Tensor? apply=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {

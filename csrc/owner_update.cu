@@ -25,8 +25,8 @@ template <int kColumns>
 struct WarpLanes {
   static constexpr int kCount = 32;
   static constexpr int kMaxColumns = kColumns;
-  static constexpr int kDepth = kColumns == 1 ? 4 : kColumns == 2 ? 3 : kColumns <= 4 ? 2 : 1;
-  static constexpr int kMinBlocks = kColumns <= 2 ? 3 : kColumns <= 4 ? 2 : 1;
+  static constexpr int kDepth = kColumns == 1 ? 3 : kColumns == 2 ? 2 : kColumns <= 4 ? 2 : 1;
+  static constexpr int kMinBlocks = kColumns <= 2 ? 4 : kColumns <= 4 ? 2 : 1;
   int lane;
   __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; d < dim guards
   __device__ float sum(float x) const {
@@ -43,6 +43,7 @@ struct WarpLanes {
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
     owner_update_kernel(OwnerUpdateParams p) {
+  if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
   const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
   const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks;
@@ -65,12 +66,13 @@ void launch(const OwnerUpdateParams& p) {
 void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
                        const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
-                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
+                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                       const c10::optional<at::Tensor>& apply) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const c10::cuda::CUDAGuard guard(grad.device());
-  std::vector<at::Tensor> on_device;  // descriptors on the device, alive until the launch is queued
+  std::vector<at::Tensor> on_device;  // the descriptors' device copies
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
-                                                  features, hyper, config, on_device);
+                                                  features, hyper, config, apply, on_device);
   int64_t max_dim = 0;
   for (const at::Tensor& w : weights) max_dim = std::max<int64_t>(max_dim, w.size(1));
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,

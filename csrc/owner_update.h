@@ -97,6 +97,7 @@ struct OwnerUpdateParams {
   int64_t n;
   int64_t num_features;
   int64_t num_tables;
+  const int64_t* apply;  // null, or a word on the update's device: 0 applies nothing (a refused step)
 };
 
 PGAS_UPDATE_FN int64_t key_at(const OwnerUpdateParams& p, int64_t q) {
@@ -371,13 +372,13 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
 
 // Host side (owner_update_host.cpp): the op's inputs checked, naming the bad
 // one, and the kernels' parameters built from them, their tables and feature
-// descriptors copied to the inputs' device into `on_device` (which must
-// outlive the launch). The gradient's dtype is checked by the dispatch.
+// descriptors' device copies in `on_device` (kept for the process, one per
+// distinct content). The gradient's dtype is checked by the dispatch.
 OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                                      std::vector<at::Tensor>& on_device);
+                                      const c10::optional<at::Tensor>& apply, std::vector<at::Tensor>& on_device);
 
 // Calls fn(weight_t{}, grad_t{}, optimizer) for the update's weight and gradient dtypes and its optimizer (an
 // std::integral_constant: each optimizer's walk is its own kernel, without the others' branches).

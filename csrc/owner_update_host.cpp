@@ -4,7 +4,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <ATen/cuda/CUDAContext.h>
+
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 #include "owner_update.h"
 
@@ -91,10 +96,29 @@ void check_features(const at::Tensor& features, const std::vector<OwnerTable>& t
   }
 }
 
-// A host tensor on `device`: pinned and non-blocking (a copy from pageable memory syncs the stream; the
-// caching host allocator keeps a pinned block until its copy has run).
-at::Tensor upload(const at::Tensor& host, const at::Device& device) {
-  return device.is_cpu() ? host : host.pin_memory().to(device, /*non_blocking=*/true);
+// A descriptor table on `device`, one copy per distinct content, kept for the process: a TBE's tables and
+// features upload once (another copy when its storage moves, a few per model), later updates copy nothing,
+// and a CUDA graph that captured an update reads the same copy at every replay. Never built under capture.
+at::Tensor device_copy(const at::Tensor& host, const at::Device& device) {
+  if (device.is_cpu()) return host;
+  const at::Tensor bytes = host.contiguous();
+  std::string key(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
+  key += "@" + std::to_string(device.index());
+  static std::mutex mutex;
+  static std::unordered_map<std::string, at::Tensor> copies;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = copies.find(key);
+  if (it != copies.end()) return it->second;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  AT_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &capture));
+  PGAS_CHECK(capture == cudaStreamCaptureStatusNone,
+             "owner_update: a TBE's first update (or its first since its storage moved) cannot be captured in a "
+             "CUDA graph: its descriptors are uploaded then; run one step eagerly before capturing");
+  // pinned and non-blocking: a copy from pageable memory syncs the stream (the caching host allocator keeps
+  // the pinned block until the copy has run)
+  at::Tensor copy = bytes.pin_memory().to(device, /*non_blocking=*/true);
+  copies.emplace(std::move(key), copy);
+  return copy;
 }
 
 struct HostLanes {
@@ -127,7 +151,7 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                                      std::vector<at::Tensor>& on_device) {
+                                      const c10::optional<at::Tensor>& apply, std::vector<at::Tensor>& on_device) {
   const OwnerUpdateConfig c = checked_config(config);
   const int64_t n = keys.numel(), num_features = features.dim() == 2 ? features.size(0) : 0;
   const at::Device device = grad.device();
@@ -145,13 +169,16 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                  hyper.device() == device,
              "owner_update: hyper must be the %zu fp32 words of an OwnerHyper on the gradient's device",
              sizeof(OwnerHyper) / 4);
+  PGAS_CHECK(!apply.has_value() || (apply->scalar_type() == at::kLong && apply->numel() == 1 &&
+                                    apply->device() == device),
+             "owner_update: apply must be one int64 word on the gradient's device");
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const std::vector<OwnerTable> tables = checked_tables(weights, momentum1, momentum2, c, device);
   check_features(features, tables, grad.size(1));
   const auto table_bytes = static_cast<int64_t>(tables.size() * sizeof(OwnerTable));
   at::Tensor tables_host = at::empty({table_bytes}, at::kByte);
   std::memcpy(tables_host.data_ptr(), tables.data(), table_bytes);
-  on_device = {upload(features, device), upload(tables_host, device)};
+  on_device = {device_copy(features, device), device_copy(tables_host, device)};
   return OwnerUpdateParams{
       keys.scalar_type() == at::kInt ? keys.data_ptr<int32_t>() : nullptr,
       keys.scalar_type() == at::kInt ? nullptr : keys.data_ptr<int64_t>(),
@@ -167,6 +194,7 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
       n,
       num_features,
       static_cast<int64_t>(tables.size()),
+      apply.has_value() ? apply->data_ptr<int64_t>() : nullptr,
   };
 }
 
@@ -175,11 +203,13 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
 void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
-                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config) {
+                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                      const c10::optional<at::Tensor>& apply) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   std::vector<at::Tensor> on_device;
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
-                                                  features, hyper, config, on_device);
+                                                  features, hyper, config, apply, on_device);
+  if (p.apply != nullptr && *p.apply == 0) return;
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
                         [&](auto weight, auto grad_type, auto optimizer) {
                           update_on_host<decltype(weight), decltype(grad_type), decltype(optimizer)::value>(p);

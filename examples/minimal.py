@@ -17,7 +17,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-from torchrec_pgas import PgasEmbeddingBagCollectionSharder, check_errors
+from torchrec_pgas import PgasEmbeddingBagCollectionSharder, check_errors, shutdown
 from torchrec_pgas.placement import best_placement
 from torchrec_pgas.planner import pgas_row_wise
 
@@ -67,7 +67,8 @@ def main() -> None:
     dist.all_gather_object(lines, line)
     if rank == 0:
         print("\n".join(lines), flush=True)
-    dist.destroy_process_group()
+    del model  # it holds the process group: shutdown destroys the group only once nothing does
+    shutdown()
 
 
 if __name__ == "__main__":

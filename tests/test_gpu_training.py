@@ -7,9 +7,10 @@ rank, and changes nothing. World size ``PGAS_TEST_WORLD`` (ranks share a GPU whe
 ``PGAS_TEST_REPORT=<dir>``: each case's worst |pgas - stock| goes to ``<dir>/training_diffs.json``.
 """
 
+import dataclasses
 import json
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -17,9 +18,20 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from torchrec.modules.embedding_configs import DataType
 
-from test_training import Case, _train_cases
+from test_training import CONFIG, Case, _model, _train_cases, _types
 from test_training_errors import _bad_batch, _failed_backward, _misuse, check_failed_backward, check_misuse
-from torchrec_pgas.testing import run_distributed
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_
+from torchrec_pgas.testing import (
+    LossModel,
+    TrainBatch,
+    local_state,
+    random_kjt,
+    rank_device,
+    run_distributed,
+    seeded,
+    shard,
+)
 
 pytestmark = pytest.mark.gpu
 WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
@@ -100,3 +112,83 @@ def test_a_failed_backward_holds_no_slot_on_gpus(kind: str) -> None:
     that raised it) keeps the step's graph to a garbage collection: test_a_bad_batch_changes_nothing_on_gpus
     failed so, three steps after the bad one."""
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda"))
+
+
+# ---- the training step captured in one CUDA graph ------------------------------------------------------
+
+
+def _new_ids(kjt: KeyedJaggedTensor, rows: Dict[str, int], gen: torch.Generator) -> KeyedJaggedTensor:
+    """``kjt``'s bags (keys, lengths) with fresh ids and weights: a captured step reads fixed shapes."""
+    values = torch.cat([torch.randint(0, rows[k], (n,), generator=gen)
+                        for k, n in zip(kjt.keys(), kjt.length_per_key())])
+    weights = torch.rand(values.numel(), generator=gen) if kjt.weights_or_none() is not None else None
+    return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(), weights=weights,
+                             stride=kjt.stride())
+
+
+def _fixed_shape_batches(model: Any, rank: int, steps: int) -> List[TrainBatch]:
+    gen = seeded(91 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    rows = {f: c.num_embeddings for c in (*t, *w) for f in c.feature_names}
+    first = TrainBatch(random_kjt(t, 8, gen, 6), random_kjt(w, 8, gen, 6, weighted=True))
+    return [TrainBatch(_new_ids(first.kjt, rows, gen), _new_ids(first.wkjt, rows, gen)) for _ in range(steps)]
+
+
+def _set_lr(dmps: Sequence[Any], lr: float) -> None:
+    for dmp in dmps:
+        for group in dmp.fused_optimizer.param_groups:
+            group["lr"] = lr
+
+
+def _captured_training(rank: int, world: int, kind: str, optimizer: EmbOptimType,
+                       warmup: int = 2) -> Tuple[float, bool, str]:
+    """20 steps of one model replayed as one CUDA graph (after 2 eager ones) and of its twin trained eagerly,
+    the learning rate changed through ``fused_optimizer`` after step 10: (the worst |graph - eager| over
+    every local weight and optimizer state after every step, whether the step was replayed)."""
+    device = rank_device(rank, "cuda")
+    case = Case(kind, optimizer, owner_backward="pgas")
+    model = _model(case, seed=3, min_rows=1)
+    fused = {"optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
+    config = dataclasses.replace(CONFIG, owner_backward="pgas")
+    wrapped = LossModel(model)
+    graphed, eager = (shard(wrapped, _types(case, model, world), dist.group.WORLD, device, config, fused,
+                            path="model.") for _ in range(2))
+    batches = [b.to(device) for b in _fixed_shape_batches(model, rank, 20)]
+    static = _fixed_shape_batches(model, rank, 1)[0].to(device)  # the buffers the graph reads
+
+    def train_step() -> torch.Tensor:
+        loss, _ = graphed(static)
+        loss.backward()
+        return loss.detach()
+
+    step = CapturedTrainStep(train_step, warmup_steps=warmup)
+    worst, first = 0.0, ""
+    for i, batch in enumerate(batches):
+        if i == 10:
+            _set_lr((graphed, eager), 0.02)
+        copy_kjt_(static.kjt, batch.kjt)
+        copy_kjt_(static.wkjt, batch.wkjt)
+        step()
+        graphed.fused_optimizer.step()
+        loss, _ = eager(batch)
+        loss.backward()
+        eager.fused_optimizer.step()
+        check_errors(graphed)
+        got, ref = local_state(graphed), local_state(eager)
+        diffs = {k: float((got[k].double() - ref[k].double()).abs().max()) for k in ref if ref[k].numel()}
+        worst = max(worst, *diffs.values())
+        if max(diffs.values()) and len(first) < 600:
+            first += f"step {i}: " + ", ".join(f"{k} {d:.3g}" for k, d in list(diffs.items())[:3] if d) + "; "
+    return worst, step.captured, first
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM])
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+def test_a_captured_training_step_replays_as_the_eager_one(kind: str, optimizer: EmbOptimType) -> None:
+    """Issue 29's replay test: the whole step (forward, gradient exchange, owner update) as one CUDA graph,
+    18 replays with a learning rate change midway (through ``fused_optimizer``) and Adam's iteration-dependent
+    bias corrections, every weight and optimizer state equal to the eager path's after every step."""
+    for worst, captured, first in run_distributed(_captured_training, WORLD, kind, optimizer, device_type="cuda"):
+        assert captured
+        assert worst == 0.0, f"|graph - eager| {worst}, first at {first}"
+

@@ -1,14 +1,23 @@
 """Unit tests of the PGAS runtime on the shm backend (real processes, real shared memory)."""
 
+import os
+import weakref
 from typing import Dict, List
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import torchrec_pgas
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
-from torchrec_pgas.testing import run_distributed
-from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
+from torchrec_pgas.testing import all_tables, default_model, run_distributed, sample_batches, shard
+from torchrec_pgas.types import (
+    PGAS_ROW_WISE,
+    PgasBackendType,
+    PgasError,
+    PgasPeerAbortError,
+    PgasTimeoutError,
+)
 
 
 def _puts_signals_epochs(rank: int, world: int) -> Dict[str, object]:
@@ -113,3 +122,29 @@ def test_signals_land_in_the_source_slot() -> None:
     results = run_distributed(_signals_are_per_source, 3)
     assert results[0] == [10, 11, 12]
     assert results[1] == [0, 0, 0] and results[2] == [0, 0, 0]
+
+
+def _gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them; 0 where a version names them otherwise)."""
+    tasks = os.listdir("/proc/self/task")
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in tasks)
+
+
+def _shutdown_destroys_the_group(rank: int, world: int) -> Dict[str, int]:
+    """A PGAS model ran a forward and was dropped (garbage in reference cycles: collected only by a GC), and its
+    shm runtime is registered: neither may keep the process group past ``shutdown``."""
+    group = weakref.ref(dist.group.WORLD)
+    model = default_model()
+    pgas = shard(model, all_tables(model, PGAS_ROW_WISE), dist.group.WORLD, torch.device("cpu"))
+    with torch.no_grad():
+        pgas(*sample_batches(model, rank)[0])
+    del pgas
+    before = _gloo_threads()
+    torchrec_pgas.shutdown()
+    return {"alive": int(group() is not None), "threads_before": before, "threads_after": _gloo_threads()}
+
+
+def test_shutdown_destroys_the_process_group_while_python_is_whole() -> None:
+    """Else gloo's threads are joined by the interpreter's teardown, where a rank could die with SIGABRT."""
+    for r in run_distributed(_shutdown_destroys_the_group, 2):
+        assert r["alive"] == 0 and r["threads_after"] == 0, r

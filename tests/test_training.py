@@ -34,6 +34,7 @@ from torchrec_pgas.testing import (
     spread_tables,
     train_against_stock,
 )
+from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
 STEPS = 20
@@ -144,6 +145,50 @@ def test_training_matches_stock_at_two_ranks() -> None:
     TrainPipelineSemiSync's order (three steps in flight; the pipeline itself runs on GPUs only,
     tests/test_gpu_training.py): every weight and optimizer state equal (module docstring: tolerances)."""
     _assert_equal(run_distributed(_train_cases, 2, QUICK, "cpu"))
+
+
+def _padded_ids_match(rank: int, world: int, kind: str) -> int:
+    """Train a few steps with every owner's ``kept_ids`` checked against ``kept_ids_padded`` (what a captured
+    step reads: no host sync, a fixed capacity): the same ids, bags, weights and offsets, and nothing past
+    them. Returns how many owner rebuilds were checked."""
+    checked: List[int] = []
+    exact = PgasStep.kept_ids
+
+    def both(step: PgasStep, epoch: int, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
+             whole: Any = None) -> Any:
+        kjt = exact(step, epoch, rows, block_features, batches, whole)
+        lay = step.layout
+        slot_base = torch.tensor(lay.index_block(epoch % lay.num_slots, 0))
+        padded = step.kept_ids_padded(slot_base, rows, block_features, batches, torch.tensor(True))
+        n, lengths = kjt.values().numel(), kjt.lengths()
+        assert padded.ids.numel() == world * lay.ids_capacity >= n
+        assert torch.equal(padded.ids[:n], kjt.values()) and not padded.ids[n:].any()
+        assert torch.equal(padded.bags[:n], torch.repeat_interleave(torch.arange(lengths.numel()), lengths))
+        assert (padded.bags[n:] == -1).all() and torch.equal(padded.offsets, kjt.offsets())
+        if kjt.weights_or_none() is not None:
+            assert padded.weights is not None and torch.equal(padded.weights[:n], kjt.weights())
+        assert padded.stride == kjt.stride()
+        checked.append(n)
+        return kjt
+
+    PgasStep.kept_ids = both  # type: ignore[method-assign]
+    try:
+        case = Case(kind, pooling="mixed")
+        model = _model(case, seed=1, min_rows=world)
+        fused = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
+        train_against_stock(model, _types(case, model, world), _batches(model, rank, 4), dist.group.WORLD,
+                            rank_device(rank, "cpu"), fused, CONFIG)
+    finally:
+        PgasStep.kept_ids = exact  # type: ignore[method-assign]
+    return len(checked)
+
+
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_kept_ids_padded_reads_what_kept_ids_reads(kind: str) -> None:
+    """The captured step's rebuild of the kept ids (device offsets, a fixed capacity, the tail marked unused)
+    reads every id, bag, weight and offset the eager rebuild reads, here on the CPU backend's buffers
+    (the GPU replay test covers it in a graph: test_gpu_training.py)."""
+    assert all(n >= 4 for n in run_distributed(_padded_ids_match, 2, kind))
 
 
 # FBGEMM's CPU TBE trains with SGD and the Adagrads only, and has no bf16 output: Adam, LAMB and bf16 run on

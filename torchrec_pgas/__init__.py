@@ -5,7 +5,7 @@ tables as ``pgas_row_wise`` or ``pgas_table_wise`` (see ``torchrec_pgas.planner`
 """
 
 from torchrec_pgas.stack import check_stack; check_stack()  # noqa: E702  first: before torchrec loads FBGEMM
-from torchrec_pgas.bootstrap import finalize_all
+from torchrec_pgas.bootstrap import finalize_all, shutdown
 from torchrec_pgas.bootstrap import init_runtime as init
 from torchrec_pgas.embeddingbag import (
     PgasEmbeddingBagCollectionSharder,
@@ -16,6 +16,7 @@ from torchrec_pgas.embeddingbag import (
 )
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.sharding.step import PgasStep, StepSpec
+from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
     PGAS_TABLE_WISE,
@@ -29,6 +30,7 @@ from torchrec_pgas.types import (
 )
 
 __all__ = [
+    "CapturedTrainStep",
     "PGAS_ROW_WISE",
     "PGAS_TABLE_WISE",
     "PgasBackendType",
@@ -44,8 +46,10 @@ __all__ = [
     "PgasTimeoutError",
     "StepSpec",
     "check_errors",
+    "copy_kjt_",
     "finalize_all",
     "init",
     "pgas_steps",
+    "shutdown",
     "trace_comm",
 ]

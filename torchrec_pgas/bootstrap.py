@@ -5,6 +5,7 @@ this module imports the backends, never the other way round.
 """
 
 import atexit
+import gc
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -54,11 +55,32 @@ def finalize_all() -> None:
         rt.finalize()
 
 
-def _finalize_at_exit() -> None:
+def _finalize_local() -> None:
+    """Release the runtimes whose teardown is local (shm); NVSHMEM's is collective and would hang behind a
+    rank that already died."""
     for key, rt in list(_RUNTIMES.items()):
         if rt.finalize_at_exit:
             del _RUNTIMES[key]
             rt.finalize()
 
 
-atexit.register(_finalize_at_exit)
+def shutdown() -> None:
+    """Local: ``dist.destroy_process_group()``, made to destroy the group now. Call it instead, at the end.
+
+    A runtime holds its process group, and so does a model that is gone but not yet collected (TorchRec's
+    sharded modules form reference cycles): either would keep gloo's group, with its worker and transport
+    threads, alive past ``destroy_process_group``, to be torn down by the last garbage collection of
+    interpreter teardown, after Python has begun finalizing: where ranks were seen to die at exit now and then
+    (SIGABRT, "terminate called without an active exception"). So: collect (dead models let go of the shm
+    segments), release the runtimes that finalize locally, destroy, all while Python is whole. Still keeping
+    the group: a model still referenced (drop it first), and ``torch.distributed.optim`` when first imported
+    after init_process_group (a default argument of its ZeroRedundancyOptimizer module; import it before).
+    NVSHMEM runtimes stay, as at exit (``finalize_all`` is their collective release).
+    """
+    gc.collect()
+    _finalize_local()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(_finalize_local)

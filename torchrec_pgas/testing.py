@@ -39,6 +39,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
+from torchrec_pgas.bootstrap import shutdown
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
 from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
@@ -478,7 +479,7 @@ def _worker(
     try:
         queue.put((rank, fn(rank, world_size, *args)))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # fn's models are garbage now: the gloo group goes here, not in interpreter teardown
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device_type: str = "cpu") -> List[Any]:

@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.optim  # noqa: F401  before init_process_group: see torchrec_pgas.shutdown
 from torch import nn
 from torchmetrics.classification import BinaryAUROC
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
@@ -44,8 +45,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from examples.dlrm.data import SyntheticCriteo, table_rows
-from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors
-from torchrec_pgas.placement import best_placement, rank_placement
+from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, shutdown
+from torchrec_pgas.placement import RankPlacement, best_placement, rank_placement
 from torchrec_pgas.planner import PgasDecisionStats, PgasEnumerator, pgas_row_wise
 from torchrec_pgas.types import PGAS_ROW_WISE
 from torchrec_pgas.testing import fill_embeddings_
@@ -238,6 +239,35 @@ def validate_inference(dmp: nn.Module, twin: nn.Module, device: torch.device, ar
     return ok
 
 
+def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: torch.device) -> bool:
+    """Build, shard and run the model, and with --validate its twin; False when validation fails. The models
+    live in this frame only, so that the process group can go once it returns."""
+    on_gpu = placement.device_type == "cuda"
+    model = build_model(args.embedding_dim, args.max_rows, device, args.seed)
+    reference = copy.deepcopy(model) if args.validate else None
+    types = planned_types(model, args.batch_size, args.train) if args.sharding == "auto" else None
+    dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr, types)
+    data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
+
+    result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline)
+    check_errors(dmp)
+    m = metrics(result.preds, result.labels)
+    mode = "train" if args.train else "inference"
+    backend = ("nvshmem" if on_gpu else "shm") if args.sharding == "pgas" else placement.backend
+    if types is not None:
+        pgas = sum(t == PGAS_ROW_WISE for t in types.values())
+        backend = f"{pgas} tables pgas_row_wise, {len(types) - pgas} row_wise"
+    if rank == 0:
+        print(f"DLRM {mode}, sharding={args.sharding} ({backend}), world {dist.get_world_size()}, "
+              f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
+              f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
+    if reference is not None:
+        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, args.train, args.lr)
+        return (validate_training(result, m, twin, data, device, args) if args.train
+                else validate_inference(dmp, twin, device, args))
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sharding", choices=["pgas", "nccl", "auto"], default="pgas")
@@ -262,38 +292,16 @@ def main() -> None:
 
     rank = int(os.environ["RANK"])
     placement = best_placement(int(os.environ["LOCAL_WORLD_SIZE"]))
-    on_gpu = placement.device_type == "cuda"
     device = placement.device(int(os.environ["LOCAL_RANK"]))
-    if on_gpu:
+    if placement.device_type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(placement.backend)
     if placement.shared_gpu and rank == 0:
         print(f"ranks share {device} over gloo: a test of multi-rank behaviour, not a performance setup", flush=True)
-    model = build_model(args.embedding_dim, args.max_rows, device, args.seed)
-    reference = copy.deepcopy(model) if args.validate else None
-    types = planned_types(model, args.batch_size, args.train) if args.sharding == "auto" else None
-    dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr, types)
-    data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
-
-    result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline)
-    check_errors(dmp)
-    m = metrics(result.preds, result.labels)
-    mode = "train" if args.train else "inference"
-    backend = ("nvshmem" if on_gpu else "shm") if args.sharding == "pgas" else placement.backend
-    if types is not None:
-        pgas = sum(t == PGAS_ROW_WISE for t in types.values())
-        backend = f"{pgas} tables pgas_row_wise, {len(types) - pgas} row_wise"
-    if rank == 0:
-        print(f"DLRM {mode}, sharding={args.sharding} ({backend}), world {dist.get_world_size()}, "
-              f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
-              f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
-    if reference is not None:
-        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, args.train, args.lr)
-        ok = (validate_training(result, m, twin, data, device, args) if args.train
-              else validate_inference(dmp, twin, device, args))
-        if not ok:
-            raise SystemExit(1)
-    dist.destroy_process_group()
+    ok = job(args, rank, placement, device)
+    shutdown()  # job's models are garbage now: the process group goes here, not in interpreter teardown
+    if not ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

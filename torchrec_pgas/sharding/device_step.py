@@ -32,7 +32,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
-from torchrec_pgas.sharding.step import PgasStep, PoolFn, StepSpec, StepTicket, advance_tbe_iterations, gradient_divisor
+from torchrec_pgas.sharding.owner_backward import captured_owner_backward
+from torchrec_pgas.sharding.step import (
+    PgasStep,
+    PoolFn,
+    StepSpec,
+    StepTicket,
+    advance_tbe_iterations,
+    gradient_divisor,
+    record_captured_backward,
+)
 from torchrec_pgas.step_abi import (
     ERROR_RECORD_WORDS,
     BoundsMode,
@@ -189,7 +198,7 @@ class DeviceStep(PgasStep):
                 self._status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        self._raise_recorded()  # a finished step's error: this step has not started, nothing to abort
+        self.raise_recorded()  # a finished step's error: this step has not started, nothing to abort
         epoch = self.claim_slot()
         err = self.input_error(kjt)
         stream = self._await_slot(epoch)
@@ -285,6 +294,9 @@ class DeviceStep(PgasStep):
 
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         epoch = ticket.epoch
+        if torch.cuda.is_current_stream_capturing():
+            self._captured_backward(ticket, grad)
+            return
         try:
             self._exchange_and_apply(ticket, grad)
         except PgasError:
@@ -331,7 +343,59 @@ class DeviceStep(PgasStep):
         if f_hi > f_lo:
             col_lo = self._descs[f_lo].out_col
             col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
-            self.replay(ticket, kjt, self.kept_grads(epoch, rows, (col_lo, col_hi, lay.dim_sum), self.spec.out_dtype))
+            self.replay(ticket, kjt, self.kept_grads(epoch % lay.num_slots, rows, (col_lo, col_hi, lay.dim_sum), self.spec.out_dtype))
+
+    def _captured_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        """The backward under CUDA-graph capture: the same stages as :meth:`_exchange_and_apply` with nothing
+        read on the host. The kernels take the step's epoch from the device (each replay's own), the kept
+        ids fill a fixed capacity, and the failure check is a device word: the update applies nothing where a
+        rank or a sibling sharding failed the step (every rank then refuses it; the error records raise at
+        the next check). Only the owner update op can run so (FBGEMM's backward needs the id count)."""
+        if not self._owner_backward_applies(ticket.tbes):
+            gap = self._owner_backward_gap or f"owner_backward={self.spec.config.owner_backward!r}"
+            raise PgasError(f"{self.kind}: a training step captured in a CUDA graph needs "
+                            f"PgasConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's backward "
+                            "reads the step's id count on the host")
+        if ticket.epoch in self._gave_up:
+            raise self._gave_up.pop(ticket.epoch)
+        ops, lay = torch.ops.torchrec_pgas, self.layout
+        args = self._state_args()
+        epoch = self._state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
+        slot = epoch % lay.num_slots
+        siblings = [o for o, _ in self.siblings_awaiting(ticket.epoch) if isinstance(o, DeviceStep)]
+        if siblings:  # as _adopt_sibling_failures, from device words
+            failed = torch.cat([o.device_step_failed() for o in siblings]).any()
+            at = (StateWord.STEP_FAILED + slot).view(1)  # index_select, not [tensor]: that reads it on the host
+            self._state.index_put_((at,), torch.where(failed, epoch, self._state.index_select(0, at)))
+        sent = grad[:ticket.batch].to(self.spec.out_dtype)
+        if sent.data_ptr() % 16:
+            sent = sent.clone()
+        ops.grad_dist(sent, *args, 0, ticket.batch, gradient_divisor(self.world_size), False)
+        ops.await_grads(*args, self._grad_flags, 0)
+        whole = (self._grad_flags == 0).all()
+        f_lo, f_hi = self.lookup_features
+        if f_hi > f_lo:
+            rows = lay.max_batch if self._owners.variable_batch else ticket.batch
+            headers = slot * self.world_size * lay.index_block_bytes + lay.header_off + 8 + torch.arange(
+                self.world_size, device=self.device) * lay.index_block_bytes
+            batches = self._buffer_as(torch.int64)[headers // 8]
+            kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows,
+                                        (f_lo, f_hi - f_lo, lay.num_features), batches, whole)
+            col_lo = self._descs[f_lo].out_col
+            col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
+            grads = self.kept_grads(slot, rows, (col_lo, col_hi, lay.dim_sum), self.spec.out_dtype)
+            captured_owner_backward(ticket.tbes, kept, grads, whole.long().view(1))
+        ops.release_sources(*args, 0)
+        record_captured_backward(self, ticket)
+
+    def replayed(self) -> None:
+        super().replayed()
+        self._grad_sent += 1
+
+    def device_step_failed(self) -> torch.Tensor:
+        """Whether the step of this sharding's last lookup failed here: a one-element device bool."""
+        epoch = self._state[StateWord.CTR_LOOKUP]
+        return self._state.index_select(0, (StateWord.STEP_FAILED + epoch % self.layout.num_slots).view(1)).eq(epoch)
 
     def _adopt_sibling_failures(self, epoch: int) -> bool:
         """Make step ``epoch`` failed here where it failed in another sharding of the model whose backward has
@@ -417,9 +481,9 @@ class DeviceStep(PgasStep):
 
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
-        self._raise_recorded()
+        self.raise_recorded()
 
-    def _raise_recorded(self) -> None:
+    def raise_recorded(self) -> None:
         """Raise (or warn about) the error records of finished steps, the earliest first; no sync. A step
         that waits for its backward keeps its record: the backward raises it."""
         records = sorted(r for r in self._status.tolist() if r[1] != ErrorCode.NONE)

@@ -215,7 +215,7 @@ class HostStep(PgasStep):
             rows, block_features, columns, batches = self.owner_view(ticket)
             kjt = self.kept_ids(epoch, rows, block_features, batches)
             profiling.mark("kept_ids")
-            self.replay(ticket, kjt, self.kept_grads(epoch, rows, columns, self.spec.out_dtype))
+            self.replay(ticket, kjt, self.kept_grads(epoch % lay.num_slots, rows, columns, self.spec.out_dtype))
         finally:
             self.release(epoch)
 

@@ -22,10 +22,11 @@ decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what t
 FBGEMM's path (``PgasStep.replay``) serves those.
 """
 
+import ctypes
 import functools
 import itertools
 import weakref
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -34,6 +35,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling, step_abi
+from torchrec_pgas.types import PgasError
 from torchrec_pgas.step_abi import (
     OwnerFeatureDesc,
     OwnerHyper,
@@ -43,6 +45,9 @@ from torchrec_pgas.step_abi import (
     as_words,
     build,
 )
+
+if TYPE_CHECKING:
+    from torchrec_pgas.sharding.step import PaddedIds
 
 SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM)
 # FBGEMM's weight_decay_mode values the row-wise Adagrad update knows: none, L2 (into the gradient's
@@ -175,6 +180,7 @@ class _OpLayout(NamedTuple):
     features: torch.Tensor  # OwnerFeatureDesc words (CPU)
     feature_base: torch.Tensor  # each feature's first row key, on the gradient's device
     key_dtype: torch.dtype  # int32 where the TBE's rows allow: a radix sort of half the key bits
+    key_limit: int  # the rows of all its tables: a key past every row
 
 
 # Per TBE: (its storage's addresses, the gradient's device and first column; the layout, None where the op does
@@ -217,7 +223,7 @@ def _build_layout(tbe: nn.Module, grads: torch.Tensor, first_col: int) -> Option
         features=as_words([build(OwnerFeatureDesc, table=t, grad_col=c) for t, c in zip(table_map, cols)],
                           OwnerFeatureDesc),
         feature_base=_upload(torch.tensor([key_bases[t] for t in table_map], dtype=key_dtype), grads.device),
-        key_dtype=key_dtype)
+        key_dtype=key_dtype, key_limit=key_bases[-1])
 
 
 def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first_col: int,
@@ -226,31 +232,91 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     op does not take the TBE's tables or this gradient (nothing applied then)."""
     layout = _op_layout(tbe, grads, first_col)
     batch, values, lengths = kjt.stride(), kjt.values(), kjt.lengths().long()
-    if (layout is None or grads.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or grads.stride(1) != 1 or lengths.numel() != len(tbe.feature_table_map) * batch
-            or lengths.numel() >= 2 ** 31):  # the op numbers bags in int32
+    if not _op_takes(layout, grads, lengths.numel(), len(tbe.feature_table_map) * batch):
         return False
-    dev = grads.device
-    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev, dtype=torch.int32), lengths,
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grads.device, dtype=torch.int32), lengths,
                                    output_size=values.numel())
     bag_base = layout.feature_base.repeat_interleave(batch)  # each bag's first row key: no division per id
-    keys, order = torch.sort(bag_base[bags] + values.to(layout.key_dtype), stable=True)
+    keys = bag_base[bags] + values.to(layout.key_dtype)
+    hyper = _HYPER.get(tbe)
+    if hyper is None or hyper.device != grads.device:
+        hyper = _HYPER[tbe] = torch.empty(ctypes.sizeof(OwnerHyper) // 4, device=grads.device)
+    write_hyper(tbe, iteration)
+    _sort_and_update(tbe, layout, keys, bags, kjt.weights_or_none(), torch.ops.fbgemm.asynchronous_complete_cumsum(
+        lengths), grads, batch, hyper, None)
+    return True
+
+
+def _op_takes(layout: Optional["_OpLayout"], grads: torch.Tensor, num_bags: int, expected_bags: int) -> bool:
+    return (layout is not None and grads.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and grads.stride(1) == 1 and num_bags == expected_bags
+            and num_bags < 2 ** 31)  # the op numbers bags in int32
+
+
+def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, bags: torch.Tensor,
+                     psw: Optional[torch.Tensor], offsets: torch.Tensor, grads: torch.Tensor, batch: int,
+                     hyper: torch.Tensor, apply: Optional[torch.Tensor]) -> None:
+    """The ids sorted by row key (stable: a row's ids in arrival order), then the op."""
+    keys, order = torch.sort(keys, stable=True)
     # each id's bag and weight in the sorted order: a row's ids then read their metadata as one segment
-    bags, psw = bags[order], kjt.weights_or_none()
+    bags = bags[order]
     psw = None if psw is None else psw.float()[order]
     profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys, their sort and gather; the op
-    args, t = tbe.optimizer_args, float(iteration or 1)
-    hyper = build(OwnerHyper, lr=float(tbe.get_learning_rate()), eps=args.eps, beta1=args.beta1, beta2=args.beta2,
-                  weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t,
-                  bias_correction2=1.0 - args.beta2 ** t, reserved=0.0)
-    mode = args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
+    mode = tbe.optimizer_args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
                    mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=psw is not None, batch=batch)
-    torch.ops.torchrec_pgas.owner_update(
-        keys, bags, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths), psw, grads, *layout.tables,
-        layout.features, _upload(as_tensor(hyper).view(torch.float32), dev), as_tensor(config))
+    torch.ops.torchrec_pgas.owner_update(keys, bags, offsets, psw, grads, *layout.tables, layout.features, hyper,
+                                         as_tensor(config), apply)
     profiling.mark("owner_update")
-    return True
+
+
+def hyper_words(tbe: nn.Module, iteration: Optional[int]) -> OwnerHyper:
+    """The op's hyper-parameters for the TBE's next update: ``fused_optimizer``'s learning rate as the TBE
+    holds it, and Adam's bias corrections at ``iteration``."""
+    args, t = tbe.optimizer_args, float(iteration or 1)
+    return build(OwnerHyper, lr=float(tbe.get_learning_rate()), eps=args.eps, beta1=args.beta1, beta2=args.beta2,
+                 weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t,
+                 bias_correction2=1.0 - args.beta2 ** t, reserved=0.0)
+
+
+# Per TBE: the device words its update reads the hyper-parameters from, written before each update on the
+# update's stream (``write_hyper``): by the eager step itself, by ``CapturedTrainStep`` before each replay. Made
+# by the TBE's first eager update, outside any graph's memory pool, so a capture finds them.
+_HYPER: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
+    """Write the hyper-parameters of the TBE's next update into the device words the update reads."""
+    words = _HYPER.get(tbe)
+    if words is not None:
+        words.copy_(_upload(as_tensor(hyper_words(tbe, iteration)).view(torch.float32), words.device))
+
+
+def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor,
+                            apply: torch.Tensor) -> None:
+    """The owner backward of a step captured in a CUDA graph: ``kept`` at a fixed capacity (each TBE's keys
+    past its rows where the id is not its own, so the op skips them), the hyper-parameters in device words
+    refreshed before each replay, and nothing applied where the device word ``apply`` is 0."""
+    first_col, first_bag = 0, 0
+    for tbe in tbes:
+        layout = _op_layout(tbe, grads, first_col)
+        features = len(tbe.feature_table_map)
+        end_bag = first_bag + features * kept.stride
+        if not _op_takes(layout, grads, features * kept.stride, features * kept.stride):
+            raise PgasError(f"the owner update op does not take TBE {tbe.embedding_specs} (or a "
+                            f"{grads.dtype} gradient): it cannot run in a captured training step")
+        mine = (kept.bags >= first_bag) & (kept.bags < end_bag)
+        bags = torch.where(mine, kept.bags - first_bag, 0)
+        keys = torch.where(mine, layout.feature_base[bags // kept.stride] + kept.ids.to(layout.key_dtype),
+                           layout.key_limit)  # past every table's rows
+        hyper = _HYPER.get(tbe)
+        if hyper is None or hyper.device != grads.device:
+            raise PgasError("a training step through the owner update op is captured only after an eager step")
+        offsets = kept.offsets[first_bag:end_bag + 1] - kept.offsets[first_bag]
+        _sort_and_update(tbe, layout, keys, torch.where(mine, bags, -1).to(torch.int32), kept.weights, offsets,
+                         grads, kept.stride, hyper, apply)
+        first_col += sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
+        first_bag = end_bag
 
 
 def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

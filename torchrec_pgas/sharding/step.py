@@ -22,7 +22,7 @@ import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -41,6 +41,27 @@ from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasIn
 PoolFn = Callable[[KeyedJaggedTensor], torch.Tensor]
 
 
+class KeptBags(NamedTuple):
+    """The bags an owner kept of a step (feature-major, then source, then sample): id counts, their offsets,
+    and where each bag's ids and per-sample weights start, as elements of the owner's buffer."""
+
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    first_id: torch.Tensor
+    first_weight: Optional[torch.Tensor]
+
+
+class PaddedIds(NamedTuple):
+    """The ids an owner kept of a step at a fixed capacity (``PgasStep.kept_ids_padded``): each id's bag
+    (-1: unused), its per-sample weight, the bags' offsets and the stride (bags per feature)."""
+
+    ids: torch.Tensor
+    bags: torch.Tensor
+    weights: Optional[torch.Tensor]
+    offsets: torch.Tensor
+    stride: int
+
+
 @dataclass(eq=False)
 class StepTicket:
     """What a training step keeps for its backward. The autograd graph of the step's output holds it: when
@@ -54,6 +75,40 @@ class StepTicket:
     tbes: Sequence[nn.Module]
     host: Any = None  # what the host path keeps (its MEAN divisor, the sources' batches)
     done: bool = False
+
+
+@dataclass(eq=False)
+class CapturedBackward:
+    """A step's backward captured in a CUDA graph (``torchrec_pgas.train_graph``): what each replay must
+    move on the host as the eager step would (the stage counters, the TBEs' iteration counters and the
+    hyper-parameters their update reads)."""
+
+    step: "PgasStep"
+    tbes: Sequence[nn.Module]
+    iterations: List[Optional[int]]  # the TBEs' counters as the captured step saw them
+
+
+_RECORDING: List[List[CapturedBackward]] = []  # the innermost capture's record (recording_captured_backwards)
+
+
+@contextlib.contextmanager
+def recording_captured_backwards() -> Iterator[List[CapturedBackward]]:
+    """Collect the backwards captured while the context is open (a training step's CUDA-graph capture)."""
+    record: List[CapturedBackward] = []
+    _RECORDING.append(record)
+    try:
+        yield record
+    finally:
+        _RECORDING.pop()
+
+
+def record_captured_backward(step: "PgasStep", ticket: StepTicket) -> None:
+    """Called by a step's backward under capture; outside ``recording_captured_backwards`` it raises: a
+    replay that nobody advances would reuse the step's host state."""
+    if not _RECORDING:
+        raise PgasError(f"{step.kind}: a training step through PGAS shardings replays only through "
+                        "torchrec_pgas.CapturedTrainStep, which moves the host's step state along each replay")
+    _RECORDING[-1].append(CapturedBackward(step, ticket.tbes, list(ticket.tbe_iters)))
 
 
 class _StepBackward(torch.autograd.Function):
@@ -271,6 +326,12 @@ class PgasStep(abc.ABC):
             )
         return epoch
 
+    def replayed(self) -> None:
+        """One more replay of a captured training step: the device ran a step the host did not see (its
+        index dist, lookup and backward), so the host's stage counters move as that step's would have."""
+        self.issued += 1
+        self.looked_up += 1
+
     def next_lookup_epoch(self) -> int:
         if self.looked_up >= self.issued:
             raise self.fail(PgasError(f"{self.kind}: lookup called without an index dist"), self.issued + 1)
@@ -368,15 +429,60 @@ class PgasStep(abc.ABC):
         block); ``batches``: each source's batch (a tensor: it may live on the device). Every bag is read
         by the owners' reading rule (``layout.py``); the one host sync is the total id count.
         """
+        lay = self.layout
+        bags = self._kept_bags(lay.index_block(epoch % lay.num_slots, 0), rows, block_features, batches, whole)
+        total = int(bags.offsets[-1])
+        k = torch.arange(total, device=bags.offsets.device)  # the k-th kept id is element first + (k - its bag's offset)
+
+        def gather(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return self._buffer_as(dtype)[torch.repeat_interleave(first - bags.offsets[:-1], bags.lengths,
+                                                                  output_size=total) + k]
+
+        ids = gather(bags.first_id, lay.id_dtype).to(torch.int64)
+        weights = gather(bags.first_weight, torch.float32) if bags.first_weight is not None else None
+        lo, hi = self.lookup_features
+        return KeyedJaggedTensor(keys=list(self.feature_names[lo:hi]), values=ids, lengths=bags.lengths,
+                                 offsets=bags.offsets, weights=weights, stride=self.world_size * rows)
+
+    def kept_ids_padded(self, slot_base: torch.Tensor, rows: int, block_features: Tuple[int, int, int],
+                        batches: torch.Tensor, whole: torch.Tensor) -> "PaddedIds":
+        """:meth:`kept_ids` without the host sync, for a step captured in a CUDA graph: the slot is the
+        device's (``slot_base``: its first byte, a device tensor) and the ids fill a fixed capacity (what
+        the sources' index blocks can hold for this rank), the unused tail marked by bag -1."""
+        lay = self.layout
+        bags = self._kept_bags(slot_base, rows, block_features, batches, whole)
+        nbags = bags.lengths.numel()
+        k = torch.arange(self.world_size * lay.ids_capacity, device=bags.offsets.device)
+        bag = torch.searchsorted(bags.offsets[1:], k, right=True)  # the first bag that ends past k
+        used = k < bags.offsets[-1]
+        safe = torch.where(used, bag, 0).clamp(max=max(nbags - 1, 0))
+
+        def gather(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            data = self._buffer_as(dtype)
+            at = (first[safe] + k - bags.offsets[safe]).clamp(0, data.numel() - 1)
+            return torch.where(used, data[at], 0)
+
+        ids = gather(bags.first_id, lay.id_dtype).to(torch.int64)
+        weights = gather(bags.first_weight, torch.float32) if bags.first_weight is not None else None
+        return PaddedIds(ids, torch.where(used, bag, -1), weights, bags.offsets, self.world_size * rows)
+
+    def _buffer_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's whole buffer as elements of ``dtype`` (a view)."""
+        local = self.buf.local
+        return local[:local.numel() - local.numel() % dtype.itemsize].view(dtype)
+
+    def _kept_bags(self, slot_base: Any, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
+                   whole: Optional[torch.Tensor]) -> "KeptBags":
+        """Every kept bag's id count and where its ids (and weights) start, as elements of the buffer, for the
+        slot at byte ``slot_base`` (an int, or a device tensor); bags past a source's batch, and every bag
+        where ``whole`` is false, hold no ids."""
         lay, world = self.layout, self.world_size
         first, count, per_block = block_features
-        slot_off = lay.index_block(epoch % lay.num_slots, 0)
-        region = self.buf.local[slot_off:slot_off + world * lay.index_block_bytes]
-        dev = region.device
+        dev = self.buf.local.device
+        block = slot_base + torch.arange(world, device=dev) * lay.index_block_bytes  # each source's block, bytes
 
         def per_source(off: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-            return torch.stack([region[s * lay.index_block_bytes + off:][:n * dtype.itemsize].view(dtype)
-                                for s in range(world)])
+            return self._buffer_as(dtype)[(block[:, None] + off) // dtype.itemsize + torch.arange(n, device=dev)]
 
         lengths = per_source(lay.lengths_off, torch.int32, per_block * lay.max_batch)
         starts = per_source(lay.offsets_off, torch.int64, per_block * lay.max_batch + 1)
@@ -391,35 +497,26 @@ class PgasStep(abc.ABC):
         bag = torch.where(valid, bag, 0)
         src = src.expand_as(bag)
         new_lengths = torch.where(valid, lengths[src, bag].to(torch.int64), 0).reshape(-1)
-        # where each bag's ids start, as an element of the slot's ids, source by source
-        id_base = (torch.arange(world, device=dev) * lay.index_block_bytes + lay.ids_off) // lay.id_bytes
-        first_id = (starts[src, bag] + id_base[src]).reshape(-1)
-        new_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(new_lengths)
-        total = int(new_offsets[-1])
-        k = torch.arange(total, device=dev)  # the k-th kept id is element first + (k - its bag's offset)
-
-        def gather(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return region.view(dtype)[torch.repeat_interleave(first - new_offsets[:-1], new_lengths,
-                                                               output_size=total) + k]
-
-        ids = gather(first_id, lay.id_dtype).to(torch.int64)
-        weights = None
+        start = starts[src, bag].reshape(-1)
+        src = src.reshape(-1)
+        first_weight = None
         if lay.weighted:
-            w_base = (torch.arange(world, device=dev) * lay.index_block_bytes + lay.weights_off) // 4
-            weights = gather((starts[src, bag] + w_base[src]).reshape(-1), torch.float32)
-        lo, hi = self.lookup_features
-        return KeyedJaggedTensor(keys=list(self.feature_names[lo:hi]), values=ids, lengths=new_lengths,
-                                 offsets=new_offsets, weights=weights, stride=world * rows)
+            first_weight = start + (block[src] + lay.weights_off) // 4
+        return KeptBags(new_lengths, torch.ops.fbgemm.asynchronous_complete_cumsum(new_lengths),
+                        start + (block[src] + lay.ids_off) // lay.id_bytes, first_weight)
 
-    def kept_grads(self, epoch: int, rows: int, columns: Tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
-        """The gradient rows this rank's sources stored for it in step ``epoch``, ``[W * rows, D_held]`` in
-        the order of :meth:`kept_ids` (``columns``: first, end and row width of a gradient block)."""
-        lay = self.layout
+    def kept_grads(self, slot: Union[int, torch.Tensor], rows: int, columns: Tuple[int, int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The gradient rows this rank's sources stored for it in buffer slot ``slot`` (an int, or a device
+        tensor for a captured step), ``[W * rows, D_held]`` in the order of :meth:`kept_ids` (``columns``:
+        first, end and row width of a gradient block)."""
+        lay, world = self.layout, self.world_size
         lo, hi, width = columns
-        slot = epoch % lay.num_slots
-        blocks = [self.buf.view(dtype, lay.grad_block(slot, s), rows * width).view(rows, width)[:, lo:hi]
-                  for s in range(self.world_size)]
-        return torch.cat(blocks)
+        per_block = lay.output_block_bytes // dtype.itemsize
+        blocks = self.buf.view(dtype, lay.grad_block(0, 0), lay.num_slots * world * per_block).view(
+            lay.num_slots, world, per_block)
+        mine = blocks[slot] if isinstance(slot, int) else blocks.index_select(0, slot.view(1))[0]
+        return mine[:, :rows * width].view(world, rows, width)[:, :, lo:hi].reshape(world * rows, hi - lo)
 
     def replay(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
         """Stock's lookup of the kept ids under autograd, then its backward with the received gradients:

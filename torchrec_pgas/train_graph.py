@@ -1,0 +1,102 @@
+"""A training step through PGAS shardings captured as one CUDA graph and replayed (``CapturedTrainStep``).
+
+With ``PgasConfig(owner_backward="pgas")`` no stage of a PGAS training step reads device memory on the
+host: the forward's three kernels, the gradient exchange and the owner update take their epochs, their
+failure checks and the kept ids' count from the device (``DeviceStep._captured_backward``). What the host
+still does per step is small, and this wrapper does it outside the graph around each replay: the
+shardings' stage counters, each TBE's iteration counter (checkpoints read it), and the hyper-parameters the
+owner update reads from device words (the learning rate as ``fused_optimizer`` last set it on the TBE,
+Adam's bias corrections). Stock TorchRec cannot capture its step: its input dist reads the splits on the
+host.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.sharding.owner_backward import write_hyper
+from torchrec_pgas.sharding.step import CapturedBackward, advance_tbe_iterations, recording_captured_backwards
+from torchrec_pgas.types import PgasError
+
+
+class CapturedTrainStep:
+    """Replays ``train_step`` (forward, loss and ``backward()`` of a model whose embedding tables are PGAS
+    shardings with ``owner_backward="pgas"``; it returns the loss) as one CUDA graph.
+
+    ``train_step`` reads its batch from static device tensors the caller refills before each call
+    (``copy_kjt_``). The first ``warmup_steps`` calls run it eagerly (real training steps: they also build
+    what the update caches), the next one captures it, and every call from then on replays it: one launch
+    for the whole step. A learning rate changed through ``fused_optimizer`` (then ``fused_optimizer.step()``,
+    as in eager training) reaches the next replay. A step refused on the device (a bad id on some rank)
+    applies nothing on any rank, and its error is raised by a later call, as eager forwards raise recorded
+    errors; its TBE iteration counters still count it.
+    """
+
+    def __init__(self, train_step: Callable[[], torch.Tensor], warmup_steps: int = 2) -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps {warmup_steps}: at least one eager step must run before the capture")
+        self._train_step = train_step
+        self._warmup_left = warmup_steps
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._captured: List[CapturedBackward] = []
+        self._loss: Optional[torch.Tensor] = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def __call__(self) -> torch.Tensor:
+        """One training step on the static inputs' current contents; returns its loss (a device tensor,
+        overwritten by the next replay)."""
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return self._train_step()
+        if self._graph is None:
+            self._capture()  # the capture's host side is the first replay's
+        else:
+            for c in self._captured:
+                c.step.replayed()
+                c.iterations = advance_tbe_iterations(c.tbes)
+        for c in self._captured:
+            for tbe, iteration in zip(c.tbes, c.iterations):
+                write_hyper(tbe, iteration)
+        assert self._graph is not None and self._loss is not None
+        self._graph.replay()
+        for c in self._captured:
+            for tbe, iteration in zip(c.tbes, c.iterations):
+                if iteration is not None:  # the device counter, as an eager step leaves it
+                    tbe.iter.fill_(iteration)
+            c.step.raise_recorded()  # an earlier replay's refused step (no sync: the records are pinned)
+        return self._loss
+
+    def _capture(self) -> None:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with recording_captured_backwards() as captured:
+            with torch.cuda.graph(graph):
+                self._loss = self._train_step()
+        if not captured:
+            raise PgasError("CapturedTrainStep: the step ran no backward through a PGAS sharding; capture it "
+                            "with torch.cuda.graph directly")
+        self._graph, self._captured = graph, captured
+
+
+def copy_kjt_(static: KeyedJaggedTensor, batch: KeyedJaggedTensor) -> None:
+    """Refill a captured step's input KJT with ``batch``: the same keys, batch size, id count per key and
+    weights or none (a captured graph reads fixed shapes; the ids and lengths within may change)."""
+    same = (static.keys() == batch.keys() and static.stride() == batch.stride()
+            and static.values().numel() == batch.values().numel()
+            and (static.weights_or_none() is None) == (batch.weights_or_none() is None))
+    if same and static.length_per_key_or_none() is not None:
+        same = static.length_per_key() == batch.length_per_key()
+    if not same:
+        raise PgasError(
+            f"copy_kjt_: a batch of keys {batch.keys()}, batch size {batch.stride()}, "
+            f"{batch.values().numel()} ids does not fit the captured one (keys {static.keys()}, batch size "
+            f"{static.stride()}, {static.values().numel()} ids, the same count per key, weights alike)")
+    static.values().copy_(batch.values(), non_blocking=True)
+    static.lengths().copy_(batch.lengths(), non_blocking=True)
+    static.offsets().copy_(batch.offsets(), non_blocking=True)
+    if batch.weights_or_none() is not None:
+        static.weights().copy_(batch.weights(), non_blocking=True)
