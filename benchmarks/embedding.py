@@ -77,7 +77,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
-from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
+from torchrec_pgas import CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
@@ -658,6 +658,18 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
     check_errors(pgas)
     row["max_state_diff"] = max(diff, state_diff(stock, pgas, f"{w.name}: after the timed training steps"))
     row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
+    row["pgas_train_graph_p50_ms"] = row["speedup_train_graph"] = None
+    if device.type == "cuda" and args.train_graph:
+        # the whole PGAS step replayed as one CUDA graph, on input set 0 (last: it trains on it repeatedly)
+        # the replays train on input set 0 alone: the state goes back afterwards (the next workloads compare it)
+        saved = local_state(pgas)
+        replay = CapturedTrainStep(lambda: train_step(pgas, inputs[0], grads[0]), warmup_steps=1)
+        t_graph = time_steps(lambda i: replay(), args.steps, 2, device)
+        check_errors(pgas)
+        for name, live in local_state(pgas, clone=False).items():
+            live.copy_(saved[name])
+        row["pgas_train_graph_p50_ms"] = p50(t_graph)
+        row["speedup_train_graph"] = row["stock_train_p50_ms"] / row["pgas_train_graph_p50_ms"]
     distinct = distinct_rows(w, inputs, dist.get_world_size(), args.pair)
     hbm = flows.hbm + backward_hbm_bytes(w, flows, distinct, args.optimizer)
     nvlink = flows.nvlink + flows.grad_sent
@@ -727,11 +739,13 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
     trained = [r for r in rows if r.get("mode") == "train"]
     if trained:
         lines.append(f"{'training step':<42} {'stock p50':>9} {'pgas p50':>9} {'x train':>7} {'floor':>7} "
-                     f"{'roof':>5} {'state diff':>10}")
+                     f"{'roof':>5} {'state diff':>10} {'graph p50':>9} {'x graph':>7}")
     for r in trained:
+        graph = r.get("speedup_train_graph")
         lines.append(f"{r['preset'] + '/' + r['name']:<42} {ms(r['stock_train_p50_ms']):>9} "
                      f"{ms(r['pgas_train_p50_ms']):>9} {r['speedup_train']:>6.2f}x {ms(r['train_floor_ms']):>7} "
-                     f"{frac(r['roofline_train_pgas']):>5} {r['max_state_diff']:>10.2e}")
+                     f"{frac(r['roofline_train_pgas']):>5} {r['max_state_diff']:>10.2e} "
+                     f"{ms(r.get('pgas_train_graph_p50_ms')):>9} {'-' if graph is None else f'{graph:.2f}x':>7}")
     for preset in sorted({r["preset"] for r in rows}):
         sel = [r for r in rows if r["preset"] == preset]
         geo = statistics.geometric_mean([r["speedup_eager"] for r in sel])
@@ -741,6 +755,9 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
             line += f", graph {statistics.geometric_mean(graphs):.2f}x"
         if any(r.get("mode") == "train" for r in sel):
             line += f", training step {statistics.geometric_mean([r['speedup_train'] for r in sel]):.2f}x"
+            replayed = [r["speedup_train_graph"] for r in sel if r.get("speedup_train_graph")]
+            if replayed:
+                line += f", replayed {statistics.geometric_mean(replayed):.2f}x"
         lines.append(line)
     for s in single:
         for r in (r for r in rows if r["preset"] == s["preset"]):
@@ -762,6 +779,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--sets", type=int, default=4, help="input sets rotated through")
     parser.add_argument("--stage-steps", type=int, default=20)
     parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--train-graph", action="store_true",
+                        help="--mode train: also the PGAS step replayed as one CUDA graph (CapturedTrainStep; needs "
+                             "--owner-backward pgas and --no-graph: the forward's graphs leave the host's step "
+                             "counters behind the device's)")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--inference-only", action="store_true",
@@ -780,6 +801,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "train" and args.inference_only:
         parser.error("--mode train needs the training layout: drop --inference-only")
+    if args.train_graph and (args.mode != "train" or args.owner_backward != "pgas" or not args.no_graph):
+        parser.error("--train-graph needs --mode train, --owner-backward pgas and --no-graph")
     if args.layout_ab and (args.inference_only or args.mode == "train"):
         parser.error("--layout-ab compares the two layouts' forwards: drop --inference-only and --mode train")
     presets = args.preset or ["quick"]

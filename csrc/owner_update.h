@@ -166,13 +166,15 @@ struct IdMeta {
   int32_t table;
   int32_t dim;
   bool starts;
+  bool beyond;  // its key is past every table's rows, as are all after it (sorted): nothing left to update
 };
 
 PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
   const int64_t key = key_at(p, q);
-  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key};
+  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key, false};
   const int64_t t = table_of(p, key);
   const int64_t row = key - p.tables[t].key_base;
+  m.beyond = t == p.num_tables - 1 && row >= p.tables[t].rows;
   if (row < 0 || row >= p.tables[t].rows) return m;
   m.table = static_cast<int32_t>(t);
   m.row = static_cast<int32_t>(row);
@@ -312,7 +314,8 @@ PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, c
 // first is summed, so a walker keeps kDepth rows in flight. Every branch is
 // uniform over the lanes (all of them walk the same id), so they stay
 // converged. A row's ids are summed by one walker: a row hit by a million ids
-// is one walker's million loads.
+// is one walker's million loads. Keys past every table's rows sort last and end
+// every walk: a capacity's unused tail costs its walkers one read of its keys.
 template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Lanes lanes) {
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
@@ -323,9 +326,10 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
   bool opened = false;  // a run of this chunk has started
   for (int64_t q0 = lo; q0 < p.n; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
-    const IdMeta mine = q < p.n ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true};
-    // The batch ends at the first position that starts a run at or past hi (or at n): the next chunk's.
-    const unsigned past = lanes.ballot(mine.starts && (q >= hi || q >= p.n));
+    const IdMeta mine = q < p.n ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true, true};
+    // The batch ends at the first position that starts a run at or past hi (the next chunk's), at n, or at
+    // the first key past every table (the padding of a captured step's fixed capacity: never walked).
+    const unsigned past = lanes.ballot(mine.starts && (q >= hi || mine.beyond));
     const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
     const unsigned starts = lanes.ballot(mine.starts);
     for (int i0 = 0; i0 < end; i0 += kDepth) {

@@ -175,6 +175,18 @@ def test_op_takes_each_rows_table_from_its_key() -> None:
     assert w1[2].tolist() == [-0.5] * 4 and float(w1.abs().sum()) == 2.0
 
 
+def test_op_stops_at_the_padding_past_every_table_and_applies_nothing_when_told() -> None:
+    """A captured step's fixed capacity: 700 positions of a key past every table's rows (bag -1) after the
+    real ids, over several chunks, change nothing; a device word ``apply`` of 0 (a refused step) applies
+    nothing at all, 1 applies the step."""
+    pad = 700
+    padded = _run(_op_args(keys=torch.cat([torch.tensor([1, 1, 3, 9]), torch.full((pad,), 10)]),
+                           bags=torch.cat([torch.tensor([0, 0, 1, 1]), torch.full((pad,), -1)]).to(torch.int32)))
+    assert torch.equal(padded, _run(_op_args()))
+    assert float(_run(_op_args(apply=torch.tensor([0]))).abs().sum()) == 0.0
+    assert torch.equal(_run(_op_args(apply=torch.tensor([1]))), _run(_op_args()))
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(weights=[torch.zeros(10, OP_MAX_DIM + 4)]), "table 0 has dim 516"),
     (dict(weights=[torch.zeros(10, 8)[:, :4]]), r"weights\[0\] must be a contiguous"),
@@ -184,6 +196,7 @@ def test_op_takes_each_rows_table_from_its_key() -> None:
     (dict(features=as_words([build(OwnerFeatureDesc, table=1, grad_col=0)], OwnerFeatureDesc)),
      "feature 0 names table 1 of 1"),
     (dict(offsets=torch.tensor([0, 4])), "offsets has 2 elements, expected 3"),
+    (dict(apply=torch.tensor([1, 1])), "apply must be one int64 word"),
     (dict(bags=torch.tensor([0, 0, 1, 1])), "bags must be a contiguous 1-D Int tensor"),
     (dict(keys=torch.tensor([1, 1, 3, 9], dtype=torch.int16)), "keys must be a contiguous 1-D Long tensor"),
     (dict(config=torch.zeros(8, dtype=torch.uint8)), "the 40 bytes of an OwnerUpdateConfig"),

@@ -10,7 +10,7 @@ Adam's bias corrections). Stock TorchRec cannot capture its step: its input dist
 host.
 """
 
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -22,7 +22,7 @@ from torchrec_pgas.types import PgasError
 
 class CapturedTrainStep:
     """Replays ``train_step`` (forward, loss and ``backward()`` of a model whose embedding tables are PGAS
-    shardings with ``owner_backward="pgas"``; it returns the loss) as one CUDA graph.
+    shardings with ``owner_backward="pgas"``; it may return the loss) as one CUDA graph.
 
     ``train_step`` reads its batch from static device tensors the caller refills before each call
     (``copy_kjt_``). The first ``warmup_steps`` calls run it eagerly (real training steps: they also build
@@ -33,22 +33,22 @@ class CapturedTrainStep:
     errors; its TBE iteration counters still count it.
     """
 
-    def __init__(self, train_step: Callable[[], torch.Tensor], warmup_steps: int = 2) -> None:
+    def __init__(self, train_step: Callable[[], Any], warmup_steps: int = 2) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps {warmup_steps}: at least one eager step must run before the capture")
         self._train_step = train_step
         self._warmup_left = warmup_steps
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._captured: List[CapturedBackward] = []
-        self._loss: Optional[torch.Tensor] = None
+        self._loss: Any = None
 
     @property
     def captured(self) -> bool:
         return self._graph is not None
 
-    def __call__(self) -> torch.Tensor:
-        """One training step on the static inputs' current contents; returns its loss (a device tensor,
-        overwritten by the next replay)."""
+    def __call__(self) -> Any:
+        """One training step on the static inputs' current contents; returns what ``train_step`` returned
+        (for a replay: the captured step's output tensors, overwritten by the next replay)."""
         if self._warmup_left > 0:
             self._warmup_left -= 1
             return self._train_step()
@@ -61,7 +61,7 @@ class CapturedTrainStep:
         for c in self._captured:
             for tbe, iteration in zip(c.tbes, c.iterations):
                 write_hyper(tbe, iteration)
-        assert self._graph is not None and self._loss is not None
+        assert self._graph is not None
         self._graph.replay()
         for c in self._captured:
             for tbe, iteration in zip(c.tbes, c.iterations):
