@@ -16,6 +16,11 @@ step's error record and the sources' flags along), replays the stock lookup
 under autograd and ``release_sources`` hands the slot back. A step that failed
 on any rank (device-side errors are recorded, not raised) changes no weight:
 its backward raises the error on every rank instead.
+
+Under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``, with ``owner_backward="pgas"``) the backward
+reads nothing on the host: its kernels take each replay's epoch from the device, the owner rebuilds its ids
+at a fixed capacity (``PgasStep.kept_ids_padded``) and the update op applies nothing where a device word says
+the step failed on some rank.
 """
 
 import itertools

@@ -21,7 +21,7 @@ import abc
 import contextlib
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
