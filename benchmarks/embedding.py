@@ -801,8 +801,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "train" and args.inference_only:
         parser.error("--mode train needs the training layout: drop --inference-only")
-    if args.train_graph and (args.mode != "train" or args.owner_backward != "pgas" or not args.no_graph):
-        parser.error("--train-graph needs --mode train, --owner-backward pgas and --no-graph")
+    if args.train_graph and (args.mode != "train" or args.owner_backward != "pgas" or not args.no_graph
+                             or args.optimizer == "adam"):
+        parser.error("--train-graph needs --mode train, --owner-backward pgas and --no-graph, and not Adam (the "
+                     "replays' iteration counts would part the model from stock's for the next workloads)")
     if args.layout_ab and (args.inference_only or args.mode == "train"):
         parser.error("--layout-ab compares the two layouts' forwards: drop --inference-only and --mode train")
     presets = args.preset or ["quick"]

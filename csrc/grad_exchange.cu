@@ -43,14 +43,14 @@ constexpr int kThreads = 256;
 
 enum GradSource : int64_t { kArrived = 0, kGaveUp = 1, kTimedOut = 2, kNotWaited = 3 };
 
-// A warp's tile: 32 consecutive bags of one feature. For each owner of the
-// feature, lane i reads the length of bag i that the owner holds (one
-// coalesced read of the owner's index block), and the warp stores the rows of
-// the bags with ids there, 4 columns a lane.
 __device__ __forceinline__ int64_t step_epoch(const StepParams& p, int64_t epoch) {
   return epoch != 0 ? epoch : p.state[kCtrLookup];
 }
 
+// A warp's tile: 32 consecutive bags of one feature. For each owner of the
+// feature, lane i reads the length of bag i that the owner holds (one
+// coalesced read of the owner's index block), and the warp stores the rows of
+// the bags with ids there, 4 columns a lane.
 template <typename out_t>
 __device__ __forceinline__ void send_tile(const StepParams& p, const out_t* __restrict__ grad, int64_t slot, float inv_divisor,
                                           int f, int b0) {

@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.owner_backward import write_hyper
-from torchrec_pgas.sharding.step import CapturedBackward, advance_tbe_iterations, recording_captured_backwards
+from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
+from torchrec_pgas.sharding.step import CapturedStep, advance_tbe_iterations, recording_captured_steps
 from torchrec_pgas.types import PgasError
 
 
@@ -30,7 +30,8 @@ class CapturedTrainStep:
     for the whole step. A learning rate changed through ``fused_optimizer`` (then ``fused_optimizer.step()``,
     as in eager training) reaches the next replay. A step refused on the device (a bad id on some rank)
     applies nothing on any rank, and its error is raised by a later call, as eager forwards raise recorded
-    errors; its TBE iteration counters still count it.
+    errors; its TBE iteration counters still count it. Not yet raised in replays: a peer's refusal or a
+    timeout of the gradient exchange (eager steps raise them on every rank; a replay skips the update).
     """
 
     def __init__(self, train_step: Callable[[], Any], warmup_steps: int = 2) -> None:
@@ -39,7 +40,7 @@ class CapturedTrainStep:
         self._train_step = train_step
         self._warmup_left = warmup_steps
         self._graph: Optional[torch.cuda.CUDAGraph] = None
-        self._captured: List[CapturedBackward] = []
+        self._captured: List[CapturedStep] = []
         self._loss: Any = None
 
     @property
@@ -55,6 +56,7 @@ class CapturedTrainStep:
         if self._graph is None:
             self._capture()  # the capture's host side is the first replay's
         else:
+            self._check_storage()
             for c in self._captured:
                 c.step.replayed()
                 c.iterations = advance_tbe_iterations(c.tbes)
@@ -67,16 +69,29 @@ class CapturedTrainStep:
             for tbe, iteration in zip(c.tbes, c.iterations):
                 if iteration is not None:  # the device counter, as an eager step leaves it
                     tbe.iter.fill_(iteration)
+        for c in self._captured:
             c.step.raise_recorded()  # an earlier replay's refused step (no sync: the records are pinned)
         return self._loss
+
+    def _check_storage(self) -> None:
+        """The graph writes through the addresses of the capture: raise, before the replay, where a TBE's
+        weights or optimizer state moved since (``load_state_dict(assign=True)``, ``.to()``)."""
+        for c in self._captured:
+            if [storage_key(t) for t in c.tbes] != c.storage:
+                raise PgasError(f"CapturedTrainStep: the storage of {c.step.kind}'s tables moved since the "
+                                "capture; build a new CapturedTrainStep")
 
     def _capture(self) -> None:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with recording_captured_backwards() as captured:
-            with torch.cuda.graph(graph):
-                self._loss = self._train_step()
-        if not captured:
+        try:
+            with recording_captured_steps() as captured:
+                with torch.cuda.graph(graph):
+                    self._loss = self._train_step()
+        except Exception as e:  # the shardings' host state moved for a step their devices never ran
+            raise PgasError(f"CapturedTrainStep: the capture failed ({e}); the model's PGAS shardings are now a "
+                            "step ahead of their devices: reload or rebuild the model before using it") from e
+        if not any(c.backward for c in captured):
             raise PgasError("CapturedTrainStep: the step ran no backward through a PGAS sharding; capture it "
                             "with torch.cuda.graph directly")
         self._graph, self._captured = graph, captured
@@ -84,12 +99,13 @@ class CapturedTrainStep:
 
 def copy_kjt_(static: KeyedJaggedTensor, batch: KeyedJaggedTensor) -> None:
     """Refill a captured step's input KJT with ``batch``: the same keys, batch size, id count per key and
-    weights or none (a captured graph reads fixed shapes; the ids and lengths within may change)."""
+    weights or none (a captured graph reads fixed shapes; the ids and the bags' lengths within a key may
+    change). Pass CPU batches, or device ones whose ``length_per_key`` is known, to copy without a sync."""
     same = (static.keys() == batch.keys() and static.stride() == batch.stride()
             and static.values().numel() == batch.values().numel()
             and (static.weights_or_none() is None) == (batch.weights_or_none() is None))
-    if same and static.length_per_key_or_none() is not None:
-        same = static.length_per_key() == batch.length_per_key()
+    # per-key counts: a host sync for a device KJT that has not computed them
+    same = same and static.length_per_key() == batch.length_per_key()
     if not same:
         raise PgasError(
             f"copy_kjt_: a batch of keys {batch.keys()}, batch size {batch.stride()}, "

@@ -46,6 +46,7 @@ from torchrec_pgas.sharding.step import (
     advance_tbe_iterations,
     gradient_divisor,
     record_captured_backward,
+    record_captured_step,
 )
 from torchrec_pgas.step_abi import (
     ERROR_RECORD_WORDS,
@@ -295,6 +296,8 @@ class DeviceStep(PgasStep):
         if not torch.cuda.is_current_stream_capturing():
             self._slot_free[epoch % self.layout.num_slots].record()
         iters = advance_tbe_iterations(tbes)
+        if torch.cuda.is_current_stream_capturing():
+            record_captured_step(self, tbes, iters)
         return self.forward_output(out, StepTicket(epoch, kjt.stride(), pool, iters, tbes) if trains else None)
 
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
@@ -363,6 +366,9 @@ class DeviceStep(PgasStep):
                             "reads the step's id count on the host")
         if ticket.epoch in self._gave_up:
             raise self._gave_up.pop(ticket.epoch)
+        if ticket.epoch != self.looked_up or self._awaiting_backward:  # the kernels take the last lookup's epoch
+            raise PgasError(f"{self.kind}: a captured training step must run each sharding's forward once, then "
+                            f"its backward (step {ticket.epoch}'s backward after lookup {self.looked_up})")
         ops, lay = torch.ops.torchrec_pgas, self.layout
         args = self._state_args()
         epoch = self._state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
@@ -392,10 +398,6 @@ class DeviceStep(PgasStep):
             captured_owner_backward(ticket.tbes, kept, grads, whole.long().view(1))
         ops.release_sources(*args, 0)
         record_captured_backward(self, ticket)
-
-    def replayed(self) -> None:
-        super().replayed()
-        self._grad_sent += 1
 
     def device_step_failed(self) -> torch.Tensor:
         """Whether the step of this sharding's last lookup failed here: a one-element device bool."""

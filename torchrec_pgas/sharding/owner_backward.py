@@ -189,13 +189,20 @@ _LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[Tuple[object, ...], Option
     weakref.WeakKeyDictionary())
 
 
+def storage_key(tbe: nn.Module) -> Tuple[int, ...]:
+    """The addresses of a TBE's weight and optimizer-state storage: what a captured update wrote through."""
+    return tuple(t.data_ptr() for t in (getattr(tbe, name, None) for name in _STORAGE) if isinstance(t, torch.Tensor))
+
+
 def _op_layout(tbe: nn.Module, grads: torch.Tensor, first_col: int) -> Optional[_OpLayout]:
-    storage = tuple(t.data_ptr() for t in (getattr(tbe, name, None) for name in _STORAGE)
-                    if isinstance(t, torch.Tensor))
+    storage = storage_key(tbe)
     key = (storage, str(grads.device), first_col)
     cached = _LAYOUTS.get(tbe)
     if storage and cached is not None and cached[0] == key:
         return cached[1]
+    if grads.is_cuda and torch.cuda.is_current_stream_capturing():  # building uploads: eager updates build it
+        raise PgasError("a training step through the owner update op is captured only after an eager step (and "
+                        "again after the TBE's storage moved)")
     layout = _build_layout(tbe, grads, first_col)
     _LAYOUTS[tbe] = (key, layout)
     return layout
@@ -302,7 +309,8 @@ def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads:
         layout = _op_layout(tbe, grads, first_col)
         features = len(tbe.feature_table_map)
         end_bag = first_bag + features * kept.stride
-        if not _op_takes(layout, grads, features * kept.stride, features * kept.stride):
+        if not _op_takes(layout, grads, min(features * kept.stride, kept.offsets.numel() - 1 - first_bag),
+                         features * kept.stride):
             raise PgasError(f"the owner update op does not take TBE {tbe.embedding_specs} (or a "
                             f"{grads.dtype} gradient): it cannot run in a captured training step")
         mine = (kept.bags >= first_bag) & (kept.bags < end_bag)

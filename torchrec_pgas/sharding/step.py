@@ -33,7 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.bootstrap import init_runtime
-from torchrec_pgas.sharding.owner_backward import owner_backward
+from torchrec_pgas.sharding.owner_backward import owner_backward, storage_key
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
@@ -78,23 +78,25 @@ class StepTicket:
 
 
 @dataclass(eq=False)
-class CapturedBackward:
-    """A step's backward captured in a CUDA graph (``torchrec_pgas.train_graph``): what each replay must
-    move on the host as the eager step would (the stage counters, the TBEs' iteration counters and the
-    hyper-parameters their update reads)."""
+class CapturedStep:
+    """A sharding's step captured in a CUDA graph (``torchrec_pgas.train_graph``): what each replay must move
+    on the host as the eager step would (the stage counters; with a backward, the TBEs' iteration counters
+    and the hyper-parameters their update reads), and the TBE storage the graph writes through."""
 
     step: "PgasStep"
     tbes: Sequence[nn.Module]
     iterations: List[Optional[int]]  # the TBEs' counters as the captured step saw them
+    storage: List[Tuple[int, ...]]  # the TBEs' storage addresses at the capture
+    backward: bool = False
 
 
-_RECORDING: List[List[CapturedBackward]] = []  # the innermost capture's record (recording_captured_backwards)
+_RECORDING: List[List[CapturedStep]] = []  # the innermost capture's record (recording_captured_steps)
 
 
 @contextlib.contextmanager
-def recording_captured_backwards() -> Iterator[List[CapturedBackward]]:
-    """Collect the backwards captured while the context is open (a training step's CUDA-graph capture)."""
-    record: List[CapturedBackward] = []
+def recording_captured_steps() -> Iterator[List[CapturedStep]]:
+    """Collect the steps captured while the context is open (a training step's CUDA-graph capture)."""
+    record: List[CapturedStep] = []
     _RECORDING.append(record)
     try:
         yield record
@@ -102,13 +104,21 @@ def recording_captured_backwards() -> Iterator[List[CapturedBackward]]:
         _RECORDING.pop()
 
 
+def record_captured_step(step: "PgasStep", tbes: Sequence[nn.Module], iterations: List[Optional[int]]) -> None:
+    """Called by a lookup under capture (outside ``recording_captured_steps``: a forward-only graph, whose
+    replays the caller accounts for)."""
+    if _RECORDING:
+        _RECORDING[-1].append(CapturedStep(step, tbes, list(iterations), [storage_key(t) for t in tbes]))
+
+
 def record_captured_backward(step: "PgasStep", ticket: StepTicket) -> None:
-    """Called by a step's backward under capture; outside ``recording_captured_backwards`` it raises: a
-    replay that nobody advances would reuse the step's host state."""
-    if not _RECORDING:
+    """Called by a step's backward under capture; outside ``recording_captured_steps`` it raises: a replay that
+    nobody advances would reuse the step's host state."""
+    captured = [c for c in (_RECORDING[-1] if _RECORDING else []) if c.step is step]
+    if not captured:
         raise PgasError(f"{step.kind}: a training step through PGAS shardings replays only through "
                         "torchrec_pgas.CapturedTrainStep, which moves the host's step state along each replay")
-    _RECORDING[-1].append(CapturedBackward(step, ticket.tbes, list(ticket.tbe_iters)))
+    captured[-1].backward = True
 
 
 class _StepBackward(torch.autograd.Function):
@@ -579,6 +589,10 @@ class PgasStep(abc.ABC):
         ``pool`` is the stock TBE lookup of a received KJT, ``tbes`` the TBE
         modules whose weight storage the fused kernels read directly.
         """
+
+    def raise_recorded(self) -> None:
+        """Raise the errors the device recorded for finished steps, without a sync; the host path raises its
+        errors as they happen."""
 
     def check(self) -> None:
         """Raise errors the device recorded (after a stream sync); nothing to do where stages raise."""
