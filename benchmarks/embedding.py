@@ -660,8 +660,8 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
     row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
     row["pgas_train_graph_p50_ms"] = row["speedup_train_graph"] = None
     if device.type == "cuda" and args.train_graph:
-        # the whole PGAS step replayed as one CUDA graph, on input set 0 (last: it trains on it repeatedly)
-        # the replays train on input set 0 alone: the state goes back afterwards (the next workloads compare it)
+        # the whole PGAS step replayed as one CUDA graph on input set 0 alone: the state goes back afterwards
+        # (the next workloads compare it with stock's)
         saved = local_state(pgas)
         replay = CapturedTrainStep(lambda: train_step(pgas, inputs[0], grads[0]), warmup_steps=1)
         t_graph = time_steps(lambda i: replay(), args.steps, 2, device)

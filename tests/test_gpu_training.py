@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from torchrec.modules.embedding_configs import DataType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from test_training import CONFIG, Case, _model, _train_cases, _types
 from test_training_errors import _bad_batch, _failed_backward, _misuse, check_failed_backward, check_misuse
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_
 from torchrec_pgas.testing import (
     LossModel,

@@ -325,10 +325,7 @@ class DeviceStep(PgasStep):
         gave_up = epoch in self._gave_up  # its batch may not fit the buffers: it sends nothing, says so
         batch = 0 if gave_up else ticket.batch
         sibling_gave_up = self._adopt_sibling_failures(epoch)
-        sent = grad[:batch].to(self.spec.out_dtype)
-        if sent.data_ptr() % 16:  # a view into its storage: grad_dist reads rows in 16-byte vectors
-            sent = sent.clone()
-        ops.grad_dist(sent, *args, epoch, batch, gradient_divisor(self.world_size), gave_up or sibling_gave_up)
+        ops.grad_dist(self._sent_gradient(grad, batch), *args, epoch, batch, gradient_divisor(self.world_size), gave_up or sibling_gave_up)
         self._grad_sent = epoch
         ops.await_grads(*args, self._grad_flags, epoch)
         profiling.mark("grad_exchange")
@@ -349,9 +346,7 @@ class DeviceStep(PgasStep):
             finally:  # else the traceback holds this frame and the frame the exception: a cycle that keeps the
                 del problem  # step's graph and its GPU tensors alive until a garbage collection
         if f_hi > f_lo:
-            col_lo = self._descs[f_lo].out_col
-            col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
-            self.replay(ticket, kjt, self.kept_grads(epoch % lay.num_slots, rows, (col_lo, col_hi, lay.dim_sum), self.spec.out_dtype))
+            self.replay(ticket, kjt, self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype))
 
     def _captured_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The backward under CUDA-graph capture: the same stages as :meth:`_exchange_and_apply` with nothing
@@ -378,10 +373,7 @@ class DeviceStep(PgasStep):
             failed = torch.cat([o.device_step_failed() for o in siblings]).any()
             at = (StateWord.STEP_FAILED + slot).view(1)  # index_select, not [tensor]: that reads it on the host
             self._state.index_put_((at,), torch.where(failed, epoch, self._state.index_select(0, at)))
-        sent = grad[:ticket.batch].to(self.spec.out_dtype)
-        if sent.data_ptr() % 16:
-            sent = sent.clone()
-        ops.grad_dist(sent, *args, 0, ticket.batch, gradient_divisor(self.world_size), False)
+        ops.grad_dist(self._sent_gradient(grad, ticket.batch), *args, 0, ticket.batch, gradient_divisor(self.world_size), False)
         ops.await_grads(*args, self._grad_flags, 0)
         whole = (self._grad_flags == 0).all()
         f_lo, f_hi = self.lookup_features
@@ -392,12 +384,22 @@ class DeviceStep(PgasStep):
             batches = self._buffer_as(torch.int64)[headers // 8]
             kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows,
                                         (f_lo, f_hi - f_lo, lay.num_features), batches, whole)
-            col_lo = self._descs[f_lo].out_col
-            col_hi = self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim
-            grads = self.kept_grads(slot, rows, (col_lo, col_hi, lay.dim_sum), self.spec.out_dtype)
+            grads = self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype)
             captured_owner_backward(ticket.tbes, kept, grads, whole.long().view(1))
         ops.release_sources(*args, 0)
         record_captured_backward(self, ticket)
+
+    def _sent_gradient(self, grad: torch.Tensor, batch: int) -> torch.Tensor:
+        """The first ``batch`` rows of the output's gradient, in the output dtype, starting on 16 bytes (a view
+        into its storage may not: grad_dist reads rows in 16-byte vectors)."""
+        sent = grad[:batch].to(self.spec.out_dtype)
+        return sent.clone() if sent.data_ptr() % 16 else sent
+
+    def _held_columns(self) -> Tuple[int, int, int]:
+        """The output columns of the features this rank holds (first, end) and the row width of a gradient
+        block: what ``kept_grads`` reads."""
+        f_lo, f_hi = self.lookup_features
+        return self._descs[f_lo].out_col, self._descs[f_hi - 1].out_col + self._descs[f_hi - 1].dim, self.layout.dim_sum
 
     def device_step_failed(self) -> torch.Tensor:
         """Whether the step of this sharding's last lookup failed here: a one-element device bool."""

@@ -296,7 +296,10 @@ def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
     """Write the hyper-parameters of the TBE's next update into the device words the update reads."""
     words = _HYPER.get(tbe)
     if words is not None:
-        words.copy_(_upload(as_tensor(hyper_words(tbe, iteration)).view(torch.float32), words.device))
+        host = as_tensor(hyper_words(tbe, iteration)).view(torch.float32)
+        # one copy straight from pinned memory, no stream sync (the caching host allocator keeps the block
+        # until the copy has run)
+        words.copy_(host.pin_memory() if words.is_cuda else host, non_blocking=True)
 
 
 def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor,
@@ -304,13 +307,12 @@ def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads:
     """The owner backward of a step captured in a CUDA graph: ``kept`` at a fixed capacity (each TBE's keys
     past its rows where the id is not its own, so the op skips them), the hyper-parameters in device words
     refreshed before each replay, and nothing applied where the device word ``apply`` is 0."""
+    held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
     first_col, first_bag = 0, 0
     for tbe in tbes:
         layout = _op_layout(tbe, grads, first_col)
-        features = len(tbe.feature_table_map)
-        end_bag = first_bag + features * kept.stride
-        if not _op_takes(layout, grads, min(features * kept.stride, kept.offsets.numel() - 1 - first_bag),
-                         features * kept.stride):
+        end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
+        if not _op_takes(layout, grads, kept.offsets.numel() - 1, held_bags):
             raise PgasError(f"the owner update op does not take TBE {tbe.embedding_specs} (or a "
                             f"{grads.dtype} gradient): it cannot run in a captured training step")
         mine = (kept.bags >= first_bag) & (kept.bags < end_bag)
