@@ -76,8 +76,11 @@ def _extensions() -> Tuple[List[Any], Dict[str, Any], List[str]]:
                 "-U__CUDA_NO_HALF_CONVERSIONS__",
                 "-U__CUDA_NO_HALF2_OPERATORS__",
                 "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                # nvcc 13 compresses a large fatbinary by default; plain, it loads without an inflate and the
+                # build's checks (tests/test_extension.py) can read its architecture and NVSHMEM's device code
+                "--no-compress",
             ],
-            "nvcc_dlink": ["-dlink", f"-L{root}/lib", "-lnvshmem_device"],
+            "nvcc_dlink": ["-dlink", "--no-compress", f"-L{root}/lib", "-lnvshmem_device"],
         },
         extra_link_args=[
             "-lcuda",

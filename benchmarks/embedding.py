@@ -323,13 +323,28 @@ def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: to
     return dmp
 
 
-def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Dict[Tuple[int, int, int], int]) -> int:
+ModelGroup = Callable[[Workload], Tuple[int, ...]]
+
+
+def shared_models(w: Workload) -> Tuple[int, ...]:
+    """Workloads of one table shape share their models (and buffers sized for the largest of them)."""
+    return w.model_key
+
+
+def own_models(w: Workload) -> Tuple[int, ...]:
+    """Each workload its own models, buffers sized to its ids (``--train-graph``: a captured step sorts its
+    buffers' whole capacity, which a training job sizes to its batch)."""
+    return w.model_key + (w.batch_per_gpu, w.pooling)
+
+
+def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Dict[Tuple[int, ...], int],
+                         group: ModelGroup) -> int:
     """NVSHMEM heap for every PGAS sharding of the run (buffers live until exit)."""
     total = 0
-    for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
-        ws = list(group)
-        total += StepLayout(world_size=world, num_features=key[0], max_batch=max(w.batch_per_gpu for w in ws),
-                            ids_capacity=capacity[key], dim_sum=key[0] * key[2], weighted=False).nbytes
+    for key, same in itertools.groupby(workloads, key=group):
+        ws = list(same)
+        total += StepLayout(world_size=world, num_features=ws[0].tables, max_batch=max(w.batch_per_gpu for w in ws),
+                            ids_capacity=capacity[key], dim_sum=ws[0].tables * ws[0].dim, weighted=False).nbytes
     return total
 
 
@@ -661,8 +676,9 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
     row["pgas_train_graph_p50_ms"] = row["speedup_train_graph"] = None
     if device.type == "cuda" and args.train_graph:
         # the whole PGAS step replayed as one CUDA graph on input set 0 alone: the state goes back afterwards
-        # (the next workloads compare it with stock's)
-        saved = local_state(pgas)
+        # (the next workloads compare it with stock's), kept in host memory meanwhile (s000-strong's three
+        # copies of 25 GB would not fit an 80 GB GPU)
+        saved = {name: t.to("cpu", copy=True) for name, t in local_state(pgas, clone=False).items()}
         replay = CapturedTrainStep(lambda: train_step(pgas, inputs[0], grads[0]), warmup_steps=1)
         t_graph = time_steps(lambda i: replay(), args.steps, 2, device)
         check_errors(pgas)
@@ -782,7 +798,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--train-graph", action="store_true",
                         help="--mode train: also the PGAS step replayed as one CUDA graph (CapturedTrainStep; needs "
                              "--owner-backward pgas and --no-graph: the forward's graphs leave the host's step "
-                             "counters behind the device's)")
+                             "counters behind the device's; each workload gets its own models, their buffers sized "
+                             "to its ids)")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--inference-only", action="store_true",
@@ -820,14 +837,15 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
-    capacity: Dict[Tuple[int, int, int], int] = {}
+    group = own_models if args.train_graph else shared_models
+    capacity: Dict[Tuple[int, ...], int] = {}
     for k, w in enumerate(workloads):
         inputs[w] = make_inputs(w, w.tables, w.batch_per_gpu, args.sets, seed=1000 * rank + k, device=device)
         nnz = torch.tensor(max(x.values().numel() for x in inputs[w]), device=device)
         dist.all_reduce(nnz, op=dist.ReduceOp.MAX)
-        capacity[w.model_key] = max(capacity.get(w.model_key, 1), int(nnz))
+        capacity[group(w)] = max(capacity.get(group(w), 1), int(nnz))
     if cuda and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
-        heap = symmetric_heap_bytes(workloads, world, capacity) + (1 << 30)
+        heap = symmetric_heap_bytes(workloads, world, capacity, group) + (1 << 30)
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
 
     rows: List[Dict[str, Any]] = []
@@ -854,8 +872,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     if args.mode == "train" else None)
     progress = tqdm(total=len(workloads), disable=rank != 0, file=sys.stderr, desc="workloads")
     with torch.no_grad():
-        for key, group in itertools.groupby(workloads, key=lambda w: w.model_key):
-            ws = list(group)
+        for key, same in itertools.groupby(workloads, key=group):
+            ws = list(same)
             config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
                                 training=not args.inference_only, owner_backward=args.owner_backward)
             stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)

@@ -47,12 +47,27 @@ void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags,
                       const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                      const c10::optional<at::Tensor>& apply);
+                      const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used);
 void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags,
                        const at::Tensor& offsets, const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                       const c10::optional<at::Tensor>& apply);
+                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used);
+using OwnerKeys = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
+                         const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
+                         const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
+OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
+                          const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
+                          const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
+OwnerKeys owner_keys_meta(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
+                          const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
+                          const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
+OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
+OwnerKeys sort_owner_keys_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
+                               int64_t key_limit);
+OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
+                               int64_t key_limit);
 at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                                  const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                                  const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
@@ -121,11 +136,24 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   // sorted (int32 or int64); bags (int32), per_sample_weights: each sorted id's bag and weight; offsets: the
   // kept ids' bag offsets; grad: the pooled gradient; features: CPU OwnerFeatureDesc words; hyper:
   // OwnerHyper (fp32, on the device); config: the bytes of an OwnerUpdateConfig (CPU uint8); apply: none, or
-  // an int64 word on the device, 0 for a step no rank may apply (the captured training step's failure check).
+  // an int64 word on the device, 0 for a step no rank may apply (the captured training step's failure check);
+  // used: none, or an int64 word on the device, the positions that may hold ids (the rest hold keys past every
+  // table: a captured step's fixed capacity), which sizes the walkers' chunks.
   m.def(
       "owner_update(Tensor keys, Tensor bags, Tensor offsets, Tensor? per_sample_weights, "
       "Tensor grad, Tensor(a!)[] weights, Tensor(b!)[] momentum1, Tensor(c!)[] momentum2, Tensor features, "
-      "Tensor hyper, Tensor config, Tensor? apply=None) -> ()");
+      "Tensor hyper, Tensor config, Tensor? apply=None, Tensor? used=None) -> ()");
+  // The owner update's inputs for a step captured in a CUDA graph (owner_keys.h): one TBE's kept ids as row
+  // keys, bags and per-sample weights at a fixed capacity, padded with key_limit, from the owner's buffer
+  // (ids: as int32 or int64 ids, weights: as fp32) and the kept bags' device offsets; config: the bytes of an
+  // OwnerKeysConfig (CPU uint8). Returns (keys, bags, per_sample_weights: empty when unweighted).
+  m.def(
+      "owner_keys(Tensor ids, Tensor? weights, Tensor first_id, Tensor? first_weight, Tensor offsets, "
+      "Tensor feature_base, Tensor config, int capacity) -> (Tensor, Tensor, Tensor)");
+  // The keys sorted, stable, each with its bag and per-sample weight (empty: unweighted); keys outside
+  // [0, key_limit] become key_limit.
+  m.def("sort_owner_keys(Tensor keys, Tensor bags, Tensor per_sample_weights, int key_limit) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {
@@ -135,14 +163,20 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(torchrec_pgas, Meta, m) {
   m.impl("alloc", &torchrec_pgas::alloc_meta);
   m.impl("combine_partials", &torchrec_pgas::combine_partials_meta);
+  m.impl("owner_keys", &torchrec_pgas::owner_keys_meta);
+  m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_meta);
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CPU, m) {
   m.impl("owner_update", &torchrec_pgas::owner_update_cpu);
+  m.impl("owner_keys", &torchrec_pgas::owner_keys_cpu);
+  m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
   m.impl("owner_update", &torchrec_pgas::owner_update_cuda);
+  m.impl("owner_keys", &torchrec_pgas::owner_keys_cuda);
+  m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_cuda);
   m.impl("free", &torchrec_pgas::pgas_free);
   m.impl("peer_ptr", &torchrec_pgas::pgas_peer_ptr);
   m.impl("put", &torchrec_pgas::pgas_put);

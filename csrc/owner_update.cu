@@ -1,8 +1,9 @@
 // The owner update on the GPU: the walk of owner_update.h with a warp per
-// chunk of sorted positions (grid-stride over the chunks). The warp's lanes
-// read a batch of 32 positions' fields one a lane, then walk the positions
-// together, splitting each row's columns. No host sync: the id count is the
-// tensors' size, the hyper-parameters are read on the device.
+// chunk of sorted positions (grid-stride over the chunks, their size set by
+// the ids per warp). The warp's lanes read a batch of 32 positions' fields one
+// a lane, then walk the positions together, splitting each row's columns. No
+// host sync: the id count is the tensors' size (or a device word), the
+// hyper-parameters are read on the device.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -40,22 +41,34 @@ struct WarpLanes {
   __device__ void sync() const { __syncwarp(); }
 };
 
+// A chunk is walked serially by one warp, so a step's ids spread over every
+// walker: kOwnerChunk positions a chunk where there are that many per walker,
+// down to one batch of 32 (a small step's walk is a few dependent loads per
+// id; in 256-id chunks it would run on n / 256 warps).
+__device__ __forceinline__ int64_t walker_chunk(int64_t n, int64_t walkers) {
+  const int64_t per_walker = (n + walkers - 1) / walkers;
+  const int64_t batches = (per_walker + 31) / 32;
+  return batches < 1 ? 32 : batches * 32 < kOwnerChunk ? batches * 32 : kOwnerChunk;
+}
+
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
     owner_update_kernel(OwnerUpdateParams p) {
   if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
   const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
-  const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks;
-       c += static_cast<int64_t>(gridDim.x) * kWarps) {
-    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, lanes);
+  const int64_t n = used_positions(p), walkers = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t chunk = walker_chunk(n, walkers), chunks = (n + chunk - 1) / chunk;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks; c += walkers) {
+    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c * chunk, c * chunk + chunk, lanes);
   }
 }
 
+// As many CTAs as the positions fill with 32-id chunks, at most the resident ones (a captured step's
+// capacity: every resident CTA, each reading how many positions are used).
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 void launch(const OwnerUpdateParams& p) {
   const auto kernel = owner_update_kernel<weight_t, grad_t, kOptimizer, kColumns>;
-  const int64_t needed = (p.n + kWarps * kOwnerChunk - 1) / (kWarps * kOwnerChunk);
+  const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident_ctas(kernel, kThreads)));
   kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
@@ -67,12 +80,12 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
                        const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                       const c10::optional<at::Tensor>& apply) {
+                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const c10::cuda::CUDAGuard guard(grad.device());
   std::vector<at::Tensor> on_device;  // the descriptors' device copies
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
-                                                  features, hyper, config, apply, on_device);
+                                                  features, hyper, config, apply, used, on_device);
   int64_t max_dim = 0;
   for (const at::Tensor& w : weights) max_dim = std::max<int64_t>(max_dim, w.size(1));
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,

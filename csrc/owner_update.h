@@ -68,7 +68,7 @@ namespace torchrec_pgas {
 
 // Largest table dim the update takes (a GPU lane holds up to dim / 32 sums).
 constexpr int kOwnerMaxDim = 512;
-// Sorted positions per chunk: the walkers' unit of work on every device.
+// Sorted positions per chunk: the CPU walkers' unit of work, the GPU's largest (owner_update.cu).
 constexpr int64_t kOwnerChunk = 256;
 
 // A table's views in the TBE's storage, built by the host from the op's
@@ -98,7 +98,16 @@ struct OwnerUpdateParams {
   int64_t num_features;
   int64_t num_tables;
   const int64_t* apply;  // null, or a word on the update's device: 0 applies nothing (a refused step)
+  const int64_t* used;  // null, or a word on the update's device: positions at or past it hold only keys past
+                        // every table (a captured step's capacity); it sizes the walkers' chunks
 };
+
+// The positions that may hold ids: n, or fewer where the device word `used` says so.
+PGAS_UPDATE_FN int64_t used_positions(const OwnerUpdateParams& p) {
+  if (p.used == nullptr) return p.n;
+  const int64_t used = *p.used;
+  return used < 0 ? 0 : used < p.n ? used : p.n;
+}
 
 PGAS_UPDATE_FN int64_t key_at(const OwnerUpdateParams& p, int64_t q) {
   return p.keys32 != nullptr ? static_cast<int64_t>(p.keys32[q]) : p.keys64[q];
@@ -382,7 +391,8 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                                      const c10::optional<at::Tensor>& apply, std::vector<at::Tensor>& on_device);
+                                      const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used,
+                                      std::vector<at::Tensor>& on_device);
 
 // Calls fn(weight_t{}, grad_t{}, optimizer) for the update's weight and gradient dtypes and its optimizer (an
 // std::integral_constant: each optimizer's walk is its own kernel, without the others' branches).

@@ -137,7 +137,7 @@ struct HostLanes {
 
 template <typename weight_t, typename grad_t, Optimizer kOptimizer>
 void update_on_host(const OwnerUpdateParams& p) {
-  const int64_t chunks = (p.n + kOwnerChunk - 1) / kOwnerChunk;
+  const int64_t chunks = (used_positions(p) + kOwnerChunk - 1) / kOwnerChunk;
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       walk_chunk<HostLanes, weight_t, grad_t, kOptimizer>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, HostLanes{});
@@ -151,7 +151,8 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                                      const c10::optional<at::Tensor>& apply, std::vector<at::Tensor>& on_device) {
+                                      const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used,
+                                      std::vector<at::Tensor>& on_device) {
   const OwnerUpdateConfig c = checked_config(config);
   const int64_t n = keys.numel(), num_features = features.dim() == 2 ? features.size(0) : 0;
   const at::Device device = grad.device();
@@ -172,6 +173,9 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
   PGAS_CHECK(!apply.has_value() || (apply->scalar_type() == at::kLong && apply->numel() == 1 &&
                                     apply->device() == device),
              "owner_update: apply must be one int64 word on the gradient's device");
+  PGAS_CHECK(!used.has_value() || (used->scalar_type() == at::kLong && used->numel() == 1 &&
+                                   used->device() == device),
+             "owner_update: used must be one int64 word on the gradient's device");
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const std::vector<OwnerTable> tables = checked_tables(weights, momentum1, momentum2, c, device);
   check_features(features, tables, grad.size(1));
@@ -195,6 +199,7 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
       num_features,
       static_cast<int64_t>(tables.size()),
       apply.has_value() ? apply->data_ptr<int64_t>() : nullptr,
+      used.has_value() ? used->data_ptr<int64_t>() : nullptr,
   };
 }
 
@@ -204,11 +209,11 @@ void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::
                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                      const c10::optional<at::Tensor>& apply) {
+                      const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used) {
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   std::vector<at::Tensor> on_device;
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
-                                                  features, hyper, config, apply, on_device);
+                                                  features, hyper, config, apply, used, on_device);
   if (p.apply != nullptr && *p.apply == 0) return;
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
                         [&](auto weight, auto grad_type, auto optimizer) {

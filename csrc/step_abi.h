@@ -167,6 +167,15 @@ struct OwnerHyper {
   float reserved;  // keeps the struct a whole number of 8-byte words
 };
 
+// What the host decides of the keys of one TBE's kept ids at a captured
+// step's fixed capacity (owner_keys.h; the bytes of the config, CPU uint8).
+struct OwnerKeysConfig {
+  int64_t first_bag;  // the TBE's kept bags: [first_bag, end_bag) of the sharding's kept bags
+  int64_t end_bag;
+  int64_t stride;  // bags per feature: the TBE's feature of kept bag b is (b - first_bag) / stride
+  int64_t key_limit;  // its tables' rows: the key of padding and of ids outside every table
+};
+
 // What the host decides of an update (the bytes of the config, CPU uint8).
 struct OwnerUpdateConfig {
   Optimizer optimizer;
@@ -310,6 +319,11 @@ inline void describe_structs(AbiText& out) {
   PGAS_ABI_FIELD(OwnerHyper, bias_correction1);
   PGAS_ABI_FIELD(OwnerHyper, bias_correction2);
   PGAS_ABI_FIELD(OwnerHyper, reserved);
+  PGAS_ABI_STRUCT(OwnerKeysConfig);
+  PGAS_ABI_FIELD(OwnerKeysConfig, first_bag);
+  PGAS_ABI_FIELD(OwnerKeysConfig, end_bag);
+  PGAS_ABI_FIELD(OwnerKeysConfig, stride);
+  PGAS_ABI_FIELD(OwnerKeysConfig, key_limit);
   PGAS_ABI_STRUCT(OwnerUpdateConfig);
   PGAS_ABI_FIELD(OwnerUpdateConfig, optimizer);
   PGAS_ABI_FIELD(OwnerUpdateConfig, weight_decay_mode);

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchrec_pgas.layout import StepLayout
-from torchrec_pgas.step_abi import BoundsMode, as_tensor
+from torchrec_pgas.step_abi import BoundsMode, OwnerKeysConfig, as_tensor, build
 
 try:
     import torchrec_pgas._C as _C
@@ -28,7 +28,7 @@ def test_built_for_hopper_with_device_link() -> None:
     assert b"-arch sm_90a" in blob  # TORCH_CUDA_ARCH_LIST=9.0a, device-linked
     assert b"nvshmem_device" in blob  # NVSHMEM device library linked in (-rdc + dlink)
     for kernel in (b"put_kernel", b"signal_kernel", b"wait_kernel", b"index_dist_kernel", b"pooled_lookup_kernel",
-                   b"combine_partials_kernel", b"owner_update_kernel"):
+                   b"combine_partials_kernel", b"owner_update_kernel", b"owner_keys_kernel"):
         assert kernel in blob
 
 
@@ -50,9 +50,11 @@ def test_ops_registered() -> None:
 @needs_ext
 def test_dispatch_keys_and_meta_impl() -> None:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    for op in ("put", "signal", "wait", "free", "index_dist", "pooled_lookup", "combine_partials", "owner_update"):
+    for op in ("put", "signal", "wait", "free", "index_dist", "pooled_lookup", "combine_partials", "owner_update",
+               "owner_keys", "sort_owner_keys"):
         assert has(f"torchrec_pgas::{op}", "CUDA"), op
-    assert has("torchrec_pgas::owner_update", "CPU")  # the CPU path of the same algorithm
+    for op in ("owner_update", "owner_keys", "sort_owner_keys"):  # the CPU path of the same algorithm
+        assert has(f"torchrec_pgas::{op}", "CPU"), op
     assert has("torchrec_pgas::alloc", "Meta")
     meta = torch.ops.torchrec_pgas.alloc.default.redispatch(
         torch._C.DispatchKeySet(torch._C.DispatchKey.Meta), 1024
@@ -72,6 +74,21 @@ def test_combine_partials_meta_impl() -> None:
     out = torch.ops.torchrec_pgas.combine_partials(torch.empty(lay.nbytes, dtype=torch.uint8, device=meta),
                                                   t, t, t, t, t, t, config, col_feature, 5, torch.bfloat16)
     assert out.shape == (5, 24) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+@needs_ext
+def test_owner_keys_meta_impls() -> None:
+    """The captured owner backward's ops under fake/meta tracing: the capacity's keys (the key dtype), bags
+    and weights, and the sort's outputs shaped as its inputs."""
+    meta = torch.device("meta")
+    i64 = torch.empty(9, dtype=torch.int64, device=meta)
+    config = as_tensor(build(OwnerKeysConfig, first_bag=0, end_bag=8, stride=4, key_limit=100))
+    keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(
+        torch.empty(64, dtype=torch.int32, device=meta), None, i64, None, i64,
+        torch.empty(2, dtype=torch.int32, device=meta), config, 40)
+    assert (keys.shape, keys.dtype, bags.shape, bags.dtype, psw.shape) == ((40,), torch.int32, (40,), torch.int32, (0,))
+    out = torch.ops.torchrec_pgas.sort_owner_keys(keys, bags, torch.empty(40, device=meta), 100)
+    assert [t.shape for t in out] == [(40,)] * 3 and all(t.device.type == "meta" for t in out)
 
 
 @needs_ext

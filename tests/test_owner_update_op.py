@@ -22,6 +22,7 @@ from torchrec_pgas.sharding.owner_backward import OP_MAX_DIM, op_available, op_u
 from torchrec_pgas.step_abi import (
     OwnerFeatureDesc,
     OwnerHyper,
+    OwnerKeysConfig,
     OwnerUpdateConfig,
     Optimizer,
     WeightDecay,
@@ -175,16 +176,120 @@ def test_op_takes_each_rows_table_from_its_key() -> None:
     assert w1[2].tolist() == [-0.5] * 4 and float(w1.abs().sum()) == 2.0
 
 
-def test_op_stops_at_the_padding_past_every_table_and_applies_nothing_when_told() -> None:
+def _on(device: torch.device, args: dict) -> dict:
+    """``args`` with every tensor the op reads on the device moved there (its descriptors and config stay on
+    the host), the lists' tensors copied."""
+    def move(name: str, v: object) -> object:
+        if isinstance(v, list):
+            return [t.clone().to(device) for t in v]
+        return v.to(device) if isinstance(v, torch.Tensor) and name not in ("features", "config") else v
+    return {name: move(name, v) for name, v in args.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_stops_at_the_padding_past_every_table_and_applies_nothing_when_told(device: str) -> None:
     """A captured step's fixed capacity: 700 positions of a key past every table's rows (bag -1) after the
-    real ids, over several chunks, change nothing; a device word ``apply`` of 0 (a refused step) applies
-    nothing at all, 1 applies the step."""
-    pad = 700
-    padded = _run(_op_args(keys=torch.cat([torch.tensor([1, 1, 3, 9]), torch.full((pad,), 10)]),
-                           bags=torch.cat([torch.tensor([0, 0, 1, 1]), torch.full((pad,), -1)]).to(torch.int32)))
-    assert torch.equal(padded, _run(_op_args()))
-    assert float(_run(_op_args(apply=torch.tensor([0]))).abs().sum()) == 0.0
-    assert torch.equal(_run(_op_args(apply=torch.tensor([1]))), _run(_op_args()))
+    real ids, over several chunks, change nothing, whether or not the device word ``used`` says where the ids
+    end; a device word ``apply`` of 0 (a refused step) applies nothing at all, 1 applies the step."""
+    dev, pad = torch.device(device), 700
+    exact = _run(_on(dev, _op_args()))
+    padded = dict(keys=torch.cat([torch.tensor([1, 1, 3, 9]), torch.full((pad,), 10)]),
+                  bags=torch.cat([torch.tensor([0, 0, 1, 1]), torch.full((pad,), -1)]).to(torch.int32))
+    for used in (None, torch.tensor([4]), torch.tensor([pad + 4]), torch.tensor([10 ** 9])):
+        assert torch.equal(_run(_on(dev, _op_args(**padded, used=used))), exact), used
+    assert float(_run(_on(dev, _op_args(apply=torch.tensor([0])))).abs().sum()) == 0.0
+    assert torch.equal(_run(_on(dev, _op_args(apply=torch.tensor([1])))), exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("n", [40, 3000, 200_000])
+def test_op_walks_alike_at_any_chunk_size(n: int) -> None:
+    """The GPU's chunks follow the ids per warp (32 to 256 positions): a step of ``n`` ids (a quarter of them
+    on one hot row, runs across chunk boundaries) updates the weights and momentum as the CPU path's
+    256-position chunks do, padded to a capacity or not, with or without ``used``."""
+    gen = torch.Generator().manual_seed(n)
+    rows, dim, batch = 5000, 48, 64
+    keys = torch.cat([torch.randint(0, rows, (n - n // 4,), generator=gen), torch.full((n // 4,), 17)]).sort().values
+    bags = torch.randint(0, batch, (n,), generator=gen, dtype=torch.int32)
+    args = _op_args(offsets=torch.arange(batch + 1) * (n // batch), grad=torch.randn(batch, dim, generator=gen),
+                    weights=[torch.randn(rows, dim, generator=gen)], momentum1=[torch.rand(rows, generator=gen)],
+                    config=as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.ROWWISE_ADAGRAD,
+                                           weight_decay_mode=WeightDecay.NONE, mean=0, weighted=0, batch=batch)))
+    want = _on(torch.device("cpu"), dict(args, keys=keys, bags=bags))
+    _run(want)
+    pad = 5000
+    for used in (None, torch.tensor([n])):
+        got = _on(torch.device("cuda"), dict(args, keys=torch.cat([keys, torch.full((pad,), rows)]),
+                                             bags=torch.cat([bags, torch.full((pad,), -1, dtype=torch.int32)]),
+                                             used=used))
+        _run(got)
+        # the same sums in the same order; only the row's square sum adds the lanes in another order
+        for name in ("weights", "momentum1"):
+            torch.testing.assert_close(got[name][0].cpu(), want[name][0], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}, used {used}: {m}")
+
+
+def _kept_buffer(device: torch.device, lengths: List[int], first_id: List[int]) -> dict:
+    """Six kept bags over a 50-id buffer (id e at element e, weight e / 2 at element e + 5); the TBE holds bags
+    2-5, two features of two bags (key bases 100 and 200, keys below 240)."""
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    return dict(ids=torch.arange(50, dtype=torch.int32, device=device),
+                weights=torch.arange(60, dtype=torch.float32, device=device) / 2,
+                first_id=torch.tensor(first_id, device=device), first_weight=torch.tensor(first_id, device=device) + 5,
+                offsets=offsets.to(device), feature_base=torch.tensor([100, 200], device=device),
+                config=as_tensor(build(OwnerKeysConfig, first_bag=2, end_bag=6, stride=2, key_limit=240)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_owner_keys_lays_out_a_tbes_ids_then_padding(device: str) -> None:
+    """Bag 2 (feature 0): ids 10-12, keys 110-112, bag 0; bag 3 empty; bag 4 (feature 1): ids 30-31, keys
+    230-231, bag 2; bag 5: id 49 (key 249, past the tables) and element 50 (past the buffer) become padding,
+    as do the capacity's last two positions. Unweighted: no weights at all."""
+    dev = torch.device(device)
+    args = _kept_buffer(dev, [1, 2, 3, 0, 2, 2], [0, 5, 10, 20, 30, 49])
+    keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(**args, capacity=9)
+    assert keys.tolist() == [110, 111, 112, 230, 231] + [240] * 4 and keys.dtype == torch.int64
+    assert bags.tolist() == [0, 0, 0, 2, 2] + [-1] * 4 and psw.tolist() == [7.5, 8.0, 8.5, 17.5, 18.0] + [0.0] * 4
+    _, _, unweighted = torch.ops.torchrec_pgas.owner_keys(**dict(args, weights=None, first_weight=None), capacity=9)
+    assert unweighted.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_owner_keys_writes_only_inside_its_capacity_and_reads_only_inside_the_buffer(device: str) -> None:
+    """Corrupt headers (a negative length, counts past the capacity, ids far outside the buffer): every
+    position written is one of the capacity's, every read inside the buffer (memcheck on the GPU), and what
+    cannot be read is padding."""
+    dev = torch.device(device)
+    args = _kept_buffer(dev, [1, 2, 3, -7, 10 ** 6, 2], [0, 5, -1000, 2 ** 40, 45, 10 ** 9])
+    keys, bags, _ = torch.ops.torchrec_pgas.owner_keys(**args, capacity=16)
+    assert keys.numel() == 16 and bool(((keys == 240) == (bags == -1)).all())
+    assert bool(((keys >= 100) & (keys <= 240)).all())
+    with pytest.raises(RuntimeError, match="first_id has 4 elements, at least 6 needed"):
+        torch.ops.torchrec_pgas.owner_keys(**dict(args, first_id=args["first_id"][:4]), capacity=16)
+    with pytest.raises(RuntimeError, match="bags \\[2, 5\\) are not whole features of 2 bags"):
+        torch.ops.torchrec_pgas.owner_keys(**dict(args, config=as_tensor(build(
+            OwnerKeysConfig, first_bag=2, end_bag=5, stride=2, key_limit=240))), capacity=16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sort_owner_keys_is_a_stable_sort_of_the_clamped_keys(device: str, key_dtype: torch.dtype,
+                                                              weighted: bool) -> None:
+    """Keys outside [0, key_limit] become key_limit; equal keys keep their order (a hot key of 500 ids among
+    them), each with its bag and weight: as torch.sort(stable=True) of the clamped keys."""
+    gen, n, key_limit = torch.Generator().manual_seed(3), 5000, 777
+    keys = torch.randint(-50, key_limit + 50, (n,), generator=gen).to(key_dtype)
+    keys[torch.randperm(n, generator=gen)[:500]] = 3
+    bags = torch.arange(n, dtype=torch.int32)
+    psw = torch.rand(n, generator=gen) if weighted else torch.empty(0)
+    got = torch.ops.torchrec_pgas.sort_owner_keys(keys.to(device), bags.to(device), psw.to(device), key_limit)
+    clamped = torch.where((keys < 0) | (keys > key_limit), key_limit, keys)
+    order = torch.sort(clamped, stable=True).indices
+    assert torch.equal(got[0].cpu(), clamped[order]) and got[0].dtype == key_dtype
+    assert torch.equal(got[1].cpu(), bags[order])
+    assert torch.equal(got[2].cpu(), psw[order] if weighted else psw)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -197,6 +302,7 @@ def test_op_stops_at_the_padding_past_every_table_and_applies_nothing_when_told(
      "feature 0 names table 1 of 1"),
     (dict(offsets=torch.tensor([0, 4])), "offsets has 2 elements, expected 3"),
     (dict(apply=torch.tensor([1, 1])), "apply must be one int64 word"),
+    (dict(used=torch.tensor([4.0])), "used must be one int64 word"),
     (dict(bags=torch.tensor([0, 0, 1, 1])), "bags must be a contiguous 1-D Int tensor"),
     (dict(keys=torch.tensor([1, 1, 3, 9], dtype=torch.int16)), "keys must be a contiguous 1-D Long tensor"),
     (dict(config=torch.zeros(8, dtype=torch.uint8)), "the 40 bytes of an OwnerUpdateConfig"),

@@ -34,7 +34,9 @@ from torchrec_pgas.testing import (
     spread_tables,
     train_against_stock,
 )
+from torchrec_pgas.sharding.owner_backward import op_available
 from torchrec_pgas.sharding.step import PgasStep
+from torchrec_pgas.step_abi import OwnerKeysConfig, as_tensor, build
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
 STEPS = 20
@@ -148,11 +150,13 @@ def test_training_matches_stock_at_two_ranks() -> None:
 
 
 def _padded_ids_match(rank: int, world: int, kind: str) -> int:
-    """Train a few steps with every owner's ``kept_ids`` checked against ``kept_ids_padded`` (what a captured
-    step reads: no host sync, a fixed capacity): the same ids, bags, weights and offsets, and nothing past
-    them. Returns how many owner rebuilds were checked."""
+    """Train a few steps with every owner's ``kept_ids`` checked against what a captured step reads: the
+    ``owner_keys`` op over ``kept_ids_padded`` (no host sync, a fixed capacity), with every feature's key base
+    0, gives the same ids, bags and weights, then padding (key past every table, bag -1) and nothing else.
+    Returns how many owner rebuilds were checked."""
     checked: List[int] = []
     exact = PgasStep.kept_ids
+    key_limit = 2 ** 40  # past any id of the test's tables
 
     def both(step: PgasStep, epoch: int, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
              whole: Any = None) -> Any:
@@ -160,14 +164,18 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
         lay = step.layout
         slot_base = torch.tensor(lay.index_block(epoch % lay.num_slots, 0))
         padded = step.kept_ids_padded(slot_base, rows, block_features, batches, torch.tensor(True))
-        n, lengths = kjt.values().numel(), kjt.lengths()
-        assert padded.ids.numel() == world * lay.ids_capacity >= n
-        assert torch.equal(padded.ids[:n], kjt.values()) and not padded.ids[n:].any()
-        assert torch.equal(padded.bags[:n], torch.repeat_interleave(torch.arange(lengths.numel()), lengths))
-        assert (padded.bags[n:] == -1).all() and torch.equal(padded.offsets, kjt.offsets())
+        n, lengths, nbags = kjt.values().numel(), kjt.lengths(), kjt.lengths().numel()
+        assert padded.capacity == world * lay.ids_capacity >= n and padded.stride == kjt.stride()
+        assert torch.equal(padded.bags.offsets, kjt.offsets())
+        config = build(OwnerKeysConfig, first_bag=0, end_bag=nbags, stride=padded.stride, key_limit=key_limit)
+        keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(
+            padded.ids, padded.weights, padded.bags.first_id, padded.bags.first_weight, padded.bags.offsets,
+            torch.zeros(nbags // padded.stride, dtype=torch.int64), as_tensor(config), padded.capacity)
+        assert torch.equal(keys[:n], kjt.values()) and (keys[n:] == key_limit).all()
+        assert torch.equal(bags[:n], torch.repeat_interleave(torch.arange(nbags, dtype=torch.int32), lengths))
+        assert (bags[n:] == -1).all()
         if kjt.weights_or_none() is not None:
-            assert padded.weights is not None and torch.equal(padded.weights[:n], kjt.weights())
-        assert padded.stride == kjt.stride()
+            assert torch.equal(psw[:n], kjt.weights()) and not psw[n:].any()
         checked.append(n)
         return kjt
 
@@ -183,11 +191,12 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
     return len(checked)
 
 
+@pytest.mark.skipif(not op_available(), reason="the owner_keys op is not built (no nvcc here)")
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_kept_ids_padded_reads_what_kept_ids_reads(kind: str) -> None:
-    """The captured step's rebuild of the kept ids (device offsets, a fixed capacity, the tail marked unused)
-    reads every id, bag, weight and offset the eager rebuild reads, here on the CPU backend's buffers
-    (the GPU replay test covers it in a graph: test_gpu_training.py)."""
+    """The captured step's rebuild of the kept ids (device offsets, the owner_keys op at a fixed capacity,
+    the tail padding) reads every id, bag and weight the eager rebuild reads, here on the CPU backend's
+    buffers (the GPU replay test covers it in a graph: test_gpu_training.py)."""
     assert all(n >= 4 for n in run_distributed(_padded_ids_match, 2, kind))
 
 

@@ -151,6 +151,12 @@ class OwnerHyper(ctypes.Structure):
                 ("bias_correction1", _f32), ("bias_correction2", _f32), ("reserved", _f32)]
 
 
+class OwnerKeysConfig(ctypes.Structure):
+    """What the host decides of the keys of one TBE's kept ids at a captured step's capacity (``owner_keys``)."""
+
+    _fields_ = [("first_bag", _i64), ("end_bag", _i64), ("stride", _i64), ("key_limit", _i64)]
+
+
 class OwnerUpdateConfig(ctypes.Structure):
     """What the host decides of an owner update (optimizer: ``Optimizer``, weight_decay_mode: ``WeightDecay``)."""
 
@@ -159,7 +165,7 @@ class OwnerUpdateConfig(ctypes.Structure):
 
 
 STRUCTS: Sequence[Type[ctypes.Structure]] = (FeatureDesc, StepConfig, ErrorRecord, OwnerFeatureDesc, OwnerHyper,
-                                             OwnerUpdateConfig)
+                                             OwnerKeysConfig, OwnerUpdateConfig)
 ERROR_RECORD_WORDS = ctypes.sizeof(ErrorRecord) // 8
 
 S = TypeVar("S", bound=ctypes.Structure)

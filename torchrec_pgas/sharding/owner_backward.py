@@ -39,6 +39,7 @@ from torchrec_pgas.types import PgasError
 from torchrec_pgas.step_abi import (
     OwnerFeatureDesc,
     OwnerHyper,
+    OwnerKeysConfig,
     OwnerUpdateConfig,
     Optimizer,
     as_tensor,
@@ -179,7 +180,7 @@ class _OpLayout(NamedTuple):
     tables: Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]  # weights, momentum1, momentum2
     features: torch.Tensor  # OwnerFeatureDesc words (CPU)
     feature_base: torch.Tensor  # each feature's first row key, on the gradient's device
-    key_dtype: torch.dtype  # int32 where the TBE's rows allow: a radix sort of half the key bits
+    key_dtype: torch.dtype  # int32 where the TBE's rows allow: half the bytes a sort moves
     key_limit: int  # the rows of all its tables: a key past every row
 
 
@@ -250,7 +251,7 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
         hyper = _HYPER[tbe] = torch.empty(ctypes.sizeof(OwnerHyper) // 4, device=grads.device)
     write_hyper(tbe, iteration)
     _sort_and_update(tbe, layout, keys, bags, kjt.weights_or_none(), torch.ops.fbgemm.asynchronous_complete_cumsum(
-        lengths), grads, batch, hyper, None)
+        lengths), grads, batch, hyper)
     return True
 
 
@@ -262,18 +263,19 @@ def _op_takes(layout: Optional["_OpLayout"], grads: torch.Tensor, num_bags: int,
 
 def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, bags: torch.Tensor,
                      psw: Optional[torch.Tensor], offsets: torch.Tensor, grads: torch.Tensor, batch: int,
-                     hyper: torch.Tensor, apply: Optional[torch.Tensor]) -> None:
-    """The ids sorted by row key (stable: a row's ids in arrival order), then the op."""
-    keys, order = torch.sort(keys, stable=True)
-    # each id's bag and weight in the sorted order: a row's ids then read their metadata as one segment
-    bags = bags[order]
-    psw = None if psw is None else psw.float()[order]
-    profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys, their sort and gather; the op
+                     hyper: torch.Tensor, apply: Optional[torch.Tensor] = None,
+                     used: Optional[torch.Tensor] = None) -> None:
+    """The ids sorted by row key (stable: a row's ids in arrival order), each with its bag and weight, then the
+    op (``apply``, ``used``: the op's device words of a captured step)."""
+    ops, weighted = torch.ops.torchrec_pgas, psw is not None
+    keys, bags, sorted_psw = ops.sort_owner_keys(
+        keys, bags, psw.float().contiguous() if weighted else torch.empty(0, device=keys.device), layout.key_limit)
+    profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys and their sort; the op
     mode = tbe.optimizer_args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
-                   mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=psw is not None, batch=batch)
-    torch.ops.torchrec_pgas.owner_update(keys, bags, offsets, psw, grads, *layout.tables, layout.features, hyper,
-                                         as_tensor(config), apply)
+                   mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=weighted, batch=batch)
+    ops.owner_update(keys, bags, offsets, sorted_psw if weighted else None, grads, *layout.tables, layout.features,
+                     hyper, as_tensor(config), apply, used)
     profiling.mark("owner_update")
 
 
@@ -304,27 +306,29 @@ def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
 
 def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor,
                             apply: torch.Tensor) -> None:
-    """The owner backward of a step captured in a CUDA graph: ``kept`` at a fixed capacity (each TBE's keys
-    past its rows where the id is not its own, so the op skips them), the hyper-parameters in device words
-    refreshed before each replay, and nothing applied where the device word ``apply`` is 0."""
+    """The owner backward of a step captured in a CUDA graph: each TBE's kept ids laid out at a fixed capacity
+    by the ``owner_keys`` op (padding keys past every table after its own ids, which the update never walks),
+    the hyper-parameters in device words refreshed before each replay, and nothing applied where the device
+    word ``apply`` is 0."""
     held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
     first_col, first_bag = 0, 0
     for tbe in tbes:
         layout = _op_layout(tbe, grads, first_col)
         end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
-        if not _op_takes(layout, grads, kept.offsets.numel() - 1, held_bags):
+        if not _op_takes(layout, grads, kept.bags.offsets.numel() - 1, held_bags):
             raise PgasError(f"the owner update op does not take TBE {tbe.embedding_specs} (or a "
                             f"{grads.dtype} gradient): it cannot run in a captured training step")
-        mine = (kept.bags >= first_bag) & (kept.bags < end_bag)
-        bags = torch.where(mine, kept.bags - first_bag, 0)
-        keys = torch.where(mine, layout.feature_base[bags // kept.stride] + kept.ids.to(layout.key_dtype),
-                           layout.key_limit)  # past every table's rows
         hyper = _HYPER.get(tbe)
         if hyper is None or hyper.device != grads.device:
             raise PgasError("a training step through the owner update op is captured only after an eager step")
-        offsets = kept.offsets[first_bag:end_bag + 1] - kept.offsets[first_bag]
-        _sort_and_update(tbe, layout, keys, torch.where(mine, bags, -1).to(torch.int32), kept.weights, offsets,
-                         grads, kept.stride, hyper, apply)
+        config = build(OwnerKeysConfig, first_bag=first_bag, end_bag=end_bag, stride=kept.stride,
+                       key_limit=layout.key_limit)
+        keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(
+            kept.ids, kept.weights, kept.bags.first_id, kept.bags.first_weight, kept.bags.offsets,
+            layout.feature_base, as_tensor(config), kept.capacity)
+        offsets = kept.bags.offsets[first_bag:end_bag + 1] - kept.bags.offsets[first_bag]
+        _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
+                         kept.stride, hyper, apply, offsets[-1:])  # this TBE's ids sort first
         first_col += sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
         first_bag = end_bag
 

@@ -52,13 +52,14 @@ class KeptBags(NamedTuple):
 
 
 class PaddedIds(NamedTuple):
-    """The ids an owner kept of a step at a fixed capacity (``PgasStep.kept_ids_padded``): each id's bag
-    (-1: unused), its per-sample weight, the bags' offsets and the stride (bags per feature)."""
+    """The ids an owner kept of a step as a captured step reads them (``PgasStep.kept_ids_padded``): the kept
+    bags (their offsets computed on the device) and the owner's buffer as ids and as fp32 weights, which the
+    ``owner_keys`` op lays out at a fixed capacity; ``stride``: bags per feature."""
 
+    bags: KeptBags
     ids: torch.Tensor
-    bags: torch.Tensor
     weights: Optional[torch.Tensor]
-    offsets: torch.Tensor
+    capacity: int
     stride: int
 
 
@@ -455,26 +456,15 @@ class PgasStep(abc.ABC):
                                  offsets=bags.offsets, weights=weights, stride=self.world_size * rows)
 
     def kept_ids_padded(self, slot_base: torch.Tensor, rows: int, block_features: Tuple[int, int, int],
-                        batches: torch.Tensor, whole: torch.Tensor) -> "PaddedIds":
+                        batches: torch.Tensor, whole: torch.Tensor) -> PaddedIds:
         """:meth:`kept_ids` without the host sync, for a step captured in a CUDA graph: the slot is the
-        device's (``slot_base``: its first byte, a device tensor) and the ids fill a fixed capacity (what
-        the sources' index blocks can hold for this rank), the unused tail marked by bag -1."""
+        device's (``slot_base``: its first byte, a device tensor), and the ids are left where the sources
+        wrote them, for the ``owner_keys`` op to read at a fixed capacity (what the sources' index blocks can
+        hold for this rank)."""
         lay = self.layout
         bags = self._kept_bags(slot_base, rows, block_features, batches, whole)
-        nbags = bags.lengths.numel()
-        k = torch.arange(self.world_size * lay.ids_capacity, device=bags.offsets.device)
-        bag = torch.searchsorted(bags.offsets[1:], k, right=True)  # the first bag that ends past k
-        used = k < bags.offsets[-1]
-        safe = torch.where(used, bag, 0).clamp(max=max(nbags - 1, 0))
-
-        def gather(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            data = self._buffer_as(dtype)
-            at = (first[safe] + k - bags.offsets[safe]).clamp(0, data.numel() - 1)
-            return torch.where(used, data[at], 0)
-
-        ids = gather(bags.first_id, lay.id_dtype).to(torch.int64)
-        weights = gather(bags.first_weight, torch.float32) if bags.first_weight is not None else None
-        return PaddedIds(ids, torch.where(used, bag, -1), weights, bags.offsets, self.world_size * rows)
+        return PaddedIds(bags, self._buffer_as(lay.id_dtype), self._buffer_as(torch.float32) if lay.weighted else None,
+                         self.world_size * lay.ids_capacity, self.world_size * rows)
 
     def _buffer_as(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's whole buffer as elements of ``dtype`` (a view)."""

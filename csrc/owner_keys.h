@@ -1,0 +1,117 @@
+// The owner update's inputs for a step captured in a CUDA graph: the row keys
+// of one TBE's kept ids at a fixed capacity, then their stable sort. One
+// algorithm, written once (write_bag_keys, pad_position, clamped_key):
+// owner_keys.cu runs it on the GPU (a thread per bag, then a thread per padding
+// position; CUB's radix sort), owner_keys_host.cpp on the CPU.
+//
+// Inputs: the owner's buffer as ids (`ids`, int32 or int64 by the step's
+// layout) and as fp32 weights, and the sharding's kept bags (PgasStep.kept_bags,
+// computed on the device: no host sync): each bag's id count as offsets[b + 1]
+// - offsets[b], and where its ids and weights start in the buffer (first_id[b],
+// first_weight[b], in elements). The TBE's bags are [first_bag, end_bag) of
+// them, feature-major with `stride` bags a feature; feature_base[f] is the key
+// of row 0 of feature f's table (int32 or int64: the key dtype).
+//
+// Output, `capacity` positions: position offsets[b] - offsets[first_bag] + j
+// holds bag b's j-th id as key = feature_base[f] + id, its bag numbered from the
+// TBE's first (b - first_bag) and its per-sample weight; the positions after
+// the TBE's ids hold key_limit, bag -1, weight 0 (padding, which the update's
+// walk never reaches). An id outside [0, key_limit - feature_base[f]) (its
+// table's and the ones after it: the update checks the table) becomes padding,
+// as does any read outside the buffer: the sources' headers decide the
+// offsets and the reads, so every position written lies in [0, capacity) and
+// every element read in the buffer, whatever they say. A step whose headers
+// were bad is refused by the update's apply word.
+//
+// The sort: keys outside [0, key_limit] become key_limit, then a stable radix
+// sort over the key_limit's bits carries each key's bag and weight: a row's
+// ids stay in arrival order (as torch.sort(stable=True) leaves them).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "pgas_check.h"
+#include "step_abi.h"
+
+#if defined(__CUDACC__)
+#define PGAS_KEYS_FN __device__ __forceinline__
+#else
+#define PGAS_KEYS_FN inline
+#endif
+
+namespace torchrec_pgas {
+
+struct OwnerKeysParams {
+  const void* ids;  // id_t elements
+  int64_t num_ids;
+  const float* weights;  // null: unweighted
+  int64_t num_weights;
+  const int64_t* first_id;
+  const int64_t* first_weight;  // null: unweighted
+  const int64_t* offsets;
+  const void* feature_base;  // key_t elements
+  OwnerKeysConfig config;
+  int64_t capacity;  // positions written: the TBE's kept ids, then padding
+  void* keys;  // key_t [capacity]
+  int32_t* bags;
+  float* psw;  // null: unweighted
+};
+
+// How many of the TBE's kept ids the capacity holds (its bags' ids come first).
+PGAS_KEYS_FN int64_t kept_count(const OwnerKeysParams& p) {
+  const int64_t n = p.offsets[p.config.end_bag] - p.offsets[p.config.first_bag];
+  return n < 0 ? 0 : n < p.capacity ? n : p.capacity;
+}
+
+template <typename key_t>
+PGAS_KEYS_FN void pad_position(const OwnerKeysParams& p, int64_t q) {
+  static_cast<key_t*>(p.keys)[q] = static_cast<key_t>(p.config.key_limit);
+  p.bags[q] = -1;
+  if (p.psw != nullptr) p.psw[q] = 0.f;
+}
+
+// Bag b's ids at their positions (those inside the capacity).
+template <typename id_t, typename key_t>
+PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b) {
+  const OwnerKeysConfig& c = p.config;
+  const int64_t at = p.offsets[b] - p.offsets[c.first_bag], n = p.offsets[b + 1] - p.offsets[b];
+  const int64_t j_lo = at < 0 ? -at : 0, j_hi = n < p.capacity - at ? n : p.capacity - at;
+  const int64_t base = static_cast<const key_t*>(p.feature_base)[(b - c.first_bag) / c.stride];
+  for (int64_t j = j_lo; j < j_hi; ++j) {
+    const int64_t q = at + j, src = p.first_id[b] + j;
+    const int64_t id = src >= 0 && src < p.num_ids ? static_cast<int64_t>(static_cast<const id_t*>(p.ids)[src]) : -1;
+    if (id < 0 || id >= c.key_limit - base) {
+      pad_position<key_t>(p, q);
+      continue;
+    }
+    static_cast<key_t*>(p.keys)[q] = static_cast<key_t>(base + id);
+    p.bags[q] = static_cast<int32_t>(b - c.first_bag);
+    if (p.psw != nullptr) {
+      const int64_t w = p.first_weight[b] + j;
+      p.psw[q] = w >= 0 && w < p.num_weights ? p.weights[w] : 0.f;
+    }
+  }
+}
+
+// A key as the sort orders it: outside [0, key_limit] it is key_limit (padding).
+template <typename key_t>
+PGAS_KEYS_FN key_t clamped_key(key_t key, int64_t key_limit) {
+  return key < 0 || static_cast<int64_t>(key) > key_limit ? static_cast<key_t>(key_limit) : key;
+}
+
+using OwnerKeys = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // keys, bags, per-sample weights (or empty)
+
+// Host side (owner_keys_host.cpp): the inputs checked, naming the bad one, and the parameters built; `out`
+// receives the outputs.
+OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at::Tensor>& weights,
+                                  const at::Tensor& first_id, const c10::optional<at::Tensor>& first_weight,
+                                  const at::Tensor& offsets, const at::Tensor& feature_base,
+                                  const at::Tensor& config, int64_t capacity, OwnerKeys& out);
+
+// The sort's checks: keys int32 or int64, bags int32 and psw fp32 (or empty) of the keys' length.
+void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
+
+}  // namespace torchrec_pgas

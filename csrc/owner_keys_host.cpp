@@ -1,0 +1,139 @@
+// The owner keys' host side: the inputs checked (they decide the positions
+// written and the buffer elements read), the parameters built, and the CPU
+// path: the same per-bag and per-position code, then a stable sort.
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <vector>
+
+#include "owner_keys.h"
+
+namespace torchrec_pgas {
+namespace {
+
+void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t at_least,
+                  const at::Device& device) {
+  PGAS_CHECK(t.scalar_type() == dtype && t.dim() == 1 && t.is_contiguous() && t.device() == device,
+             "owner_keys: %s must be a contiguous 1-D %s tensor beside the offsets", name, c10::toString(dtype));
+  PGAS_CHECK(t.numel() >= at_least, "owner_keys: %s has %lld elements, at least %lld needed", name,
+             static_cast<long long>(t.numel()), static_cast<long long>(at_least));
+}
+
+OwnerKeysConfig checked_keys_config(const at::Tensor& config) {
+  PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte &&
+                 config.numel() == static_cast<int64_t>(sizeof(OwnerKeysConfig)),
+             "owner_keys: config must be the %zu bytes of an OwnerKeysConfig (CPU uint8)", sizeof(OwnerKeysConfig));
+  OwnerKeysConfig c;
+  std::memcpy(&c, config.contiguous().data_ptr(), sizeof(c));
+  PGAS_CHECK(c.first_bag >= 0 && c.end_bag >= c.first_bag && c.stride > 0 && (c.end_bag - c.first_bag) % c.stride == 0,
+             "owner_keys: bags [%lld, %lld) are not whole features of %lld bags", static_cast<long long>(c.first_bag),
+             static_cast<long long>(c.end_bag), static_cast<long long>(c.stride));
+  PGAS_CHECK(c.key_limit > 0, "owner_keys: key_limit %lld must be positive", static_cast<long long>(c.key_limit));
+  return c;
+}
+
+// The outputs, uninitialised: every position is written.
+OwnerKeys empty_owner_keys(const at::Tensor& offsets, const at::Tensor& feature_base, bool weighted, int64_t capacity) {
+  const auto opts = offsets.options();
+  return {at::empty({capacity}, opts.dtype(feature_base.scalar_type())), at::empty({capacity}, opts.dtype(at::kInt)),
+          at::empty({weighted ? capacity : 0}, opts.dtype(at::kFloat))};
+}
+
+template <typename id_t, typename key_t>
+void owner_keys_on_host(const OwnerKeysParams& p) {
+  for (int64_t b = p.config.first_bag; b < p.config.end_bag; ++b) write_bag_keys<id_t, key_t>(p, b);
+  for (int64_t q = kept_count(p); q < p.capacity; ++q) pad_position<key_t>(p, q);
+}
+
+template <typename key_t>
+at::Tensor clamped_keys(const at::Tensor& keys, int64_t key_limit) {
+  at::Tensor out = keys.clone();
+  auto* k = out.data_ptr<key_t>();
+  for (int64_t i = 0; i < out.numel(); ++i) k[i] = clamped_key(k[i], key_limit);
+  return out;
+}
+
+}  // namespace
+
+OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at::Tensor>& weights,
+                                  const at::Tensor& first_id, const c10::optional<at::Tensor>& first_weight,
+                                  const at::Tensor& offsets, const at::Tensor& feature_base,
+                                  const at::Tensor& config, int64_t capacity, OwnerKeys& out) {
+  const OwnerKeysConfig c = checked_keys_config(config);
+  PGAS_CHECK(capacity >= 0 && capacity < (int64_t{1} << 31), "owner_keys: capacity %lld outside [0, 2^31)",
+             static_cast<long long>(capacity));
+  const at::Device device = offsets.device();
+  check_vector(offsets, "offsets", at::kLong, c.end_bag + 1, device);
+  check_vector(first_id, "first_id", at::kLong, c.end_bag, device);
+  PGAS_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "owner_keys: ids must be int32 or int64");
+  check_vector(ids, "ids", ids.scalar_type(), 0, device);
+  PGAS_CHECK(feature_base.scalar_type() == at::kInt || feature_base.scalar_type() == at::kLong,
+             "owner_keys: feature_base must be int32 or int64 (the keys' dtype)");
+  check_vector(feature_base, "feature_base", feature_base.scalar_type(), (c.end_bag - c.first_bag) / c.stride, device);
+  PGAS_CHECK(feature_base.scalar_type() == at::kLong || c.key_limit < (int64_t{1} << 31),
+             "owner_keys: key_limit %lld does not fit int32 keys", static_cast<long long>(c.key_limit));
+  PGAS_CHECK(weights.has_value() == first_weight.has_value(),
+             "owner_keys: weights and first_weight come together (a weighted step) or not at all");
+  if (weights.has_value()) {
+    check_vector(*weights, "weights", at::kFloat, 0, device);
+    check_vector(*first_weight, "first_weight", at::kLong, c.end_bag, device);
+  }
+  out = empty_owner_keys(offsets, feature_base, weights.has_value(), capacity);
+  return OwnerKeysParams{
+      ids.data_ptr(), ids.numel(),
+      weights.has_value() ? weights->data_ptr<float>() : nullptr, weights.has_value() ? weights->numel() : 0,
+      first_id.data_ptr<int64_t>(), first_weight.has_value() ? first_weight->data_ptr<int64_t>() : nullptr,
+      offsets.data_ptr<int64_t>(), feature_base.data_ptr(), c, capacity,
+      std::get<0>(out).data_ptr(), std::get<1>(out).data_ptr<int32_t>(),
+      weights.has_value() ? std::get<2>(out).data_ptr<float>() : nullptr,
+  };
+}
+
+void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit) {
+  PGAS_CHECK((keys.scalar_type() == at::kInt || keys.scalar_type() == at::kLong) && keys.dim() == 1 &&
+                 keys.is_contiguous(), "sort_owner_keys: keys must be a contiguous 1-D int32 or int64 tensor");
+  PGAS_CHECK(bags.scalar_type() == at::kInt && bags.is_contiguous() && bags.numel() == keys.numel(),
+             "sort_owner_keys: bags must be contiguous int32, one per key");
+  PGAS_CHECK(psw.scalar_type() == at::kFloat && psw.is_contiguous() && (psw.numel() == 0 || psw.numel() == keys.numel()),
+             "sort_owner_keys: per_sample_weights must be contiguous fp32, one per key (or empty)");
+  PGAS_CHECK(key_limit > 0 && (keys.scalar_type() == at::kLong || key_limit < (int64_t{1} << 31)),
+             "sort_owner_keys: key_limit %lld must be positive and fit the keys", static_cast<long long>(key_limit));
+}
+
+// CPU implementations (the same algorithm as owner_keys.cu).
+OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
+                         const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
+                         const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity) {
+  OwnerKeys out;
+  const OwnerKeysParams p =
+      owner_keys_params(ids, weights, first_id, first_weight, offsets, feature_base, config, capacity, out);
+  const bool id64 = ids.scalar_type() == at::kLong, key64 = feature_base.scalar_type() == at::kLong;
+  if (id64) {
+    key64 ? owner_keys_on_host<int64_t, int64_t>(p) : owner_keys_on_host<int64_t, int32_t>(p);
+  } else {
+    key64 ? owner_keys_on_host<int32_t, int64_t>(p) : owner_keys_on_host<int32_t, int32_t>(p);
+  }
+  return out;
+}
+
+OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
+                              int64_t key_limit) {
+  check_sort_inputs(keys, bags, psw, key_limit);
+  const at::Tensor clamped =
+      keys.scalar_type() == at::kLong ? clamped_keys<int64_t>(keys, key_limit) : clamped_keys<int32_t>(keys, key_limit);
+  const at::Tensor order = std::get<1>(at::sort(clamped, /*stable=*/std::optional<bool>(true), /*dim=*/0));
+  return {clamped.index_select(0, order), bags.index_select(0, order),
+          psw.numel() ? psw.index_select(0, order) : psw};
+}
+
+OwnerKeys owner_keys_meta(const at::Tensor&, const c10::optional<at::Tensor>& weights, const at::Tensor&,
+                          const c10::optional<at::Tensor>&, const at::Tensor& offsets, const at::Tensor& feature_base,
+                          const at::Tensor&, int64_t capacity) {
+  return empty_owner_keys(offsets, feature_base, weights.has_value(), capacity);
+}
+
+OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t) {
+  return {at::empty_like(keys), at::empty_like(bags), at::empty_like(psw)};
+}
+
+}  // namespace torchrec_pgas
