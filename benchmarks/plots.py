@@ -32,7 +32,7 @@ COLORS = {"1-GPU TBE": "tab:gray", "stock eager": "tab:blue", "pgas eager": "tab
           "pgas graph": "tab:green"}
 P50 = {"stock eager": "stock_p50_ms", "pgas eager": "pgas_p50_ms", "pgas graph": "pgas_graph_p50_ms"}
 ROOFLINE = {"stock eager": "roofline_stock", "pgas eager": "roofline_pgas", "pgas graph": "roofline_graph"}
-# Training steps run eager (a CUDA graph cannot capture FBGEMM's backward).
+# Training steps' floor fractions, eager (a CUDA graph cannot capture FBGEMM's backward).
 TRAIN_ROOFLINE = {"stock eager": "roofline_train_stock", "pgas eager": "roofline_train_pgas"}
 # PGAS over NCCL on 2 GPUs, as the paper reports it for its weak- and strong-scaling runs.
 PAPER_SPEEDUP = {"s000-weak": 2.10, "s000-strong": 2.95}
@@ -276,6 +276,32 @@ def train_step(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
     return fig
 
 
+def train_graph(meta: Dict[str, Any], rows: List[Row]) -> Optional[Figure]:
+    """The PGAS training step over stock's eager one per config, eager and replayed as one CUDA graph
+    (``--train-graph``), each series' geomean per preset dashed: stock cannot capture its step."""
+    rows = [r for r in _train_rows(rows) if r.get("speedup_train_graph")]
+    if not rows:
+        return None
+    fig = _figure(meta, "training step: stock eager p50 / PGAS p50 (dashed: geomean per preset)",
+                  (max(7.0, 0.22 * len(rows) + 3), 5.0))
+    ax = fig.subplots()
+    for key, series in (("speedup_train", "pgas eager"), ("speedup_train_graph", "pgas graph")):
+        color = COLORS[series]
+        ax.plot(range(len(rows)), [r[key] for r in rows], "o", color=color, label=f"{series} step", markersize=4)
+        for preset, group in itertools.groupby(range(len(rows)), key=lambda i: rows[i]["preset"]):
+            xs = list(group)
+            mean = _geomean([rows[i][key] for i in xs])
+            ax.hlines(mean, xs[0] - 0.4, xs[-1] + 0.4, color=color, linestyle="--", linewidth=1)
+            ax.text(xs[-1] + 0.4, mean, _times(mean), color=color, va="bottom", ha="right", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speedup over stock's eager step")
+    ax.set_xticks(range(len(rows)), [_label(r) for r in rows], rotation=90, fontsize=6)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
 def scaling(meta: Dict[str, Any], rows: List[Row], single: List[Row]) -> Optional[Figure]:
     """Distributed p50 against the 1-GPU TBE doing the whole job, next to the paper's 2-GPU speedups.
 
@@ -466,6 +492,7 @@ def make_plots(results_dir: str) -> List[str]:
         "train_step": train_step(meta, rows),
         "train_stages": train_stages(meta, rows),
         "train_roofline": train_roofline(meta, rows),
+        "train_graph": train_graph(meta, rows),
     }
     paths = []
     for name, fig in figures.items():

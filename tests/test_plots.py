@@ -34,8 +34,10 @@ def _row(preset: str, tables: int, batch: int, pooling: int, stock: float, pgas:
     }
 
 
-def _train_row(preset: str, tables: int, stock: float, pgas: float, floor: bool = True) -> Dict[str, Any]:
-    """A ``--mode train`` row: the forward's fields, then the training step's (backward ~2x the forward)."""
+def _train_row(preset: str, tables: int, stock: float, pgas: float, floor: bool = True,
+               graph: bool = True) -> Dict[str, Any]:
+    """A ``--mode train`` row: the forward's fields, then the training step's (backward ~2x the forward), and
+    its replay as one CUDA graph (``--train-graph``) at half the eager step."""
     row = _row(preset, tables, 4096, 32, stock, pgas)
     st, pt = 3 * stock, 2.5 * pgas
     train_floor = 3 * row["floor_ms"] if floor else None
@@ -47,7 +49,8 @@ def _train_row(preset: str, tables: int, stock: float, pgas: float, floor: bool 
                               "replay_lookup": pgas / 2, "owner_backward": pgas / 2},
         distinct_rows=1000.0, train_hbm_bytes=3 * row["hbm_bytes"], train_nvlink_bytes=2 * row["nvlink_bytes"],
         train_floor_ms=train_floor, roofline_train_stock=train_floor and train_floor / st,
-        roofline_train_pgas=train_floor and train_floor / pt)
+        roofline_train_pgas=train_floor and train_floor / pt,
+        pgas_train_graph_p50_ms=pt / 2 if graph else None, speedup_train_graph=2 * st / pt if graph else None)
     return row
 
 
@@ -114,12 +117,13 @@ def test_world_scaling_from_a_merged_scaling_run(tmp_path: Any) -> None:
 
 
 def test_make_plots_draws_the_training_figures(tmp_path: Any) -> None:
-    """A --mode train run: the training step over its forward, its stages, and its floor fraction."""
+    """A --mode train run: the training step over its forward, its stages, its floor fraction, and the
+    replayed step's speedups."""
     rows = [_train_row("s000-weak", 26, 3.0, 1.5), _train_row("s000-strong", 26, 6.0, 2.0)]
     _write(str(tmp_path), {"meta": {**META, "mode": "train"}, "rows": rows, "single_gpu": []})
     names = [os.path.basename(p) for p in make_plots(str(tmp_path))]
-    assert names[-3:] == ["train_step.png", "train_stages.png", "train_roofline.png"]
-    for name in names[-3:]:
+    assert names[-4:] == ["train_step.png", "train_stages.png", "train_roofline.png", "train_graph.png"]
+    for name in names[-4:]:
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # The forward's stages (both sides') first, in greens; the backward's after them, in purples.
@@ -133,11 +137,13 @@ def test_make_plots_draws_the_training_figures(tmp_path: Any) -> None:
 
 
 def test_training_figures_skipped_without_their_data(tmp_path: Any) -> None:
-    """A CPU train run has no floor (no train_roofline); a forward-only run draws none of the three."""
-    _write(str(tmp_path), {"meta": {**META, "mode": "train"}, "rows": [_train_row("s000-weak", 26, 3.0, 1.5, False)],
-                           "single_gpu": []})
+    """A CPU train run has no floor (no train_roofline) and no replay (no train_graph); a forward-only run draws
+    none of the four."""
+    _write(str(tmp_path), {"meta": {**META, "mode": "train"},
+                           "rows": [_train_row("s000-weak", 26, 3.0, 1.5, floor=False, graph=False)], "single_gpu": []})
     names = [os.path.basename(p) for p in make_plots(str(tmp_path))]
     assert "train_step.png" in names and "train_stages.png" in names and "train_roofline.png" not in names
+    assert "train_graph.png" not in names
     forward = tmp_path / "forward"
     forward.mkdir()
     _write(str(forward), {"meta": META, "rows": [_row("s000-weak", 26, 4096, 32, 3.0, 1.5)], "single_gpu": []})

@@ -32,6 +32,8 @@ class CapturedTrainStep:
     applies nothing on any rank, and its error is raised by a later call, as eager forwards raise recorded
     errors; its TBE iteration counters still count it. Not yet raised in replays: a peer's refusal or a
     timeout of the gradient exchange (eager steps raise them on every rank; a replay skips the update).
+    A replay lays out and sorts each owner's kept ids at their fixed capacity, W × ``max_ids_per_rank``: size
+    ``PgasConfig.max_ids_per_rank`` to the batch.
     """
 
     def __init__(self, train_step: Callable[[], Any], warmup_steps: int = 2) -> None:

@@ -18,9 +18,9 @@ on any rank (device-side errors are recorded, not raised) changes no weight:
 its backward raises the error on every rank instead.
 
 Under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``, with ``owner_backward="pgas"``) the backward
-reads nothing on the host: its kernels take each replay's epoch from the device, the owner rebuilds its ids
-at a fixed capacity (``PgasStep.kept_ids_padded``) and the update op applies nothing where a device word says
-the step failed on some rank.
+reads nothing on the host: its kernels take each replay's epoch from the device, the owner lays its ids out
+at a fixed capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the update op applies nothing
+where a device word says the step failed on some rank.
 """
 
 import itertools
