@@ -1,8 +1,8 @@
 // The owner update's inputs on the GPU (owner_keys.h): the keys at a fixed
-// capacity with a thread per bag, then a thread per padding position (the kept
-// count is read on the device); their sort by CUB's radix sort over the key
-// limit's bits, carrying each key's bag (and per-sample weight: the two packed
-// in one 64-bit value).
+// capacity in one kernel whose threads take the bags, then the padding
+// positions (the kept count is read on the device); their sort by CUB's radix
+// sort over the key limit's bits, carrying each key's bag (and per-sample
+// weight: the two packed in one 64-bit value).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -95,7 +95,7 @@ OwnerKeys sort_pairs(const at::Tensor& keys, const at::Tensor& bags, const at::T
     PGAS_CUDA_CHECK(cudaGetLastError());
     return {out_keys, out_bags, out_psw};
   } else {
-    return {out_keys, out_values, psw};
+    return {out_keys, out_values, at::empty({0}, psw.options())};  // a fresh output, as the schema says
   }
 }
 
@@ -125,8 +125,6 @@ OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>
 OwnerKeys sort_owner_keys_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
                                int64_t key_limit) {
   check_sort_inputs(keys, bags, psw, key_limit);
-  PGAS_CHECK(keys.is_cuda() && bags.device() == keys.device() && (psw.numel() == 0 || psw.device() == keys.device()),
-             "sort_owner_keys: keys, bags and per_sample_weights must be on one device");
   PGAS_CHECK(keys.numel() < (int64_t{1} << 31), "sort_owner_keys: %lld keys exceed CUB's int item count",
              static_cast<long long>(keys.numel()));
   const c10::cuda::CUDAGuard guard(keys.device());

@@ -20,8 +20,10 @@
 // table's and the ones after it: the update checks the table) becomes padding,
 // as does any read outside the buffer: the sources' headers decide the
 // offsets and the reads, so every position written lies in [0, capacity) and
-// every element read in the buffer, whatever they say. A step whose headers
-// were bad is refused by the update's apply word.
+// every element read in the buffer, whatever they say (offsets that decrease
+// make bags overlap: a position then holds one of their writes, memory-safe
+// but meaningless; the kept bags' offsets are a sum of lengths clamped to >= 0,
+// so theirs never do, and the work is the capacity plus a thread per bag).
 //
 // The sort: keys outside [0, key_limit] become key_limit, then a stable radix
 // sort over the key_limit's bits carries each key's bag and weight: a row's
@@ -60,10 +62,18 @@ struct OwnerKeysParams {
   float* psw;  // null: unweighted
 };
 
+// x clamped to [lo, hi].
+PGAS_KEYS_FN int64_t clamped(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// Offsets and buffer starts are clamped to +-2^61 before any sum: whatever a header says, no sum below
+// overflows, and a clamped value lands outside the capacity or the buffer as the true one would.
+constexpr int64_t kFar = int64_t{1} << 61;
+
+PGAS_KEYS_FN int64_t offset_at(const OwnerKeysParams& p, int64_t b) { return clamped(p.offsets[b], -kFar, kFar); }
+
 // How many of the TBE's kept ids the capacity holds (its bags' ids come first).
 PGAS_KEYS_FN int64_t kept_count(const OwnerKeysParams& p) {
-  const int64_t n = p.offsets[p.config.end_bag] - p.offsets[p.config.first_bag];
-  return n < 0 ? 0 : n < p.capacity ? n : p.capacity;
+  return clamped(offset_at(p, p.config.end_bag) - offset_at(p, p.config.first_bag), 0, p.capacity);
 }
 
 template <typename key_t>
@@ -73,15 +83,18 @@ PGAS_KEYS_FN void pad_position(const OwnerKeysParams& p, int64_t q) {
   if (p.psw != nullptr) p.psw[q] = 0.f;
 }
 
-// Bag b's ids at their positions (those inside the capacity).
+// Bag b's ids at their positions [at, end) relative to the TBE's first, those inside the capacity: position q
+// holds buffer element first_id[b] + q - at.
 template <typename id_t, typename key_t>
 PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b) {
   const OwnerKeysConfig& c = p.config;
-  const int64_t at = p.offsets[b] - p.offsets[c.first_bag], n = p.offsets[b + 1] - p.offsets[b];
-  const int64_t j_lo = at < 0 ? -at : 0, j_hi = n < p.capacity - at ? n : p.capacity - at;
+  const int64_t first = offset_at(p, c.first_bag), at = offset_at(p, b) - first, end = offset_at(p, b + 1) - first;
+  const int64_t q_lo = clamped(at, 0, p.capacity), q_hi = clamped(end, q_lo, p.capacity);
+  const int64_t id_shift = clamped(p.first_id[b], -kFar, kFar) - at;
+  const int64_t weight_shift = p.psw != nullptr ? clamped(p.first_weight[b], -kFar, kFar) - at : 0;
   const int64_t base = static_cast<const key_t*>(p.feature_base)[(b - c.first_bag) / c.stride];
-  for (int64_t j = j_lo; j < j_hi; ++j) {
-    const int64_t q = at + j, src = p.first_id[b] + j;
+  for (int64_t q = q_lo; q < q_hi; ++q) {
+    const int64_t src = id_shift + q;
     const int64_t id = src >= 0 && src < p.num_ids ? static_cast<int64_t>(static_cast<const id_t*>(p.ids)[src]) : -1;
     if (id < 0 || id >= c.key_limit - base) {
       pad_position<key_t>(p, q);
@@ -90,7 +103,7 @@ PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b) {
     static_cast<key_t*>(p.keys)[q] = static_cast<key_t>(base + id);
     p.bags[q] = static_cast<int32_t>(b - c.first_bag);
     if (p.psw != nullptr) {
-      const int64_t w = p.first_weight[b] + j;
+      const int64_t w = weight_shift + q;
       p.psw[q] = w >= 0 && w < p.num_weights ? p.weights[w] : 0.f;
     }
   }

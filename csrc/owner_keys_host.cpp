@@ -28,6 +28,8 @@ OwnerKeysConfig checked_keys_config(const at::Tensor& config) {
   PGAS_CHECK(c.first_bag >= 0 && c.end_bag >= c.first_bag && c.stride > 0 && (c.end_bag - c.first_bag) % c.stride == 0,
              "owner_keys: bags [%lld, %lld) are not whole features of %lld bags", static_cast<long long>(c.first_bag),
              static_cast<long long>(c.end_bag), static_cast<long long>(c.stride));
+  PGAS_CHECK(c.end_bag - c.first_bag < (int64_t{1} << 31), "owner_keys: %lld bags exceed int32 bag numbers",
+             static_cast<long long>(c.end_bag - c.first_bag));
   PGAS_CHECK(c.key_limit > 0, "owner_keys: key_limit %lld must be positive", static_cast<long long>(c.key_limit));
   return c;
 }
@@ -96,6 +98,8 @@ void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at:
              "sort_owner_keys: bags must be contiguous int32, one per key");
   PGAS_CHECK(psw.scalar_type() == at::kFloat && psw.is_contiguous() && (psw.numel() == 0 || psw.numel() == keys.numel()),
              "sort_owner_keys: per_sample_weights must be contiguous fp32, one per key (or empty)");
+  PGAS_CHECK(bags.device() == keys.device() && psw.device() == keys.device(),
+             "sort_owner_keys: keys, bags and per_sample_weights must be on one device");
   PGAS_CHECK(key_limit > 0 && (keys.scalar_type() == at::kLong || key_limit < (int64_t{1} << 31)),
              "sort_owner_keys: key_limit %lld must be positive and fit the keys", static_cast<long long>(key_limit));
 }
@@ -119,11 +123,11 @@ OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>&
 OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
                               int64_t key_limit) {
   check_sort_inputs(keys, bags, psw, key_limit);
-  const at::Tensor clamped =
+  const at::Tensor in_range =
       keys.scalar_type() == at::kLong ? clamped_keys<int64_t>(keys, key_limit) : clamped_keys<int32_t>(keys, key_limit);
-  const at::Tensor order = std::get<1>(at::sort(clamped, /*stable=*/std::optional<bool>(true), /*dim=*/0));
-  return {clamped.index_select(0, order), bags.index_select(0, order),
-          psw.numel() ? psw.index_select(0, order) : psw};
+  const at::Tensor order = std::get<1>(at::sort(in_range, /*stable=*/std::optional<bool>(true), /*dim=*/0));
+  return {in_range.index_select(0, order), bags.index_select(0, order),
+          psw.numel() ? psw.index_select(0, order) : at::empty({0}, psw.options())};
 }
 
 OwnerKeys owner_keys_meta(const at::Tensor&, const c10::optional<at::Tensor>& weights, const at::Tensor&,

@@ -41,7 +41,8 @@
 // tensors they name (owner_update_host.cpp). On the device a key outside
 // every table's rows, a bag outside [0, F * batch) or an id of a feature of
 // another table than its key's is skipped: the keys decide the rows written,
-// the bags the gradient read.
+// the bags the gradient read. A row whose ids were all skipped is not updated
+// (Adam's moments and weight decay would change it with a zero gradient).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -228,6 +229,7 @@ struct RowBefore {
 template <int kMaxColumns>
 struct OpenRun {
   int32_t table;  // -1: none open, or a key outside the tables (nothing to update)
+  bool added;  // an id of the run added its term: a run of skipped ids only (corrupt) changes nothing
   int64_t row;
   float g[kMaxColumns];
   float carry[kMaxColumns];
@@ -309,7 +311,7 @@ PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64
 template <typename Lanes, typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, const OpenRun<Lanes::kMaxColumns>& run,
                               Lanes lanes) {
-  if (run.table >= 0) {
+  if (run.table >= 0 && run.added) {
     update_row<Lanes, weight_t, kOptimizer>(p.tables[run.table], run.row, h, p.config, lanes, run.g, run.before);
   }
 }
@@ -331,6 +333,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
   const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
   OpenRun<kColumns> run;
   run.table = -1;
+  run.added = false;
   run.row = 0;
   bool opened = false;  // a run of this chunk has started
   for (int64_t q0 = lo; q0 < p.n; q0 += Lanes::kCount) {
@@ -366,6 +369,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
         if (opens[k]) {
           close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
           run.table = tables[k];
+          run.added = false;
           run.row = rows[k];
           run.before = before[k];
           PGAS_UNROLL
@@ -373,6 +377,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
           opened = true;
         }
         if (adds[k]) {
+          run.added = true;
           PGAS_UNROLL
           for (int j = 0; j < lanes.columns(dims[k]); ++j) add_compensated(run.g[j], run.carry[j], term[k][j]);
         }

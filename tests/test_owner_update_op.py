@@ -176,6 +176,26 @@ def test_op_takes_each_rows_table_from_its_key() -> None:
     assert w1[2].tolist() == [-0.5] * 4 and float(w1.abs().sum()) == 2.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_leaves_a_row_whose_ids_were_all_skipped(device: str) -> None:
+    """Adam changes a row even with a zero gradient (its moments decay): a row reached only by corrupt ids (key 13,
+    row 3 of table 1, from a bag of table 0's feature) must keep its weights and moments; row 1's id applies."""
+    dev = torch.device(device)
+    tables = [torch.zeros(10, 4, device=dev), torch.zeros(5, 4, device=dev)]
+    m1, m2 = [torch.ones_like(t) for t in tables], [torch.ones_like(t) for t in tables]
+    features = as_words([build(OwnerFeatureDesc, table=0, grad_col=0), build(OwnerFeatureDesc, table=1, grad_col=4)],
+                        OwnerFeatureDesc)
+    torch.ops.torchrec_pgas.owner_update(
+        torch.tensor([1, 13], device=dev), torch.tensor([0, 1], dtype=torch.int32, device=dev),
+        torch.tensor([0, 1, 2, 2, 2], device=dev), None, torch.ones(2, 8, device=dev), tables, m1, m2, features,
+        as_tensor(build(OwnerHyper, lr=0.5, eps=1e-8, beta1=0.9, beta2=0.999, weight_decay=0, bias_correction1=1,
+                        bias_correction2=1, reserved=0)).view(torch.float32).to(dev),
+        as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.ADAM, weight_decay_mode=WeightDecay.NONE, mean=0,
+                        weighted=0, batch=2)))
+    assert tables[0][1].tolist() == pytest.approx([-0.5] * 4) and float(tables[0].abs().sum()) == 2.0  # row 1
+    assert not tables[1].any() and bool((m1[1] == 1).all()) and bool((m2[1] == 1).all())  # row 3: untouched
+
+
 def _on(device: torch.device, args: dict) -> dict:
     """``args`` with every tensor the op reads on the device moved there (its descriptors and config stay on
     the host), the lists' tensors copied."""

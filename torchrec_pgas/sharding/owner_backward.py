@@ -269,7 +269,7 @@ def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, ba
     op (``apply``, ``used``: the op's device words of a captured step)."""
     ops, weighted = torch.ops.torchrec_pgas, psw is not None
     keys, bags, sorted_psw = ops.sort_owner_keys(
-        keys, bags, psw.float().contiguous() if weighted else torch.empty(0, device=keys.device), layout.key_limit)
+        keys, bags, psw.float().contiguous() if weighted else keys.new_empty(0, dtype=torch.float32), layout.key_limit)
     profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys and their sort; the op
     mode = tbe.optimizer_args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,

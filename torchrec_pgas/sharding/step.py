@@ -496,7 +496,8 @@ class PgasStep(abc.ABC):
             valid = valid & whole
         bag = torch.where(valid, bag, 0)
         src = src.expand_as(bag)
-        new_lengths = torch.where(valid, lengths[src, bag].to(torch.int64), 0).reshape(-1)
+        # clamped: a corrupt negative length would make the offsets decrease (owner_keys' bags overlap)
+        new_lengths = torch.where(valid, lengths[src, bag].to(torch.int64), 0).clamp(min=0).reshape(-1)
         start = starts[src, bag].reshape(-1)
         src = src.reshape(-1)
         first_weight = None
