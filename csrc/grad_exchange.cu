@@ -24,7 +24,8 @@
 // failed, and writes per source 0 (arrived), 1 (the source gave up), 2 (timed
 // out) or 3 (not waited: this rank's step failed), and then 1 if this rank's
 // step failed, to device memory (the owner's rebuild of its ids reads nothing
-// of a step that is not whole).
+// of a step that is not whole); in a captured step it also publishes the first
+// refusal or timeout as this rank's error record.
 // release_sources stores e into every source's release slot: the source's
 // next index dist into this slot waits for it.
 // Epoch 0 names the step of this sharding's last lookup (state[kCtrLookup]):
@@ -107,21 +108,46 @@ __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const
 }
 
 // Thread s: source s's gradient of step `epoch` (see GradSource); thread W: this rank's step.
-__global__ void await_grads_kernel(StepParams p, int64_t* flags, int64_t epoch) {
-  epoch = step_epoch(p, epoch);
-  const int s = threadIdx.x;
-  const bool failed = p.state[kStepFailed + epoch % p.num_slots] == epoch;
-  if (s == p.world) flags[s] = failed ? 1 : 0;
-  if (s >= p.world) return;
-  if (failed) {
-    flags[s] = kNotWaited;
-    return;
-  }
+// A source's gradients of step `epoch`: arrived, given up by the source, or timed out.
+__device__ __forceinline__ int64_t await_source(const StepParams& p, int s, int64_t epoch) {
   const int64_t* slot = my_signal(p, kGradSignals, s);
   const uint64_t start = global_timer_ns();
   int64_t seen = ld_acquire_sys(slot);
   while (seen < 2 * epoch && global_timer_ns() - start <= static_cast<uint64_t>(p.timeout_ns)) seen = ld_acquire_sys(slot);
-  flags[s] = seen < 2 * epoch ? kTimedOut : seen == 2 * epoch + 1 ? kGaveUp : kArrived;
+  return seen < 2 * epoch ? kTimedOut : seen == 2 * epoch + 1 ? kGaveUp : kArrived;
+}
+
+// A captured step's backward has no host check after the exchange (an eager one raises the sources'
+// refusals and timeouts itself): the first source that gave up or timed out becomes this rank's error
+// record of the step, published to the pinned records as the combine publishes the forward's (single
+// writer: the step did not fail here, so the forward published none but a warning, which an error
+// replaces). Timeout stage 3: the gradients.
+__device__ __forceinline__ void publish_refusal(const StepParams& p, const int64_t* flags, int64_t epoch) {
+  for (int s = 0; s < p.world; ++s) {
+    if (flags[s] != kGaveUp && flags[s] != kTimedOut) continue;
+    ErrorRecord* status = p.status + epoch % p.num_slots;
+    const bool gave_up = flags[s] == kGaveUp;
+    status->a = gave_up ? s : 3;
+    status->b = gave_up ? 0 : s;
+    status->c = 0;
+    status->epoch = epoch;
+    __threadfence_system();
+    status->code = gave_up ? ErrorCode::kPeerAbort : ErrorCode::kTimeout;
+    return;
+  }
+}
+
+__global__ void await_grads_kernel(StepParams p, int64_t* flags, int64_t epoch) {
+  const bool captured = epoch == 0;
+  epoch = step_epoch(p, epoch);
+  const int s = threadIdx.x;
+  const bool failed = p.state[kStepFailed + epoch % p.num_slots] == epoch;
+  if (s == p.world) flags[s] = failed ? 1 : 0;
+  if (s < p.world) flags[s] = failed ? kNotWaited : await_source(p, s, epoch);
+  if (captured) {  // uniform over the block
+    __syncthreads();
+    if (s == 0 && !failed) publish_refusal(p, flags, epoch);
+  }
 }
 
 __global__ void release_sources_kernel(StepParams p, int64_t epoch) {

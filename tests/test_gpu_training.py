@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from test_training import CONFIG, Case, _model, _train_cases, _types
 from test_training_errors import _bad_batch, _failed_backward, _misuse, check_failed_backward, check_misuse
 from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_
+from torchrec_pgas.types import PgasError
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -140,11 +141,9 @@ def _set_lr(dmps: Sequence[Any], lr: float) -> None:
             group["lr"] = lr
 
 
-def _captured_training(rank: int, world: int, kind: str, optimizer: EmbOptimType,
-                       warmup: int = 2) -> Tuple[float, bool, str]:
-    """20 steps of one model replayed as one CUDA graph (after 2 eager ones) and of its twin trained eagerly,
-    the learning rate changed through ``fused_optimizer`` after step 10: (the worst |graph - eager| over
-    every local weight and optimizer state after every step, whether the step was replayed)."""
+def _graphed_and_eager(rank: int, world: int, kind: str, optimizer: EmbOptimType, steps: int) -> Tuple[Any, ...]:
+    """One model sharded twice (to replay, and to train eagerly), ``steps`` fixed-shape batches, and the static
+    batch a captured step reads."""
     device = rank_device(rank, "cuda")
     case = Case(kind, optimizer, owner_backward="pgas")
     model = _model(case, seed=3, min_rows=1)
@@ -153,15 +152,32 @@ def _captured_training(rank: int, world: int, kind: str, optimizer: EmbOptimType
     wrapped = LossModel(model)
     graphed, eager = (shard(wrapped, _types(case, model, world), dist.group.WORLD, device, config, fused,
                             path="model.") for _ in range(2))
-    batches = [b.to(device) for b in _fixed_shape_batches(model, rank, 20)]
+    batches = [b.to(device) for b in _fixed_shape_batches(model, rank, steps)]
     static = _fixed_shape_batches(model, rank, 1)[0].to(device)  # the buffers the graph reads
+    return model, graphed, eager, batches, static
 
+
+def _captured_step(graphed: Any, static: TrainBatch, warmup: int) -> CapturedTrainStep:
     def train_step() -> torch.Tensor:
         loss, _ = graphed(static)
         loss.backward()
         return loss.detach()
 
-    step = CapturedTrainStep(train_step, warmup_steps=warmup)
+    return CapturedTrainStep(train_step, warmup_steps=warmup)
+
+
+def _worst_diff(graphed: Any, eager: Any) -> Dict[str, float]:
+    got, ref = local_state(graphed), local_state(eager)
+    return {k: float((got[k].double() - ref[k].double()).abs().max()) for k in ref if ref[k].numel()}
+
+
+def _captured_training(rank: int, world: int, kind: str, optimizer: EmbOptimType,
+                       warmup: int = 2) -> Tuple[float, bool, str]:
+    """20 steps of one model replayed as one CUDA graph (after 2 eager ones) and of its twin trained eagerly,
+    the learning rate changed through ``fused_optimizer`` after step 10: (the worst |graph - eager| over
+    every local weight and optimizer state after every step, whether the step was replayed)."""
+    _, graphed, eager, batches, static = _graphed_and_eager(rank, world, kind, optimizer, 20)
+    step = _captured_step(graphed, static, warmup)
     worst, first = 0.0, ""
     for i, batch in enumerate(batches):
         if i == 10:
@@ -174,12 +190,43 @@ def _captured_training(rank: int, world: int, kind: str, optimizer: EmbOptimType
         loss.backward()
         eager.fused_optimizer.step()
         check_errors(graphed)
-        got, ref = local_state(graphed), local_state(eager)
-        diffs = {k: float((got[k].double() - ref[k].double()).abs().max()) for k in ref if ref[k].numel()}
+        diffs = _worst_diff(graphed, eager)
         worst = max(worst, *diffs.values())
         if max(diffs.values()) and len(first) < 600:
             first += f"step {i}: " + ", ".join(f"{k} {d:.3g}" for k, d in list(diffs.items())[:3] if d) + "; "
     return worst, step.captured, first
+
+
+def _captured_bad_batch(rank: int, world: int, kind: str) -> Tuple[List[Tuple[int, str]], float]:
+    """12 steps, replayed after 2 eager ones; at step 6 the last rank's batch holds an id past its table. Returns
+    the errors this rank raised (step, type) and the worst |graph - eager| at the end, the eager twin having
+    skipped step 6 (a refused step applies nothing on any rank)."""
+    model, graphed, eager, batches, static = _graphed_and_eager(rank, world, kind,
+                                                                EmbOptimType.EXACT_ROWWISE_ADAGRAD, 12)
+    step = _captured_step(graphed, static, 2)
+    bad = 6
+    if rank == world - 1:  # the first id of the first feature that has one: its table's row count
+        kjt, rows = batches[bad].kjt, {f: c.num_embeddings for c in model.ebc.embedding_bag_configs()
+                                       for f in c.feature_names}
+        counts = kjt.length_per_key()
+        k = next(i for i, n in enumerate(counts) if n)
+        values = kjt.values().clone()
+        values[sum(counts[:k])] = rows[kjt.keys()[k]]
+        batches[bad] = TrainBatch(KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(),
+                                                    stride=kjt.stride()), batches[bad].wkjt)
+    raised: List[Tuple[int, str]] = []
+    for i, batch in enumerate(batches):
+        copy_kjt_(static.kjt, batch.kjt)
+        copy_kjt_(static.wkjt, batch.wkjt)
+        for call in (step, lambda: check_errors(graphed)):  # a later call raises the refused step's error
+            try:
+                call()
+            except PgasError as e:
+                raised.append((i, type(e).__name__))
+        if i != bad:
+            loss, _ = eager(batch)
+            loss.backward()
+    return raised, max(_worst_diff(graphed, eager).values())
 
 
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM])
@@ -191,4 +238,18 @@ def test_a_captured_training_step_replays_as_the_eager_one(kind: str, optimizer:
     for worst, captured, first in run_distributed(_captured_training, WORLD, kind, optimizer, device_type="cuda"):
         assert captured
         assert worst == 0.0, f"|graph - eager| {worst}, first at {first}"
+
+
+@pytest.mark.skipif(WORLD < 2, reason="a peer's refusal needs two ranks")
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+def test_a_replayed_step_refused_on_one_rank_raises_on_every_rank(kind: str) -> None:
+    """A bad id on one rank in a replay: no rank applies the step, the bad rank raises its PgasInputError and
+    every other rank a PgasPeerAbortError (its backward saw the refusal), each within the next two calls, and
+    the replays that follow train on, equal to an eager twin that skipped the bad batch."""
+    results = run_distributed(_captured_bad_batch, WORLD, kind, device_type="cuda")
+    for rank, (raised, worst) in enumerate(results):
+        assert raised and all(6 <= i <= 7 for i, _ in raised), (rank, raised)
+        expected = "PgasInputError" if rank == WORLD - 1 else "PgasPeerAbortError"
+        assert expected in {name for _, name in raised}, (rank, raised)
+        assert worst == 0.0, (rank, worst)
 

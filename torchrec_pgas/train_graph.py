@@ -29,10 +29,9 @@ class CapturedTrainStep:
     what the update caches), the next one captures it, and every call from then on replays it: one launch
     for the whole step. A learning rate changed through ``fused_optimizer`` (then ``fused_optimizer.step()``,
     as in eager training) reaches the next replay. A step refused on the device (a bad id on some rank)
-    applies nothing on any rank, and its error is raised by a later call, as eager forwards raise recorded
-    errors; its TBE iteration counters still count it. Not yet raised in replays: a peer's refusal or a
-    timeout of the gradient exchange (eager steps raise them on every rank; a replay skips the update).
-    A replay lays out and sorts each owner's kept ids at their fixed capacity, W × ``max_ids_per_rank``: size
+    applies nothing on any rank, and its error is raised by a later call on every rank (the failing rank's
+    own, its peers' ``PgasPeerAbortError``), as eager forwards raise recorded errors; its TBE iteration
+    counters still count it. A replay lays out and sorts each owner's kept ids at their fixed capacity, W × ``max_ids_per_rank``: size
     ``PgasConfig.max_ids_per_rank`` to the batch.
     """
 

@@ -523,7 +523,7 @@ class DeviceStep(PgasStep):
                 f"{a} has {b}, rank {self.rank} has {c}"
             )
         if code == ErrorCode.TIMEOUT:
-            stage = ("the release of its blocks", "index data", "pooled outputs")[a]
+            stage = ("the release of its blocks", "index data", "pooled outputs", "the gradients")[a]
             return PgasTimeoutError(
                 f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for {stage} from rank {b}: "
                 "a peer crashed, diverged, or is not running this step"
