@@ -113,7 +113,9 @@ __device__ __forceinline__ int64_t await_source(const StepParams& p, int s, int6
   const int64_t* slot = my_signal(p, kGradSignals, s);
   const uint64_t start = global_timer_ns();
   int64_t seen = ld_acquire_sys(slot);
-  while (seen < 2 * epoch && global_timer_ns() - start <= static_cast<uint64_t>(p.timeout_ns)) seen = ld_acquire_sys(slot);
+  while (seen < 2 * epoch && global_timer_ns() - start <= static_cast<uint64_t>(p.timeout_ns)) {
+    seen = ld_acquire_sys(slot);
+  }
   return seen < 2 * epoch ? kTimedOut : seen == 2 * epoch + 1 ? kGaveUp : kArrived;
 }
 

@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(kThreads) sort_input_kernel(const key_t* keys,
   }
 }
 
-__global__ void __launch_bounds__(kThreads) unpack_kernel(const uint64_t* values, int64_t n, int32_t* bags, float* psw) {
+__global__ void __launch_bounds__(kThreads) unpack_kernel(const uint64_t* values, int64_t n, int32_t* bags,
+                                                           float* psw) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     bags[i] = static_cast<int32_t>(static_cast<uint32_t>(values[i]));

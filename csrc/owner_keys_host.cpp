@@ -96,7 +96,8 @@ void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at:
                  keys.is_contiguous(), "sort_owner_keys: keys must be a contiguous 1-D int32 or int64 tensor");
   PGAS_CHECK(bags.scalar_type() == at::kInt && bags.is_contiguous() && bags.numel() == keys.numel(),
              "sort_owner_keys: bags must be contiguous int32, one per key");
-  PGAS_CHECK(psw.scalar_type() == at::kFloat && psw.is_contiguous() && (psw.numel() == 0 || psw.numel() == keys.numel()),
+  PGAS_CHECK(psw.scalar_type() == at::kFloat && psw.is_contiguous() &&
+                 (psw.numel() == 0 || psw.numel() == keys.numel()),
              "sort_owner_keys: per_sample_weights must be contiguous fp32, one per key (or empty)");
   PGAS_CHECK(bags.device() == keys.device() && psw.device() == keys.device(),
              "sort_owner_keys: keys, bags and per_sample_weights must be on one device");

@@ -24,6 +24,12 @@ void check_ids(const at::Tensor& t, const char* name, at::ScalarType dtype, int6
   PGAS_CHECK(t.device() == device, "owner_update: %s is on another device than the gradient", name);
 }
 
+// An optional int64 word the kernels read on the device (a captured step's `apply` or `used`).
+void check_device_word(const c10::optional<at::Tensor>& word, const char* name, const at::Device& device) {
+  PGAS_CHECK(!word.has_value() || (word->scalar_type() == at::kLong && word->numel() == 1 && word->device() == device),
+             "owner_update: %s must be one int64 word on the gradient's device", name);
+}
+
 OwnerUpdateConfig checked_config(const at::Tensor& config) {
   PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte &&
                  config.numel() == static_cast<int64_t>(sizeof(OwnerUpdateConfig)),
@@ -170,12 +176,8 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                  hyper.device() == device,
              "owner_update: hyper must be the %zu fp32 words of an OwnerHyper on the gradient's device",
              sizeof(OwnerHyper) / 4);
-  PGAS_CHECK(!apply.has_value() || (apply->scalar_type() == at::kLong && apply->numel() == 1 &&
-                                    apply->device() == device),
-             "owner_update: apply must be one int64 word on the gradient's device");
-  PGAS_CHECK(!used.has_value() || (used->scalar_type() == at::kLong && used->numel() == 1 &&
-                                   used->device() == device),
-             "owner_update: used must be one int64 word on the gradient's device");
+  check_device_word(apply, "apply", device);
+  check_device_word(used, "used", device);
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const std::vector<OwnerTable> tables = checked_tables(weights, momentum1, momentum2, c, device);
   check_features(features, tables, grad.size(1));

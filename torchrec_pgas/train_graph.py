@@ -31,8 +31,8 @@ class CapturedTrainStep:
     as in eager training) reaches the next replay. A step refused on the device (a bad id on some rank)
     applies nothing on any rank, and its error is raised by a later call on every rank (the failing rank's
     own, its peers' ``PgasPeerAbortError``), as eager forwards raise recorded errors; its TBE iteration
-    counters still count it. A replay lays out and sorts each owner's kept ids at their fixed capacity, W × ``max_ids_per_rank``: size
-    ``PgasConfig.max_ids_per_rank`` to the batch.
+    counters still count it. A replay lays out and sorts each owner's kept ids at their fixed capacity,
+    W × ``max_ids_per_rank``: size ``PgasConfig.max_ids_per_rank`` to the batch.
     """
 
     def __init__(self, train_step: Callable[[], Any], warmup_steps: int = 2) -> None:

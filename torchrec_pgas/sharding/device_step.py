@@ -325,7 +325,8 @@ class DeviceStep(PgasStep):
         gave_up = epoch in self._gave_up  # its batch may not fit the buffers: it sends nothing, says so
         batch = 0 if gave_up else ticket.batch
         sibling_gave_up = self._adopt_sibling_failures(epoch)
-        ops.grad_dist(self._sent_gradient(grad, batch), *args, epoch, batch, gradient_divisor(self.world_size), gave_up or sibling_gave_up)
+        ops.grad_dist(self._sent_gradient(grad, batch), *args, epoch, batch, gradient_divisor(self.world_size),
+                      gave_up or sibling_gave_up)
         self._grad_sent = epoch
         ops.await_grads(*args, self._grad_flags, epoch)
         profiling.mark("grad_exchange")
@@ -373,7 +374,8 @@ class DeviceStep(PgasStep):
             failed = torch.cat([o.device_step_failed() for o in siblings]).any()
             at = (StateWord.STEP_FAILED + slot).view(1)  # index_select, not [tensor]: that reads it on the host
             self._state.index_put_((at,), torch.where(failed, epoch, self._state.index_select(0, at)))
-        ops.grad_dist(self._sent_gradient(grad, ticket.batch), *args, 0, ticket.batch, gradient_divisor(self.world_size), False)
+        ops.grad_dist(self._sent_gradient(grad, ticket.batch), *args, 0, ticket.batch,
+                      gradient_divisor(self.world_size), False)
         ops.await_grads(*args, self._grad_flags, 0)
         whole = (self._grad_flags == 0).all()
         f_lo, f_hi = self.lookup_features

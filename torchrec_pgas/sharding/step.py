@@ -443,7 +443,7 @@ class PgasStep(abc.ABC):
         lay = self.layout
         bags = self._kept_bags(lay.index_block(epoch % lay.num_slots, 0), rows, block_features, batches, whole)
         total = int(bags.offsets[-1])
-        k = torch.arange(total, device=bags.offsets.device)  # the k-th kept id is element first + (k - its bag's offset)
+        k = torch.arange(total, device=bags.offsets.device)  # kept id k is element first + (k - its bag's offset)
 
         def gather(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return self._buffer_as(dtype)[torch.repeat_interleave(first - bags.offsets[:-1], bags.lengths,
