@@ -54,6 +54,7 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
                        const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used);
 using OwnerKeys = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using KeptBags = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
                          const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
                          const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
@@ -63,6 +64,12 @@ OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>
 OwnerKeys owner_keys_meta(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
                           const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
                           const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
+KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                       const c10::optional<at::Tensor>& whole, const at::Tensor& config);
+KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config);
+KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config);
 OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
 OwnerKeys sort_owner_keys_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
                                int64_t key_limit);
@@ -143,6 +150,12 @@ TORCH_LIBRARY(torchrec_pgas, m) {
       "owner_update(Tensor keys, Tensor bags, Tensor offsets, Tensor? per_sample_weights, "
       "Tensor grad, Tensor(a!)[] weights, Tensor(b!)[] momentum1, Tensor(c!)[] momentum2, Tensor features, "
       "Tensor hyper, Tensor config, Tensor? apply=None, Tensor? used=None) -> ()");
+  // The bags an owner kept of a step, read from its buffer (owner_keys.h): buffer, the owner's (uint8);
+  // slot_base, one int64 (the slot's first index block, bytes; a device word for a captured step); batches,
+  // each source's (int64); whole, one bool or none (false: no bag keeps ids); config: the bytes of a
+  // KeptBagsConfig (CPU uint8). Returns (lengths, first_id, first_weight: empty when unweighted), int64.
+  m.def("kept_bags(Tensor buffer, Tensor slot_base, Tensor batches, Tensor? whole, Tensor config) -> "
+        "(Tensor, Tensor, Tensor)");
   // The owner update's inputs for a step captured in a CUDA graph (owner_keys.h): one TBE's kept ids as row
   // keys, bags and per-sample weights at a fixed capacity, padded with key_limit, from the owner's buffer
   // (ids: as int32 or int64 ids, weights: as fp32) and the kept bags' device offsets; config: the bytes of an
@@ -163,18 +176,21 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(torchrec_pgas, Meta, m) {
   m.impl("alloc", &torchrec_pgas::alloc_meta);
   m.impl("combine_partials", &torchrec_pgas::combine_partials_meta);
+  m.impl("kept_bags", &torchrec_pgas::kept_bags_meta);
   m.impl("owner_keys", &torchrec_pgas::owner_keys_meta);
   m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_meta);
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CPU, m) {
   m.impl("owner_update", &torchrec_pgas::owner_update_cpu);
+  m.impl("kept_bags", &torchrec_pgas::kept_bags_cpu);
   m.impl("owner_keys", &torchrec_pgas::owner_keys_cpu);
   m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
   m.impl("owner_update", &torchrec_pgas::owner_update_cuda);
+  m.impl("kept_bags", &torchrec_pgas::kept_bags_cuda);
   m.impl("owner_keys", &torchrec_pgas::owner_keys_cuda);
   m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_cuda);
   m.impl("free", &torchrec_pgas::pgas_free);

@@ -1,8 +1,8 @@
-// The owner update's inputs on the GPU (owner_keys.h): the keys at a fixed
-// capacity in one kernel whose threads take the bags, then the padding
-// positions (the kept count is read on the device); their sort by CUB's radix
-// sort over the key limit's bits, carrying each key's bag (and per-sample
-// weight: the two packed in one 64-bit value).
+// The owner update's inputs on the GPU (owner_keys.h): the kept bags, a
+// thread each; the keys at a fixed capacity in one kernel whose threads take
+// the bags, then the padding positions (the kept count is read on the
+// device); their sort by CUB's radix sort over the key limit's bits, carrying
+// each key's bag (and per-sample weight: the two packed in one 64-bit value).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +27,13 @@ __global__ void __launch_bounds__(kThreads) owner_keys_kernel(OwnerKeysParams p)
     write_bag_keys<id_t, key_t>(p, b);
   }
   for (int64_t q = kept_count(p) + thread; q < p.capacity; q += threads) pad_position<key_t>(p, q);
+}
+
+__global__ void __launch_bounds__(kThreads) kept_bags_kernel(KeptBagsParams p, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    write_kept_bag(p, i);
+  }
 }
 
 // The sort's input: clamped keys (unsigned: CUB then orders the key limit's low bits) and each key's value,
@@ -119,6 +126,19 @@ OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>
     key64 ? launch(owner_keys_kernel<int64_t, int64_t>) : launch(owner_keys_kernel<int64_t, int32_t>);
   } else {
     key64 ? launch(owner_keys_kernel<int32_t, int64_t>) : launch(owner_keys_kernel<int32_t, int32_t>);
+  }
+  return out;
+}
+
+KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config) {
+  const c10::cuda::CUDAGuard guard(buffer.device());
+  KeptBags out;
+  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, out);
+  const int64_t n = std::get<0>(out).numel();
+  if (n > 0) {
+    kept_bags_kernel<<<grid_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, n);
+    PGAS_CUDA_CHECK(cudaGetLastError());
   }
   return out;
 }

@@ -1,8 +1,19 @@
-// The owner update's inputs for a step captured in a CUDA graph: the row keys
-// of one TBE's kept ids at a fixed capacity, then their stable sort. One
-// algorithm, written once (write_bag_keys, pad_position, clamped_key):
-// owner_keys.cu runs it on the GPU (a thread per bag, then a thread per padding
-// position; CUB's radix sort), owner_keys_host.cpp on the CPU.
+// The owner update's inputs for a step captured in a CUDA graph: the kept
+// bags read from the owner's buffer, the row keys of one TBE's kept ids at a
+// fixed capacity, then their stable sort. One algorithm, written once
+// (write_kept_bag, write_bag_keys, pad_position, clamped_key): owner_keys.cu
+// runs it on the GPU (a thread per bag, then a thread per padding position;
+// CUB's radix sort), owner_keys_host.cpp on the CPU.
+//
+// The kept bags (kept_bags; PgasStep.kept_ids reads them too): bag i of the
+// bags read (feature-major, then source, then sample; KeptBagsConfig) is
+// sample b of feature f in source s's index block at slot_base + s *
+// index_block_bytes. Its id count is the block's length of bag f * batch + b
+// (batch: the source's, clamped to [0, max_batch]; 0 past it, where `whole`
+// is false, or negative), and its ids and weights start at the block's start
+// of that bag plus where the block's ids (weights) begin, in elements. A read
+// that does not lie inside the buffer, aligned, reads 0: a header or slot
+// decides only what is read, never where anything is written.
 //
 // Inputs: the owner's buffer as ids (`ids`, int32 or int64 by the step's
 // layout) and as fp32 weights, and the sharding's kept bags (PgasStep.kept_bags,
@@ -46,6 +57,18 @@
 
 namespace torchrec_pgas {
 
+struct KeptBagsParams {
+  const uint8_t* buffer;
+  int64_t buffer_bytes;
+  const int64_t* slot_base;  // one word: the slot's first index block, in bytes
+  const int64_t* batches;  // [world]
+  const bool* whole;  // one word, or null: false keeps no bag's ids (a failed step)
+  KeptBagsConfig config;
+  int64_t* lengths;  // [num_features * world * rows]
+  int64_t* first_id;
+  int64_t* first_weight;  // null: unweighted
+};
+
 struct OwnerKeysParams {
   const void* ids;  // id_t elements
   int64_t num_ids;
@@ -70,6 +93,31 @@ PGAS_KEYS_FN int64_t clamped(int64_t x, int64_t lo, int64_t hi) { return x < lo 
 constexpr int64_t kFar = int64_t{1} << 61;
 
 PGAS_KEYS_FN int64_t offset_at(const OwnerKeysParams& p, int64_t b) { return clamped(p.offsets[b], -kFar, kFar); }
+
+// The T at byte `at` of the buffer, or 0 where it does not lie inside it, aligned.
+template <typename T>
+PGAS_KEYS_FN T buffer_word(const KeptBagsParams& p, int64_t at) {
+  constexpr int64_t kBytes = sizeof(T);
+  const bool inside = at >= 0 && at <= p.buffer_bytes - kBytes && at % kBytes == 0;
+  return inside ? *reinterpret_cast<const T*>(p.buffer + at) : T{0};
+}
+
+// x / d rounded down (d > 0), as Python's //.
+PGAS_KEYS_FN int64_t floor_div(int64_t x, int64_t d) { return x >= 0 ? x / d : -((-x + d - 1) / d); }
+
+PGAS_KEYS_FN void write_kept_bag(const KeptBagsParams& p, int64_t i) {
+  const KeptBagsConfig& c = p.config;
+  const int64_t b = i % c.rows, src = i / c.rows % c.world, f = c.first_feature + i / (c.rows * c.world);
+  const int64_t block = clamped(*p.slot_base, -kFar, kFar) + src * c.index_block_bytes;
+  const int64_t batch = clamped(p.batches[src], 0, c.max_batch);
+  const bool valid = b < batch && (p.whole == nullptr || *p.whole);
+  const int64_t bag = valid ? f * batch + b : 0;
+  const int64_t length = valid ? buffer_word<int32_t>(p, block + c.lengths_off + 4 * bag) : 0;
+  const int64_t start = clamped(buffer_word<int64_t>(p, block + c.offsets_off + 8 * bag), -kFar, kFar);
+  p.lengths[i] = length < 0 ? 0 : length;
+  p.first_id[i] = start + floor_div(block + c.ids_off, c.id_bytes);
+  if (p.first_weight != nullptr) p.first_weight[i] = start + floor_div(block + c.weights_off, 4);
+}
 
 // How many of the TBE's kept ids the capacity holds (its bags' ids come first).
 PGAS_KEYS_FN int64_t kept_count(const OwnerKeysParams& p) {
@@ -116,6 +164,11 @@ PGAS_KEYS_FN key_t clamped_key(key_t key, int64_t key_limit) {
 }
 
 using OwnerKeys = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // keys, bags, per-sample weights (or empty)
+using KeptBags = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // lengths, first_id, first_weight (or empty)
+
+// Host side of kept_bags: the inputs checked, naming the bad one, the outputs allocated into `out`.
+KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, KeptBags& out);
 
 // Host side (owner_keys_host.cpp): the inputs checked, naming the bad one, and the parameters built; `out`
 // receives the outputs.

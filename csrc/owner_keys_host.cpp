@@ -2,6 +2,7 @@
 // written and the buffer elements read), the parameters built, and the CPU
 // path: the same per-bag and per-position code, then a stable sort.
 #include <ATen/ATen.h>
+#include <c10/util/safe_numerics.h>
 
 #include <cstring>
 #include <vector>
@@ -20,17 +21,39 @@ void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 }
 
 OwnerKeysConfig checked_keys_config(const at::Tensor& config) {
-  PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte &&
-                 config.numel() == static_cast<int64_t>(sizeof(OwnerKeysConfig)),
-             "owner_keys: config must be the %zu bytes of an OwnerKeysConfig (CPU uint8)", sizeof(OwnerKeysConfig));
-  OwnerKeysConfig c;
-  std::memcpy(&c, config.contiguous().data_ptr(), sizeof(c));
+  const OwnerKeysConfig c = config_from_bytes<OwnerKeysConfig>(config, "owner_keys", "an OwnerKeysConfig");
   PGAS_CHECK(c.first_bag >= 0 && c.end_bag >= c.first_bag && c.stride > 0 && (c.end_bag - c.first_bag) % c.stride == 0,
              "owner_keys: bags [%lld, %lld) are not whole features of %lld bags", static_cast<long long>(c.first_bag),
              static_cast<long long>(c.end_bag), static_cast<long long>(c.stride));
   PGAS_CHECK(c.end_bag - c.first_bag < (int64_t{1} << 31), "owner_keys: %lld bags exceed int32 bag numbers",
              static_cast<long long>(c.end_bag - c.first_bag));
   PGAS_CHECK(c.key_limit > 0, "owner_keys: key_limit %lld must be positive", static_cast<long long>(c.key_limit));
+  return c;
+}
+
+KeptBagsConfig checked_bags_config(const at::Tensor& config) {
+  const KeptBagsConfig c = config_from_bytes<KeptBagsConfig>(config, "kept_bags", "a KeptBagsConfig");
+  // Every field, and the extents its products give, far past any buffer yet far from overflow: an index
+  // block's offsets, the slot's blocks (world * index_block_bytes) and a block's bags fit 2^40 bytes.
+  const int64_t kLimit = int64_t{1} << 40;
+  const auto fits = [&](int64_t a, int64_t b) {
+    int64_t product = 0;
+    return a >= 0 && b >= 0 && a < kLimit && b < kLimit && !c10::mul_overflows(a, b, &product) && product < kLimit;
+  };
+  PGAS_CHECK(fits(c.world, c.index_block_bytes) && fits(c.features_per_block, c.max_batch) &&
+                 fits(c.num_features, c.world) && fits(c.num_features * c.world, c.rows) &&  // in order: no overflow
+                 fits(c.lengths_off, 1) && fits(c.offsets_off, 1) && fits(c.ids_off, 1) &&
+                 (c.weights_off == -1 || fits(c.weights_off, 1)) && fits(c.first_feature, 1),
+             "kept_bags: a KeptBagsConfig field is negative or its extent past 2^40 bytes");
+  PGAS_CHECK(c.world > 0 && c.rows >= 0 && c.rows <= c.max_batch && c.index_block_bytes > 0,
+             "kept_bags: world %lld, rows %lld of max_batch %lld, index blocks of %lld bytes",
+             static_cast<long long>(c.world), static_cast<long long>(c.rows), static_cast<long long>(c.max_batch),
+             static_cast<long long>(c.index_block_bytes));
+  PGAS_CHECK(c.first_feature >= 0 && c.num_features >= 0 && c.first_feature + c.num_features <= c.features_per_block,
+             "kept_bags: features [%lld, +%lld) outside a block's %lld", static_cast<long long>(c.first_feature),
+             static_cast<long long>(c.num_features), static_cast<long long>(c.features_per_block));
+  PGAS_CHECK(c.id_bytes == 4 || c.id_bytes == 8, "kept_bags: id_bytes %lld is not 4 or 8",
+             static_cast<long long>(c.id_bytes));
   return c;
 }
 
@@ -91,6 +114,33 @@ OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at:
   };
 }
 
+KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, KeptBags& out) {
+  const KeptBagsConfig c = checked_bags_config(config);
+  const at::Device device = buffer.device();
+  PGAS_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous() &&
+                 reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 8 == 0,
+             "kept_bags: buffer must be a contiguous 1-D uint8 tensor starting on 8 bytes");
+  PGAS_CHECK(slot_base.scalar_type() == at::kLong && slot_base.numel() == 1 && slot_base.device() == device,
+             "kept_bags: slot_base must be one int64 on the buffer's device");
+  PGAS_CHECK(batches.scalar_type() == at::kLong && batches.dim() == 1 && batches.is_contiguous() &&
+                 batches.numel() == c.world && batches.device() == device,
+             "kept_bags: batches must be %lld contiguous int64 on the buffer's device (one a source)",
+             static_cast<long long>(c.world));
+  PGAS_CHECK(!whole.has_value() || (whole->scalar_type() == at::kBool && whole->numel() == 1 &&
+                                     whole->device() == device),
+             "kept_bags: whole must be one bool on the buffer's device");
+  const int64_t n = c.num_features * c.world * c.rows;
+  const auto opts = buffer.options().dtype(at::kLong);
+  out = {at::empty({n}, opts), at::empty({n}, opts), at::empty({c.weights_off >= 0 ? n : 0}, opts)};
+  return KeptBagsParams{
+      buffer.data_ptr<uint8_t>(), buffer.numel(), slot_base.data_ptr<int64_t>(),  // one element: contiguous
+      batches.data_ptr<int64_t>(), whole.has_value() ? whole->data_ptr<bool>() : nullptr, c,
+      std::get<0>(out).data_ptr<int64_t>(), std::get<1>(out).data_ptr<int64_t>(),
+      c.weights_off >= 0 ? std::get<2>(out).data_ptr<int64_t>() : nullptr,
+  };
+}
+
 void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit) {
   PGAS_CHECK((keys.scalar_type() == at::kInt || keys.scalar_type() == at::kLong) && keys.dim() == 1 &&
                  keys.is_contiguous(), "sort_owner_keys: keys must be a contiguous 1-D int32 or int64 tensor");
@@ -106,6 +156,14 @@ void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at:
 }
 
 // CPU implementations (the same algorithm as owner_keys.cu).
+KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                       const c10::optional<at::Tensor>& whole, const at::Tensor& config) {
+  KeptBags out;
+  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, out);
+  for (int64_t i = 0; i < std::get<0>(out).numel(); ++i) write_kept_bag(p, i);
+  return out;
+}
+
 OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
                          const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
                          const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity) {
@@ -135,6 +193,14 @@ OwnerKeys owner_keys_meta(const at::Tensor&, const c10::optional<at::Tensor>& we
                           const c10::optional<at::Tensor>&, const at::Tensor& offsets, const at::Tensor& feature_base,
                           const at::Tensor&, int64_t capacity) {
   return empty_owner_keys(offsets, feature_base, weights.has_value(), capacity);
+}
+
+KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor&, const at::Tensor&,
+                        const c10::optional<at::Tensor>&, const at::Tensor& config) {
+  const KeptBagsConfig c = checked_bags_config(config);
+  const int64_t n = c.num_features * c.world * c.rows;
+  const auto opts = buffer.options().dtype(at::kLong);
+  return {at::empty({n}, opts), at::empty({n}, opts), at::empty({c.weights_off >= 0 ? n : 0}, opts)};
 }
 
 OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t) {

@@ -31,12 +31,7 @@ void check_device_word(const c10::optional<at::Tensor>& word, const char* name, 
 }
 
 OwnerUpdateConfig checked_config(const at::Tensor& config) {
-  PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte &&
-                 config.numel() == static_cast<int64_t>(sizeof(OwnerUpdateConfig)),
-             "owner_update: config must be the %zu bytes of an OwnerUpdateConfig (CPU uint8)",
-             sizeof(OwnerUpdateConfig));
-  OwnerUpdateConfig c;
-  std::memcpy(&c, config.contiguous().data_ptr(), sizeof(c));
+  const OwnerUpdateConfig c = config_from_bytes<OwnerUpdateConfig>(config, "owner_update", "an OwnerUpdateConfig");
   const auto opt = static_cast<int64_t>(c.optimizer), wd = static_cast<int64_t>(c.weight_decay_mode);
   PGAS_CHECK(opt >= 0 && opt <= static_cast<int64_t>(Optimizer::kAdam), "owner_update: optimizer %lld unknown",
              static_cast<long long>(opt));

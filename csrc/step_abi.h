@@ -167,6 +167,24 @@ struct OwnerHyper {
   float reserved;  // keeps the struct a whole number of 8-byte words
 };
 
+// Where an owner's kept bags lie in its buffer (owner_keys.h: kept_bags; the
+// bytes of the config, CPU uint8): a source's index block's layout, and the
+// bags read, feature-major, then source, then sample.
+struct KeptBagsConfig {
+  int64_t index_block_bytes;  // a slot's index blocks follow each other, one a source
+  int64_t lengths_off;  // within a block: int32 bag lengths [features_per_block * max_batch]
+  int64_t offsets_off;  // int64 bag starts, in elements from ids_off (and from weights_off)
+  int64_t ids_off;
+  int64_t weights_off;  // -1: unweighted
+  int64_t id_bytes;  // 4 or 8
+  int64_t max_batch;
+  int64_t features_per_block;
+  int64_t first_feature;  // the bags read: features [first_feature, first_feature + num_features)
+  int64_t num_features;
+  int64_t world;  // of every source
+  int64_t rows;  // their first `rows` samples (a bag past a source's batch holds no ids)
+};
+
 // What the host decides of the keys of one TBE's kept ids at a captured
 // step's fixed capacity (owner_keys.h; the bytes of the config, CPU uint8).
 struct OwnerKeysConfig {
@@ -319,6 +337,19 @@ inline void describe_structs(AbiText& out) {
   PGAS_ABI_FIELD(OwnerHyper, bias_correction1);
   PGAS_ABI_FIELD(OwnerHyper, bias_correction2);
   PGAS_ABI_FIELD(OwnerHyper, reserved);
+  PGAS_ABI_STRUCT(KeptBagsConfig);
+  PGAS_ABI_FIELD(KeptBagsConfig, index_block_bytes);
+  PGAS_ABI_FIELD(KeptBagsConfig, lengths_off);
+  PGAS_ABI_FIELD(KeptBagsConfig, offsets_off);
+  PGAS_ABI_FIELD(KeptBagsConfig, ids_off);
+  PGAS_ABI_FIELD(KeptBagsConfig, weights_off);
+  PGAS_ABI_FIELD(KeptBagsConfig, id_bytes);
+  PGAS_ABI_FIELD(KeptBagsConfig, max_batch);
+  PGAS_ABI_FIELD(KeptBagsConfig, features_per_block);
+  PGAS_ABI_FIELD(KeptBagsConfig, first_feature);
+  PGAS_ABI_FIELD(KeptBagsConfig, num_features);
+  PGAS_ABI_FIELD(KeptBagsConfig, world);
+  PGAS_ABI_FIELD(KeptBagsConfig, rows);
   PGAS_ABI_STRUCT(OwnerKeysConfig);
   PGAS_ABI_FIELD(OwnerKeysConfig, first_bag);
   PGAS_ABI_FIELD(OwnerKeysConfig, end_bag);

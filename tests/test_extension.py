@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchrec_pgas.layout import StepLayout
-from torchrec_pgas.step_abi import BoundsMode, OwnerKeysConfig, as_tensor, build
+from torchrec_pgas.step_abi import BoundsMode, KeptBagsConfig, OwnerKeysConfig, as_tensor, build
 
 try:
     import torchrec_pgas._C as _C
@@ -51,9 +51,9 @@ def test_ops_registered() -> None:
 def test_dispatch_keys_and_meta_impl() -> None:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     for op in ("put", "signal", "wait", "free", "index_dist", "pooled_lookup", "combine_partials", "owner_update",
-               "owner_keys", "sort_owner_keys"):
+               "kept_bags", "owner_keys", "sort_owner_keys"):
         assert has(f"torchrec_pgas::{op}", "CUDA"), op
-    for op in ("owner_update", "owner_keys", "sort_owner_keys"):  # the CPU path of the same algorithm
+    for op in ("owner_update", "kept_bags", "owner_keys", "sort_owner_keys"):  # the CPU path of the same algorithm
         assert has(f"torchrec_pgas::{op}", "CPU"), op
     assert has("torchrec_pgas::alloc", "Meta")
     meta = torch.ops.torchrec_pgas.alloc.default.redispatch(
@@ -89,6 +89,21 @@ def test_owner_keys_meta_impls() -> None:
     assert (keys.shape, keys.dtype, bags.shape, bags.dtype, psw.shape) == ((40,), torch.int32, (40,), torch.int32, (0,))
     out = torch.ops.torchrec_pgas.sort_owner_keys(keys, bags, torch.empty(40, device=meta), 100)
     assert [t.shape for t in out] == [(40,)] * 3 and all(t.device.type == "meta" for t in out)
+
+
+@needs_ext
+def test_kept_bags_meta_impl() -> None:
+    """The kept bags on meta tensors: a bag per held feature, source and row; no weights' starts unweighted
+    (the config stays a host tensor, read for the sizes, as combine_partials' is)."""
+    meta = torch.device("meta")
+    config = build(KeptBagsConfig, index_block_bytes=4096, lengths_off=64, offsets_off=256, ids_off=512,
+                   weights_off=-1, id_bytes=4, max_batch=8, features_per_block=5, first_feature=1,
+                   num_features=3, world=2, rows=6)
+    lengths, first_id, first_weight = torch.ops.torchrec_pgas.kept_bags(
+        torch.empty(8192, dtype=torch.uint8, device=meta), torch.empty(1, dtype=torch.int64, device=meta),
+        torch.empty(2, dtype=torch.int64, device=meta), None, as_tensor(config))
+    assert (lengths.shape, first_id.shape, first_weight.shape) == ((36,), (36,), (0,))
+    assert lengths.dtype == first_id.dtype == torch.int64 and lengths.device.type == "meta"
 
 
 @needs_ext

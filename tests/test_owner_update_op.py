@@ -9,7 +9,7 @@ FBGEMM's own update is ``tests/test_owner_backward.py``.
 """
 
 from types import SimpleNamespace
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.owner_backward import OP_MAX_DIM, op_available, op_update, owner_backward
 from torchrec_pgas.step_abi import (
+    KeptBagsConfig,
     OwnerFeatureDesc,
     OwnerHyper,
     OwnerKeysConfig,
@@ -310,6 +311,102 @@ def test_sort_owner_keys_is_a_stable_sort_of_the_clamped_keys(device: str, key_d
     assert torch.equal(got[0].cpu(), clamped[order]) and got[0].dtype == key_dtype
     assert torch.equal(got[1].cpu(), bags[order])
     assert torch.equal(got[2].cpu(), psw[order] if weighted else psw)
+
+
+# Two sources' index blocks of 4096 bytes (3 features of up to 8 samples) after a 1024-byte slot gap:
+# lengths at 64, starts at 256, ids at 512, weights at 2048 within a block.
+BAGS_LAYOUT = dict(index_block_bytes=4096, lengths_off=64, offsets_off=256, ids_off=512, max_batch=8,
+                   features_per_block=3, world=2)
+
+
+def _bags_buffer(gen: torch.Generator) -> torch.Tensor:
+    """A buffer whose blocks hold random lengths (some negative: corrupt) and starts."""
+    lay = SimpleNamespace(**BAGS_LAYOUT)
+    buf = torch.zeros(1024 + lay.world * lay.index_block_bytes, dtype=torch.uint8)
+    bags = lay.features_per_block * lay.max_batch
+    for src in range(lay.world):
+        block = 1024 + src * lay.index_block_bytes
+        lengths = buf[block + lay.lengths_off:block + lay.lengths_off + 4 * bags].view(torch.int32)
+        lengths.copy_(torch.randint(-2, 9, (bags,), generator=gen))
+        starts = buf[block + lay.offsets_off:block + lay.offsets_off + 8 * (bags + 1)].view(torch.int64)
+        starts.copy_(torch.randint(0, 300, (bags + 1,), generator=gen))
+    return buf
+
+
+def _kept_bags_by_the_rule(buf: torch.Tensor, slot_base: int, batches: List[int], whole: Optional[bool],
+                           config: dict) -> Tuple[List[int], List[int], List[int]]:
+    """The reading rule of csrc/owner_keys.h, one bag at a time: the expected lengths and starts."""
+    c = SimpleNamespace(**config)
+
+    def word(at: int, dtype: torch.dtype) -> int:  # 0 unless inside the buffer, aligned
+        size = dtype.itemsize
+        return int(buf[at:at + size].view(dtype)[0]) if 0 <= at <= buf.numel() - size and at % size == 0 else 0
+
+    lengths, first_id, first_weight = [], [], []
+    for f in range(c.first_feature, c.first_feature + c.num_features):
+        for src, header in enumerate(batches):
+            block, batch = slot_base + src * c.index_block_bytes, min(max(header, 0), c.max_batch)
+            for b in range(c.rows):
+                valid = b < batch and whole is not False
+                bag = f * batch + b if valid else 0
+                lengths.append(max(word(block + c.lengths_off + 4 * bag, torch.int32), 0) if valid else 0)
+                start = word(block + c.offsets_off + 8 * bag, torch.int64)
+                first_id.append(start + (block + c.ids_off) // c.id_bytes)
+                first_weight.append(start + (block + c.weights_off) // 4)
+    return lengths, first_id, first_weight
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted,id_bytes", [(False, 4), (True, 4), (True, 8)])
+@pytest.mark.parametrize("batches,whole,slot_base", [
+    ([8, 5], True, 1024),  # a full source, a short one
+    ([8, 5], None, 1024),  # no step-wide word: the same
+    ([11, -3], True, 1024),  # headers past max_batch or negative: clamped
+    ([8, 8], False, 1024),  # a failed step: no bag keeps ids
+    ([8, 8], True, 1024 + 8192 - 200),  # a slot whose blocks run past the buffer: those reads give 0
+    ([8, 8], True, 1028),  # a slot off 8 bytes: its starts are unaligned, read as 0; the lengths are not
+])
+def test_kept_bags_reads_each_bags_length_and_starts_from_its_sources_block(
+        device: str, weighted: bool, id_bytes: int, batches: List[int], whole: Optional[bool],
+        slot_base: int) -> None:
+    """Features 1-2 of the three, 6 rows a source: each bag's id count and where its ids (weights) start,
+    as the reading rule says, whatever the headers hold."""
+    buf = _bags_buffer(torch.Generator().manual_seed(sum(batches)))
+    config = dict(BAGS_LAYOUT, weights_off=2048 if weighted else -1, id_bytes=id_bytes, first_feature=1,
+                  num_features=2, rows=6)
+    dev = torch.device(device)
+    lengths, first_id, first_weight = torch.ops.torchrec_pgas.kept_bags(
+        buf.to(dev), torch.tensor([slot_base], device=dev), torch.tensor(batches, device=dev),
+        None if whole is None else torch.tensor([whole], device=dev), as_tensor(build(KeptBagsConfig, **config)))
+    want = _kept_bags_by_the_rule(buf, slot_base, batches, whole, config)
+    assert lengths.tolist() == want[0] and first_id.tolist() == want[1]
+    assert first_weight.tolist() == (want[2] if weighted else [])
+    assert lengths.device == first_id.device == dev
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(world=0), "world 0"),
+    (dict(rows=9), "rows 9 of max_batch 8"),
+    (dict(first_feature=2, num_features=2), r"features \[2, \+2\) outside a block's 3"),
+    (dict(id_bytes=2), "id_bytes 2 is not 4 or 8"),
+    (dict(lengths_off=-8), "negative or its extent past 2\\^40"),
+    (dict(num_features=2 ** 32 + 1, world=2 ** 32 - 1, rows=1), "negative or its extent past 2\\^40"),
+])
+def test_kept_bags_refuses_a_config_that_names_no_block(change: dict, message: str) -> None:
+    fields = dict(BAGS_LAYOUT, weights_off=-1, id_bytes=4, first_feature=0, num_features=3, rows=8)
+    fields.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.torchrec_pgas.kept_bags(torch.zeros(9216, dtype=torch.uint8), torch.tensor([1024]),
+                                          torch.tensor([8] * min(max(fields["world"], 1), 2)), None,
+                                          as_tensor(build(KeptBagsConfig, **fields)))
+
+
+def test_kept_bags_refuses_a_buffer_off_its_words() -> None:
+    config = as_tensor(build(KeptBagsConfig, **BAGS_LAYOUT, weights_off=-1, id_bytes=4, first_feature=0,
+                             num_features=3, rows=8))
+    with pytest.raises(RuntimeError, match="starting on 8 bytes"):
+        torch.ops.torchrec_pgas.kept_bags(torch.zeros(9217, dtype=torch.uint8)[1:], torch.tensor([1024]),
+                                          torch.tensor([8, 8]), None, config)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -35,6 +35,7 @@ from torchrec_pgas.testing import (
     train_against_stock,
 )
 from torchrec_pgas.sharding.owner_backward import op_available
+from torchrec_pgas.sharding import step as step_module
 from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.step_abi import OwnerKeysConfig, as_tensor, build
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
@@ -150,10 +151,11 @@ def test_training_matches_stock_at_two_ranks() -> None:
 
 
 def _padded_ids_match(rank: int, world: int, kind: str) -> int:
-    """Train a few steps with every owner's ``kept_ids`` checked against what a captured step reads: the
-    ``owner_keys`` op over ``kept_ids_padded`` (no host sync, a fixed capacity), with every feature's key base
-    0, gives the same ids, bags and weights, then padding (key past every table, bag -1) and nothing else.
-    Returns how many owner rebuilds were checked."""
+    """Train a few steps with every owner's ``kept_ids`` checked against the torch ops' reading of the same
+    bags (the ``kept_bags`` op's fallback) and against what a captured step reads: the ``owner_keys`` op over
+    ``kept_ids_padded`` (no host sync, a fixed capacity), with every feature's key base 0, gives the same ids,
+    bags and weights, then padding (key past every table, bag -1) and nothing else. Returns how many owner
+    rebuilds were checked."""
     checked: List[int] = []
     exact = PgasStep.kept_ids
     key_limit = 2 ** 40  # past any id of the test's tables
@@ -161,6 +163,14 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
     def both(step: PgasStep, epoch: int, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
              whole: Any = None) -> Any:
         kjt = exact(step, epoch, rows, block_features, batches, whole)
+        step_module.op_available = lambda: False  # the same bags read by torch ops (a pure-Python install)
+        try:
+            by_torch = exact(step, epoch, rows, block_features, batches, whole)
+        finally:
+            step_module.op_available = op_available
+        assert torch.equal(kjt.offsets(), by_torch.offsets()) and torch.equal(kjt.values(), by_torch.values())
+        assert (kjt.weights_or_none() is None) == (by_torch.weights_or_none() is None)
+        assert kjt.weights_or_none() is None or torch.equal(kjt.weights(), by_torch.weights())
         lay = step.layout
         slot_base = torch.tensor(lay.index_block(epoch % lay.num_slots, 0))
         padded = step.kept_ids_padded(slot_base, rows, block_features, batches, torch.tensor(True))

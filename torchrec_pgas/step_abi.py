@@ -151,6 +151,15 @@ class OwnerHyper(ctypes.Structure):
                 ("bias_correction1", _f32), ("bias_correction2", _f32), ("reserved", _f32)]
 
 
+class KeptBagsConfig(ctypes.Structure):
+    """Where an owner's kept bags lie in its buffer and which it reads (``kept_bags``; weights_off -1:
+    unweighted)."""
+
+    _fields_ = [(name, _i64) for name in ("index_block_bytes", "lengths_off", "offsets_off", "ids_off",
+                                          "weights_off", "id_bytes", "max_batch", "features_per_block",
+                                          "first_feature", "num_features", "world", "rows")]
+
+
 class OwnerKeysConfig(ctypes.Structure):
     """What the host decides of the keys of one TBE's kept ids at a captured step's capacity (``owner_keys``)."""
 
@@ -165,7 +174,7 @@ class OwnerUpdateConfig(ctypes.Structure):
 
 
 STRUCTS: Sequence[Type[ctypes.Structure]] = (FeatureDesc, StepConfig, ErrorRecord, OwnerFeatureDesc, OwnerHyper,
-                                             OwnerKeysConfig, OwnerUpdateConfig)
+                                             KeptBagsConfig, OwnerKeysConfig, OwnerUpdateConfig)
 ERROR_RECORD_WORDS = ctypes.sizeof(ErrorRecord) // 8
 
 S = TypeVar("S", bound=ctypes.Structure)

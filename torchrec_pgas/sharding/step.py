@@ -33,9 +33,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.bootstrap import init_runtime
-from torchrec_pgas.sharding.owner_backward import owner_backward, storage_key
+from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, storage_key
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.layout import StepLayout, id_bytes_for
+from torchrec_pgas.step_abi import KeptBagsConfig, as_tensor, build
 from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
 
 PoolFn = Callable[[KeyedJaggedTensor], torch.Tensor]
@@ -475,10 +476,23 @@ class PgasStep(abc.ABC):
                    whole: Optional[torch.Tensor]) -> "KeptBags":
         """Every kept bag's id count and where its ids (and weights) start, as elements of the buffer, for the
         slot at byte ``slot_base`` (an int, or a device tensor); bags past a source's batch, and every bag
-        where ``whole`` is false, hold no ids."""
+        where ``whole`` is false, hold no ids. The extension's ``kept_bags`` op reads them where it is built
+        (csrc/owner_keys.h); torch ops by the same rule elsewhere (a pure-Python install)."""
         lay, world = self.layout, self.world_size
         first, count, per_block = block_features
         dev = self.buf.local.device
+        if op_available():  # one kernel, a thread a bag, where the torch ops below launch about thirty
+            base = slot_base if isinstance(slot_base, torch.Tensor) else torch.full((1,), slot_base, device=dev)
+            config = build(KeptBagsConfig, index_block_bytes=lay.index_block_bytes, lengths_off=lay.lengths_off,
+                           offsets_off=lay.offsets_off, ids_off=lay.ids_off,
+                           weights_off=lay.weights_off if lay.weighted else -1, id_bytes=lay.id_bytes,
+                           max_batch=lay.max_batch, features_per_block=per_block, first_feature=first,
+                           num_features=count, world=world, rows=rows)
+            lengths, first_id, first_weight = torch.ops.torchrec_pgas.kept_bags(
+                self.buf.local, base.to(dev, torch.int64).reshape(1), batches.to(dev, torch.int64),
+                None if whole is None else whole.to(dev).reshape(1), as_tensor(config))
+            return KeptBags(lengths, torch.ops.fbgemm.asynchronous_complete_cumsum(lengths), first_id,
+                            first_weight if lay.weighted else None)
         block = slot_base + torch.arange(world, device=dev) * lay.index_block_bytes  # each source's block, bytes
 
         def per_source(off: int, dtype: torch.dtype, n: int) -> torch.Tensor:
