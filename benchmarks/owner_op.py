@@ -6,7 +6,7 @@ the same TBE, ids and gradient, at one device.
 What the training benchmark (``benchmarks.embedding --mode train``) measures inside a whole DMP step, without the
 step: two TBEs of a preset's tables at W = 1 (the owner of every row), initialised alike. Per step, FBGEMM's
 backward (``out.backward(grad)`` after an untimed forward, which its autograd needs: its sort and fused update) and
-ours (``owner_backward``: the keys, their sort and the gather of each id's bag, ``owner_sort``; the walk,
+ours (``owner_backward``: the keys laid out by ``owner_keys`` and their sort, ``owner_sort``; the walk,
 ``owner_update``), each timed with CUDA events. The states are compared after the first step, within the training
 benchmark's tolerance (the sums' order differs): a step past it, or an op that does not take the tables, stops
 the run. The floor is the training benchmark's backward floor (a gradient row read per id, the key sort, one read

@@ -1,6 +1,6 @@
 // The owner update's inputs on the GPU (owner_keys.h): the kept bags, a
-// thread each; the keys at a fixed capacity in one kernel whose threads take
-// the bags, then the padding positions (the kept count is read on the
+// thread each; the keys at a capacity in one kernel whose warps take the bags,
+// then its threads the padding positions (the kept count is read on the
 // device); their sort by CUB's radix sort over the key limit's bits, carrying
 // each key's bag (and per-sample weight: the two packed in one 64-bit value).
 #include <ATen/ATen.h>
@@ -19,12 +19,14 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// A warp per bag (its lanes write adjacent positions), then a thread per padding position.
 template <typename id_t, typename key_t>
 __global__ void __launch_bounds__(kThreads) owner_keys_kernel(OwnerKeysParams p) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t threads = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t b = p.config.first_bag + thread; b < p.config.end_bag; b += threads) {
-    write_bag_keys<id_t, key_t>(p, b);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t b = p.config.first_bag + thread / 32; b < p.config.end_bag; b += threads / 32) {
+    write_bag_keys<id_t, key_t>(p, b, lane, 32);
   }
   for (int64_t q = kept_count(p) + thread; q < p.capacity; q += threads) pad_position<key_t>(p, q);
 }
@@ -116,7 +118,7 @@ OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>
   OwnerKeys out;
   const OwnerKeysParams p =
       owner_keys_params(ids, weights, first_id, first_weight, offsets, feature_base, config, capacity, out);
-  const int64_t threads = std::max(p.capacity, p.config.end_bag - p.config.first_bag);
+  const int64_t threads = std::max(p.capacity, 32 * (p.config.end_bag - p.config.first_bag));
   const bool id64 = ids.scalar_type() == at::kLong, key64 = feature_base.scalar_type() == at::kLong;
   const auto launch = [&](auto kernel) {
     kernel<<<grid_for(threads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);

@@ -1,9 +1,10 @@
-// The owner update's inputs for a step captured in a CUDA graph: the kept
-// bags read from the owner's buffer, the row keys of one TBE's kept ids at a
-// fixed capacity, then their stable sort. One algorithm, written once
-// (write_kept_bag, write_bag_keys, pad_position, clamped_key): owner_keys.cu
-// runs it on the GPU (a thread per bag, then a thread per padding position;
-// CUB's radix sort), owner_keys_host.cpp on the CPU.
+// The owner update's inputs: the kept bags read from the owner's buffer, the
+// row keys of one TBE's kept ids (at a captured step's fixed capacity, or at
+// an eager step's id count), then their stable sort. One algorithm, written
+// once (write_kept_bag, write_bag_keys, pad_position, clamped_key):
+// owner_keys.cu runs it on the GPU (a thread per kept bag; a warp per bag's
+// keys, then a thread per padding position; CUB's radix sort),
+// owner_keys_host.cpp on the CPU.
 //
 // The kept bags (kept_bags; PgasStep.kept_ids reads them too): bag i of the
 // bags read (feature-major, then source, then sample; KeptBagsConfig) is
@@ -34,7 +35,7 @@
 // every element read in the buffer, whatever they say (offsets that decrease
 // make bags overlap: a position then holds one of their writes, memory-safe
 // but meaningless; the kept bags' offsets are a sum of lengths clamped to >= 0,
-// so theirs never do, and the work is the capacity plus a thread per bag).
+// so theirs never do, and the work is the capacity plus a warp per bag).
 //
 // The sort: keys outside [0, key_limit] become key_limit, then a stable radix
 // sort over the key_limit's bits carries each key's bag and weight: a row's
@@ -132,16 +133,17 @@ PGAS_KEYS_FN void pad_position(const OwnerKeysParams& p, int64_t q) {
 }
 
 // Bag b's ids at their positions [at, end) relative to the TBE's first, those inside the capacity: position q
-// holds buffer element first_id[b] + q - at.
+// holds buffer element first_id[b] + q - at. Its `lanes` writers take every lanes-th position from `lane`
+// (a GPU warp: adjacent positions, coalesced; the CPU: one writer).
 template <typename id_t, typename key_t>
-PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b) {
+PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b, int lane, int lanes) {
   const OwnerKeysConfig& c = p.config;
   const int64_t first = offset_at(p, c.first_bag), at = offset_at(p, b) - first, end = offset_at(p, b + 1) - first;
   const int64_t q_lo = clamped(at, 0, p.capacity), q_hi = clamped(end, q_lo, p.capacity);
   const int64_t id_shift = clamped(p.first_id[b], -kFar, kFar) - at;
   const int64_t weight_shift = p.psw != nullptr ? clamped(p.first_weight[b], -kFar, kFar) - at : 0;
   const int64_t base = static_cast<const key_t*>(p.feature_base)[(b - c.first_bag) / c.stride];
-  for (int64_t q = q_lo; q < q_hi; ++q) {
+  for (int64_t q = q_lo + lane; q < q_hi; q += lanes) {
     const int64_t src = id_shift + q;
     const int64_t id = src >= 0 && src < p.num_ids ? static_cast<int64_t>(static_cast<const id_t*>(p.ids)[src]) : -1;
     if (id < 0 || id >= c.key_limit - base) {

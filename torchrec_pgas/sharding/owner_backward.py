@@ -179,8 +179,8 @@ class _OpLayout(NamedTuple):
 
     tables: Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]  # weights, momentum1, momentum2
     features: torch.Tensor  # OwnerFeatureDesc words (CPU)
-    feature_base: torch.Tensor  # each feature's first row key, on the gradient's device
-    key_dtype: torch.dtype  # int32 where the TBE's rows allow: half the bytes a sort moves
+    feature_base: torch.Tensor  # each feature's first row key, on the gradient's device, in the keys' dtype: int32
+    # where the TBE's rows allow (half the bytes a sort moves)
     key_limit: int  # the rows of all its tables: a key past every row
 
 
@@ -231,7 +231,7 @@ def _build_layout(tbe: nn.Module, grads: torch.Tensor, first_col: int) -> Option
         features=as_words([build(OwnerFeatureDesc, table=t, grad_col=c) for t, c in zip(table_map, cols)],
                           OwnerFeatureDesc),
         feature_base=_upload(torch.tensor([key_bases[t] for t in table_map], dtype=key_dtype), grads.device),
-        key_dtype=key_dtype, key_limit=key_bases[-1])
+        key_limit=key_bases[-1])
 
 
 def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first_col: int,
@@ -242,17 +242,30 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     batch, values, lengths = kjt.stride(), kjt.values(), kjt.lengths().long()
     if not _op_takes(layout, grads, lengths.numel(), len(tbe.feature_table_map) * batch):
         return False
-    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grads.device, dtype=torch.int32), lengths,
-                                   output_size=values.numel())
-    bag_base = layout.feature_base.repeat_interleave(batch)  # each bag's first row key: no division per id
-    keys = bag_base[bags] + values.to(layout.key_dtype)
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    weights = kjt.weights_or_none()
+    weights = weights.float().contiguous() if weights is not None else None
+    # each bag's ids start at its offset in the KJT's values (and weights)
+    keys, bags, psw = _owner_keys(layout, values.contiguous(), weights, offsets[:-1],
+                                  None if weights is None else offsets[:-1], offsets, 0, lengths.numel(), batch,
+                                  values.numel())
     hyper = _HYPER.get(tbe)
     if hyper is None or hyper.device != grads.device:
         hyper = _HYPER[tbe] = torch.empty(ctypes.sizeof(OwnerHyper) // 4, device=grads.device)
     write_hyper(tbe, iteration)
-    _sort_and_update(tbe, layout, keys, bags, kjt.weights_or_none(), torch.ops.fbgemm.asynchronous_complete_cumsum(
-        lengths), grads, batch, hyper)
+    _sort_and_update(tbe, layout, keys, bags, psw if weights is not None else None, offsets, grads, batch, hyper)
     return True
+
+
+def _owner_keys(layout: "_OpLayout", ids: torch.Tensor, weights: Optional[torch.Tensor], first_id: torch.Tensor,
+                first_weight: Optional[torch.Tensor], offsets: torch.Tensor, first_bag: int, end_bag: int,
+                stride: int, capacity: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A TBE's kept ids (bags [first_bag, end_bag) of ``offsets``) as row keys, bags and weights at
+    ``capacity`` positions, in one ``owner_keys`` kernel: an id outside its table's rows becomes padding, a
+    key past every table that the update never walks."""
+    config = build(OwnerKeysConfig, first_bag=first_bag, end_bag=end_bag, stride=stride, key_limit=layout.key_limit)
+    return torch.ops.torchrec_pgas.owner_keys(ids, weights, first_id, first_weight, offsets, layout.feature_base,
+                                              as_tensor(config), capacity)
 
 
 def _op_takes(layout: Optional["_OpLayout"], grads: torch.Tensor, num_bags: int, expected_bags: int) -> bool:
@@ -269,7 +282,7 @@ def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, ba
     op (``apply``, ``used``: the op's device words of a captured step)."""
     ops, weighted = torch.ops.torchrec_pgas, psw is not None
     keys, bags, sorted_psw = ops.sort_owner_keys(
-        keys, bags, psw.float().contiguous() if weighted else keys.new_empty(0, dtype=torch.float32), layout.key_limit)
+        keys, bags, psw if weighted else keys.new_empty(0, dtype=torch.float32), layout.key_limit)
     profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys and their sort; the op
     mode = tbe.optimizer_args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
@@ -321,11 +334,8 @@ def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads:
         hyper = _HYPER.get(tbe)
         if hyper is None or hyper.device != grads.device:
             raise PgasError("a training step through the owner update op is captured only after an eager step")
-        config = build(OwnerKeysConfig, first_bag=first_bag, end_bag=end_bag, stride=kept.stride,
-                       key_limit=layout.key_limit)
-        keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(
-            kept.ids, kept.weights, kept.bags.first_id, kept.bags.first_weight, kept.bags.offsets,
-            layout.feature_base, as_tensor(config), kept.capacity)
+        keys, bags, psw = _owner_keys(layout, kept.ids, kept.weights, kept.bags.first_id, kept.bags.first_weight,
+                                      kept.bags.offsets, first_bag, end_bag, kept.stride, kept.capacity)
         offsets = kept.bags.offsets[first_bag:end_bag + 1] - kept.bags.offsets[first_bag]
         _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
                          kept.stride, hyper, apply, offsets[-1:])  # this TBE's ids sort first
