@@ -156,9 +156,10 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   // KeptBagsConfig (CPU uint8). Returns (lengths, first_id, first_weight: empty when unweighted), int64.
   m.def("kept_bags(Tensor buffer, Tensor slot_base, Tensor batches, Tensor? whole, Tensor config) -> "
         "(Tensor, Tensor, Tensor)");
-  // The owner update's inputs for a step captured in a CUDA graph (owner_keys.h): one TBE's kept ids as row
-  // keys, bags and per-sample weights at a fixed capacity, padded with key_limit, from the owner's buffer
-  // (ids: as int32 or int64 ids, weights: as fp32) and the kept bags' device offsets; config: the bytes of an
+  // The owner update's inputs (owner_keys.h): one TBE's kept ids as row keys, bags and per-sample weights at
+  // `capacity` positions (a captured step's fixed capacity, or an eager step's id count), padded with
+  // key_limit, from the owner's buffer or a KJT's values (ids: as int32 or int64 ids, weights: as fp32) and
+  // the bags' device offsets; config: the bytes of an
   // OwnerKeysConfig (CPU uint8). Returns (keys, bags, per_sample_weights: empty when unweighted).
   m.def(
       "owner_keys(Tensor ids, Tensor? weights, Tensor first_id, Tensor? first_weight, Tensor offsets, "

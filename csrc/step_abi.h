@@ -185,8 +185,8 @@ struct KeptBagsConfig {
   int64_t rows;  // their first `rows` samples (a bag past a source's batch holds no ids)
 };
 
-// What the host decides of the keys of one TBE's kept ids at a captured
-// step's fixed capacity (owner_keys.h; the bytes of the config, CPU uint8).
+// What the host decides of the keys of one TBE's kept ids (owner_keys.h; the
+// bytes of the config, CPU uint8).
 struct OwnerKeysConfig {
   int64_t first_bag;  // the TBE's kept bags: [first_bag, end_bag) of the sharding's kept bags
   int64_t end_bag;

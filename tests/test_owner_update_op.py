@@ -134,6 +134,38 @@ def test_op_matches_reference(device: str, layout: str, optimizer: EmbOptimType,
                                                              mode, dev).state()[0])  # it did update
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_op_update_skips_ids_outside_their_tables(device: str) -> None:
+    """Ids outside their table's rows update nothing: a KJT with them (negative, past the table, inside the
+    next table's keys, past 2^31 where the keys are int32) updates as the KJT without them does, bit for bit;
+    a KJT without ids updates nothing."""
+    dev, batch, feature_tables = torch.device(device), 4, [0, 1, 1]
+    tables = TABLES[:2]
+    good = _kjt(tables, feature_tables, batch, weighted=False, seed=7, device=torch.device("cpu"))
+    bad_ids = [-3, 40, 47, 2 ** 32 + 5]  # table 0 has 40 rows; key 47 would be table 1's row 7
+    per_bag = list(good.values().split(good.lengths().tolist()))
+    with_bad = [torch.cat([ids, torch.tensor(bad_ids[:bag % 5], dtype=torch.int64)])
+                for bag, ids in enumerate(per_bag)]
+
+    def kjt_of(bags: List[torch.Tensor]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys=good.keys(), values=torch.cat(bags).to(dev),
+                                 lengths=torch.tensor([b.numel() for b in bags]).to(dev), stride=batch)
+
+    grad = (torch.randn(batch, 40, generator=torch.Generator().manual_seed(1)) * 0.1).to(dev)
+    states = []
+    for bags in (per_bag, with_bad):
+        tbe = FlatTables(tables, feature_tables, EmbOptimType.EXACT_ROWWISE_ADAGRAD, torch.float32,
+                         PoolingMode.SUM, WeightDecayMode.L2, dev)
+        assert op_update(tbe, kjt_of(bags), grad, 0, 1)
+        states.append(tbe.state())
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    tbe = FlatTables(tables, feature_tables, EmbOptimType.EXACT_ROWWISE_ADAGRAD, torch.float32, PoolingMode.SUM,
+                     WeightDecayMode.L2, dev)
+    before = [t.clone() for t in tbe.state()]
+    assert op_update(tbe, kjt_of([torch.empty(0, dtype=torch.int64)] * len(per_bag)), grad, 0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(tbe.state(), before))
+
+
 def _op_args(**change: object) -> dict:
     """A valid one-table, one-feature SGD update (4 ids, batch 2), with ``change`` applied."""
     args = dict(

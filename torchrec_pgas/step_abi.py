@@ -161,7 +161,7 @@ class KeptBagsConfig(ctypes.Structure):
 
 
 class OwnerKeysConfig(ctypes.Structure):
-    """What the host decides of the keys of one TBE's kept ids at a captured step's capacity (``owner_keys``)."""
+    """What the host decides of the keys of one TBE's kept ids (``owner_keys``)."""
 
     _fields_ = [("first_bag", _i64), ("end_bag", _i64), ("stride", _i64), ("key_limit", _i64)]
 

@@ -261,8 +261,8 @@ def _owner_keys(layout: "_OpLayout", ids: torch.Tensor, weights: Optional[torch.
                 first_weight: Optional[torch.Tensor], offsets: torch.Tensor, first_bag: int, end_bag: int,
                 stride: int, capacity: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A TBE's kept ids (bags [first_bag, end_bag) of ``offsets``) as row keys, bags and weights at
-    ``capacity`` positions, in one ``owner_keys`` kernel: an id outside its table's rows becomes padding, a
-    key past every table that the update never walks."""
+    ``capacity`` positions, in one ``owner_keys`` kernel. An id whose key would lie past every table becomes
+    padding, which the update never walks; one whose key lands in another table's rows the update skips."""
     config = build(OwnerKeysConfig, first_bag=first_bag, end_bag=end_bag, stride=stride, key_limit=layout.key_limit)
     return torch.ops.torchrec_pgas.owner_keys(ids, weights, first_id, first_weight, offsets, layout.feature_base,
                                               as_tensor(config), capacity)
