@@ -107,7 +107,6 @@ __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const
   }
 }
 
-// Thread s: source s's gradient of step `epoch` (see GradSource); thread W: this rank's step.
 // A source's gradients of step `epoch`: arrived, given up by the source, or timed out.
 __device__ __forceinline__ int64_t await_source(const StepParams& p, int s, int64_t epoch) {
   const int64_t* slot = my_signal(p, kGradSignals, s);
@@ -139,6 +138,7 @@ __device__ __forceinline__ void publish_refusal(const StepParams& p, const int64
   }
 }
 
+// Thread s: source s's gradient of step `epoch` (see GradSource); thread W: this rank's step.
 __global__ void await_grads_kernel(StepParams p, int64_t* flags, int64_t epoch) {
   const bool captured = epoch == 0;
   epoch = step_epoch(p, epoch);

@@ -159,8 +159,8 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   // The owner update's inputs (owner_keys.h): one TBE's kept ids as row keys, bags and per-sample weights at
   // `capacity` positions (a captured step's fixed capacity, or an eager step's id count), padded with
   // key_limit, from the owner's buffer or a KJT's values (ids: as int32 or int64 ids, weights: as fp32) and
-  // the bags' device offsets; config: the bytes of an
-  // OwnerKeysConfig (CPU uint8). Returns (keys, bags, per_sample_weights: empty when unweighted).
+  // the bags' device offsets; config: the bytes of an OwnerKeysConfig (CPU uint8). Returns (keys, bags,
+  // per_sample_weights: empty when unweighted).
   m.def(
       "owner_keys(Tensor ids, Tensor? weights, Tensor first_id, Tensor? first_weight, Tensor offsets, "
       "Tensor feature_base, Tensor config, int capacity) -> (Tensor, Tensor, Tensor)");

@@ -57,6 +57,13 @@ KeptBagsConfig checked_bags_config(const at::Tensor& config) {
   return c;
 }
 
+// The kept bags' outputs, uninitialised: every bag is written.
+KeptBags empty_kept_bags(const at::Tensor& buffer, const KeptBagsConfig& c) {
+  const int64_t n = c.num_features * c.world * c.rows;
+  const auto opts = buffer.options().dtype(at::kLong);
+  return {at::empty({n}, opts), at::empty({n}, opts), at::empty({c.weights_off >= 0 ? n : 0}, opts)};
+}
+
 // The outputs, uninitialised: every position is written.
 OwnerKeys empty_owner_keys(const at::Tensor& offsets, const at::Tensor& feature_base, bool weighted, int64_t capacity) {
   const auto opts = offsets.options();
@@ -130,9 +137,7 @@ KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot
   PGAS_CHECK(!whole.has_value() || (whole->scalar_type() == at::kBool && whole->numel() == 1 &&
                                      whole->device() == device),
              "kept_bags: whole must be one bool on the buffer's device");
-  const int64_t n = c.num_features * c.world * c.rows;
-  const auto opts = buffer.options().dtype(at::kLong);
-  out = {at::empty({n}, opts), at::empty({n}, opts), at::empty({c.weights_off >= 0 ? n : 0}, opts)};
+  out = empty_kept_bags(buffer, c);
   return KeptBagsParams{
       buffer.data_ptr<uint8_t>(), buffer.numel(), slot_base.data_ptr<int64_t>(),  // one element: contiguous
       batches.data_ptr<int64_t>(), whole.has_value() ? whole->data_ptr<bool>() : nullptr, c,
@@ -197,10 +202,7 @@ OwnerKeys owner_keys_meta(const at::Tensor&, const c10::optional<at::Tensor>& we
 
 KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor&, const at::Tensor&,
                         const c10::optional<at::Tensor>&, const at::Tensor& config) {
-  const KeptBagsConfig c = checked_bags_config(config);
-  const int64_t n = c.num_features * c.world * c.rows;
-  const auto opts = buffer.options().dtype(at::kLong);
-  return {at::empty({n}, opts), at::empty({n}, opts), at::empty({c.weights_off >= 0 ? n : 0}, opts)};
+  return empty_kept_bags(buffer, checked_bags_config(config));
 }
 
 OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t) {

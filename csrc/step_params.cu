@@ -1,7 +1,5 @@
 // The host side of a stage launch: the op's tensors and StepConfig, checked
 // against each other before a kernel takes addresses from them.
-#include <cstring>
-
 #include <ATen/ATen.h>
 
 #include "step_protocol.cuh"
@@ -12,12 +10,9 @@ StepParams make_step_params(const at::Tensor& buf, const at::Tensor& pad, const 
                             const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                             const at::Tensor& status, const at::Tensor& config, int64_t batch, int64_t nnz) {
   using ll = long long;
-  PGAS_CHECK(config.device().is_cpu() && config.scalar_type() == at::kByte && config.is_contiguous() &&
-                 config.numel() == static_cast<int64_t>(sizeof(StepConfig)),
-             "pgas step: config must be the %zu bytes of a StepConfig (torchrec_pgas.step_abi), got %lld",
-             sizeof(StepConfig), static_cast<ll>(config.numel()));
   StepParams p;
-  std::memcpy(static_cast<StepConfig*>(&p), config.data_ptr(), sizeof(StepConfig));
+  static_cast<StepConfig&>(p) =
+      config_from_bytes<StepConfig>(config, "pgas step", "a StepConfig (torchrec_pgas.step_abi)");
   PGAS_CHECK(p.num_slots >= 1 && p.num_slots <= kMaxSlots, "pgas step: %lld buffer slots outside [1, %d]",
              static_cast<ll>(p.num_slots), kMaxSlots);
   PGAS_CHECK(buf.is_cuda() && pad.is_cuda() && peers.is_cuda() && features.is_cuda() && state.is_cuda() &&
