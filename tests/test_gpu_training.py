@@ -59,6 +59,9 @@ CASES = [
     Case("pgas_row_wise", EmbOptimType.ADAM, owner_backward="pgas", loop="sparse_dist"),
     Case("pgas_row_wise", EmbOptimType.EXACT_ROWWISE_ADAGRAD, weight_decay=0.01, data_type=DataType.FP16,
          output_dtype=SparseType.FP16, owner_backward="pgas"),
+    # ... with the eager step reading the kept ids' count (the path past PgasConfig.max_padded_eager_ids)
+    Case("pgas_row_wise", EmbOptimType.ADAM, owner_backward="pgas", max_padded_eager_ids=0),
+    Case("pgas_table_wise", pooling="mixed", owner_backward="pgas", max_padded_eager_ids=0),
 ]
 
 
@@ -97,6 +100,19 @@ def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str) -> None:
     expected = "exceeds PgasConfig.max_local_batch_size=16" if what == "capacity" else "has id 37 outside [0, 37)"
     assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")], r1
     assert expected in r1["errors"][0][2]
+    assert [e[:2] for e in r0["errors"]] == [(2, "PgasPeerAbortError")], r0
+    assert r0["equal"] and r1["equal"], (r0, r1)
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+@pytest.mark.parametrize("what", ["id", "wid"])
+def test_a_bad_batch_changes_nothing_through_the_owner_update_on_gpus(kind: str, what: str) -> None:
+    """The case above with ``owner_backward="pgas"``, against a twin of the same config that skips the bad
+    step: the eager update is launched before the host reads the sources' flags, and must apply nothing of
+    the refused step, on either rank, while its backward still raises on both."""
+    r0, r1 = run_distributed(_bad_batch, 2, kind, what, "cuda", "pgas")
+    assert [e[:2] for e in r1["errors"]] == [(2, "PgasInputError")] and "has id 37 outside [0, 37)" in r1["errors"][0][2]
     assert [e[:2] for e in r0["errors"]] == [(2, "PgasPeerAbortError")], r0
     assert r0["equal"] and r1["equal"], (r0, r1)
 

@@ -249,9 +249,11 @@ def test_training_with_owner_backward_matches_stock() -> None:
             assert worst <= (1e-3 if case.endswith("fp16") else 1e-5), f"{case}: {worst}"
 
 
-def test_owner_backward_setting_is_checked() -> None:
+def test_owner_backward_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="owner_backward"):
         PgasConfig(owner_backward="fused")
+    with pytest.raises(ValueError, match="max_padded_eager_ids must be >= 0, got -1"):
+        PgasConfig(owner_backward="pgas", max_padded_eager_ids=-1)
 
 
 def _learning_rate_change(rank: int, world: int) -> Tuple[float, float]:

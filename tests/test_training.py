@@ -58,6 +58,7 @@ class Case:
     eval_every: int = 0  # an eval forward after every that many steps
     eval_grad: bool = False  # ... with grad enabled, its output dropped
     owner_backward: str = "fbgemm"  # PgasConfig.owner_backward
+    max_padded_eager_ids: int = PgasConfig.max_padded_eager_ids  # ... and its eager layout's bound (GPUs)
 
     @property
     def tolerance(self) -> float:
@@ -115,7 +116,8 @@ def _train_cases(rank: int, world: int, cases: List[Case], device_type: str) -> 
                                  "output_dtype": case.output_dtype}
         diffs = train_against_stock(model, _types(case, model, world), _batches(model, rank, STEPS),
                                     dist.group.WORLD, rank_device(rank, device_type), fused,
-                                    dataclasses.replace(CONFIG, owner_backward=case.owner_backward),
+                                    dataclasses.replace(CONFIG, owner_backward=case.owner_backward,
+                                                        max_padded_eager_ids=case.max_padded_eager_ids),
                                     loop=case.loop, eval_every=case.eval_every, eval_grad=case.eval_grad)
         out.append((repr(case), max(diffs), case.tolerance))
     return out

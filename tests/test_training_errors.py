@@ -31,16 +31,22 @@ from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, Pgas
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
 
 
-def _sides(rank: int, world: int, kind: str, device_type: str, wait_s: float = 60) -> Tuple[Any, Any, List[TrainBatch]]:
-    """PGAS and stock over the same SUM tables (bit-exact training: see test_training.py)."""
+def _sides(rank: int, world: int, kind: str, device_type: str, wait_s: float = 60,
+           owner_backward: str = "fbgemm") -> Tuple[Any, Any, List[TrainBatch]]:
+    """PGAS and stock over the same SUM tables (bit-exact training: see test_training.py); with
+    ``owner_backward="pgas"``, whose sums differ from FBGEMM's in order, a PGAS twin of the same config in
+    place of stock."""
     model = default_model(all_sum=True)
     types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
     dev = rank_device(rank, device_type)
-    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=wait_s)
+    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=wait_s, owner_backward=owner_backward)
     wrapped = LossModel(model)
     pgas = shard(wrapped, types, dist.group.WORLD, dev, config, FUSED, path="model.")
-    stock = shard(wrapped, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, dev, fused_params=FUSED,
-                  stock=True, path="model.")
+    if owner_backward == "pgas":
+        stock = shard(wrapped, types, dist.group.WORLD, dev, config, FUSED, path="model.")
+    else:
+        stock = shard(wrapped, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, dev,
+                      fused_params=FUSED, stock=True, path="model.")
     gen = seeded(5 + rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
     batches = [TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)).to(dev)
@@ -68,9 +74,10 @@ def _bad(batch: TrainBatch, what: str) -> TrainBatch:
     return TrainBatch(kjt, bad) if what == "wid" else TrainBatch(bad, batch.wkjt)
 
 
-def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str) -> Dict[str, Any]:
+def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str,
+               owner_backward: str = "fbgemm") -> Dict[str, Any]:
     """Rank 1's step 2 is bad; every rank catches what it raises (in forward or backward) and goes on."""
-    pgas, stock, batches = _sides(rank, world, kind, device_type)
+    pgas, stock, batches = _sides(rank, world, kind, device_type, owner_backward=owner_backward)
     errors = []
     for i, batch in enumerate(batches):
         try:

@@ -16,7 +16,12 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
-from torchrec_pgas.sharding.step import CapturedStep, advance_tbe_iterations, recording_captured_steps
+from torchrec_pgas.sharding.step import (
+    CapturedStep,
+    advance_tbe_iterations,
+    recording_captured_steps,
+    sync_tbe_iterations,
+)
 from torchrec_pgas.types import PgasError
 
 
@@ -67,9 +72,7 @@ class CapturedTrainStep:
         assert self._graph is not None
         self._graph.replay()
         for c in self._captured:
-            for tbe, iteration in zip(c.tbes, c.iterations):
-                if iteration is not None:  # the device counter, as an eager step leaves it
-                    tbe.iter.fill_(iteration)
+            sync_tbe_iterations(c.tbes, c.iterations)  # the device counters, as an eager step leaves them
         for c in self._captured:
             c.step.raise_recorded()  # an earlier replay's refused step (no sync: the records are pinned)
         return self._loss

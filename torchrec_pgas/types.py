@@ -54,11 +54,16 @@ class PgasConfig:
             default): the stock lookup replayed under autograd, so FBGEMM's fused
             backward + optimizer run, every optimizer and option included.
             ``"pgas"``: the owner backward of ``sharding/owner_backward.py``
-            (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM; no replayed lookup, no key
-            sort over the whole step), with FBGEMM's path where a TBE's optimizer
-            or options are not covered (a warning names why). Its reference runs
-            in torch ops; it becomes the default once its differential tests pass
-            on GPUs.
+            (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM; no replayed lookup: one
+            sort of the kept ids by row, then one fused pass), with FBGEMM's path
+            where a TBE's optimizer or options are not covered (a warning names
+            why); the path a training step captured in a CUDA graph takes.
+        max_padded_eager_ids: with ``owner_backward="pgas"`` on GPUs, an eager
+            step lays out and sorts an owner's kept ids at their capacity
+            (world size × ids capacity), as a captured step does, without reading
+            their count on the host, while that capacity is at most this many
+            ids. Past it, sorting the unused capacity would cost more than the
+            host sync it saves, and the step reads the count. 0: always read it.
     """
 
     max_local_batch_size: int = 4096
@@ -67,6 +72,7 @@ class PgasConfig:
     wait_timeout_s: float = 120.0
     training: bool = True
     owner_backward: str = "fbgemm"
+    max_padded_eager_ids: int = 1 << 24
 
     def __post_init__(self) -> None:
         if self.max_local_batch_size <= 0:
@@ -83,6 +89,8 @@ class PgasConfig:
             )
         if self.wait_timeout_s <= 0:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        if self.max_padded_eager_ids < 0:
+            raise ValueError(f"PgasConfig.max_padded_eager_ids must be >= 0, got {self.max_padded_eager_ids}")
         if self.owner_backward not in OWNER_BACKWARDS:
             raise ValueError(f"PgasConfig.owner_backward must be one of {OWNER_BACKWARDS}, got {self.owner_backward!r}")
 

@@ -17,16 +17,18 @@ under autograd and ``release_sources`` hands the slot back. A step that failed
 on any rank (device-side errors are recorded, not raised) changes no weight:
 its backward raises the error on every rank instead.
 
-Under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``, with ``owner_backward="pgas"``) the backward
-reads nothing on the host: its kernels take each replay's epoch from the device, the owner lays its ids out
-at a fixed capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the update op applies nothing
-where a device word says the step failed on some rank.
+The owner update op (``owner_backward="pgas"``) needs no id count: the owner lays its ids out at a fixed
+capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a device word
+says the step failed on some rank. An eager step launches it before reading the flags (the host waits for
+the exchange, not for the update; ``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts), and
+under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its
+kernels take each replay's epoch from the device.
 """
 
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -37,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
-from torchrec_pgas.sharding.owner_backward import captured_owner_backward
+from torchrec_pgas.sharding.owner_backward import op_available, padded_owner_backward
 from torchrec_pgas.sharding.step import (
     PgasStep,
     PoolFn,
@@ -47,6 +49,7 @@ from torchrec_pgas.sharding.step import (
     gradient_divisor,
     record_captured_backward,
     record_captured_step,
+    sync_tbe_iterations,
 )
 from torchrec_pgas.step_abi import (
     ERROR_RECORD_WORDS,
@@ -335,19 +338,66 @@ class DeviceStep(PgasStep):
         f_lo, f_hi = self.lookup_features
         # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
         rows = lay.max_batch if self._owners.variable_batch else batch
-        batches = torch.stack([self.buf.view(torch.int64, lay.index_block(slot, s) + lay.header_off + 8, 1)[0]
-                               for s in range(self.world_size)])
-        kjt = self.kept_ids(epoch, rows, (f_lo, f_hi - f_lo, lay.num_features), batches, whole)  # the sync
+        if f_hi > f_lo and rows > 0 and not gave_up and self._updates_at_capacity(ticket):
+            # The update is launched before the sources' flags are read and applies nothing unless ``whole``:
+            # the host waits for the exchange only, not for the update.
+            exchanged = torch.cuda.current_stream(self.device).record_event()
+            if self._padded_update(ticket, slot, rows, whole, ticket.tbe_iters):
+                self._raise_backward_problem(epoch, exchanged)
+                sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+                return
+        self._count_and_apply(ticket, slot, rows, whole)
+
+    def _updates_at_capacity(self, ticket: StepTicket) -> bool:
+        """Whether the eager owner update lays the kept ids out at their fixed capacity, as a captured one does,
+        rather than at their count, which the host must read: the op applies every TBE, and the capacity is
+        within ``PgasConfig.max_padded_eager_ids``."""
+        lay = self.layout
+        return (self.world_size * lay.ids_capacity <= self.spec.config.max_padded_eager_ids
+                and self._owner_backward_applies(ticket.tbes) and op_available())
+
+    def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
+        """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
+        f_lo, f_hi = self.lookup_features
+        batches = self._kept_batches(slot)
+        kjt = self.kept_ids(ticket.epoch, rows, (f_lo, f_hi - f_lo, self.layout.num_features), batches, whole)
         profiling.mark("kept_ids")
-        # After the sync: every sharding's records of the step are in (their combines ran before).
+        self._raise_backward_problem(ticket.epoch, None)  # after the sync
+        if f_hi > f_lo:
+            self.replay(ticket, kjt, self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype))
+
+    def _raise_backward_problem(self, epoch: int, ready: Optional[torch.cuda.Event]) -> None:
+        """Raise why step ``epoch``'s gradients must not be applied, if they must not, once ``ready`` (an event
+        after the exchange; None: already synced) has passed: then every sharding's records of the step are
+        in (their combines ran before), and the sources' flags on the host."""
+        if ready is not None:
+            ready.synchronize()
         problem = self._backward_problem(epoch, self.failed_sibling(epoch))
         if problem is not None:
             try:
                 raise problem
             finally:  # else the traceback holds this frame and the frame the exception: a cycle that keeps the
                 del problem  # step's graph and its GPU tensors alive until a garbage collection
-        if f_hi > f_lo:
-            self.replay(ticket, kjt, self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype))
+
+    def _kept_batches(self, slot: Union[int, torch.Tensor]) -> torch.Tensor:
+        """Each source's batch from its index block's header in ``slot`` (an int, or a device tensor), on the
+        device."""
+        lay = self.layout
+        headers = slot * self.world_size * lay.index_block_bytes + lay.header_off + 8 + torch.arange(
+            self.world_size, device=self.device) * lay.index_block_bytes
+        return self._buffer_as(torch.int64)[headers // 8]
+
+    def _padded_update(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int, whole: torch.Tensor,
+                       iterations: Optional[Sequence[Optional[int]]]) -> bool:
+        """The owner update of the kept ids at their fixed capacity, applied only where ``whole`` (no host
+        read); False, with nothing applied, where the op does not take some TBE."""
+        lay = self.layout
+        f_lo, f_hi = self.lookup_features
+        kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows,
+                                    (f_lo, f_hi - f_lo, lay.num_features), self._kept_batches(slot), whole)
+        profiling.mark("kept_ids")
+        grads = self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype)
+        return padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations)
 
     def _captured_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The backward under CUDA-graph capture: the same stages as :meth:`_exchange_and_apply` with nothing
@@ -379,15 +429,11 @@ class DeviceStep(PgasStep):
         ops.await_grads(*args, self._grad_flags, 0)
         whole = (self._grad_flags == 0).all()
         f_lo, f_hi = self.lookup_features
-        if f_hi > f_lo:
-            rows = lay.max_batch if self._owners.variable_batch else ticket.batch
-            headers = slot * self.world_size * lay.index_block_bytes + lay.header_off + 8 + torch.arange(
-                self.world_size, device=self.device) * lay.index_block_bytes
-            batches = self._buffer_as(torch.int64)[headers // 8]
-            kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows,
-                                        (f_lo, f_hi - f_lo, lay.num_features), batches, whole)
-            grads = self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype)
-            captured_owner_backward(ticket.tbes, kept, grads, whole.long().view(1))
+        rows = lay.max_batch if self._owners.variable_batch else ticket.batch
+        if f_hi > f_lo and not self._padded_update(ticket, slot, rows, whole, None):
+            specs = [t.embedding_specs for t in ticket.tbes]
+            raise PgasError(f"{self.kind}: the owner update op does not take the TBEs {specs} (or a "
+                            f"{self.spec.out_dtype} gradient): they cannot train in a captured step")
         ops.release_sources(*args, 0)
         record_captured_backward(self, ticket)
 

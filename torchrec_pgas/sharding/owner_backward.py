@@ -249,12 +249,19 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     keys, bags, psw = _owner_keys(layout, values.contiguous(), weights, offsets[:-1],
                                   None if weights is None else offsets[:-1], offsets, 0, lengths.numel(), batch,
                                   values.numel())
-    hyper = _HYPER.get(tbe)
-    if hyper is None or hyper.device != grads.device:
-        hyper = _HYPER[tbe] = torch.empty(ctypes.sizeof(OwnerHyper) // 4, device=grads.device)
-    write_hyper(tbe, iteration)
-    _sort_and_update(tbe, layout, keys, bags, psw if weights is not None else None, offsets, grads, batch, hyper)
+    _sort_and_update(tbe, layout, keys, bags, psw if weights is not None else None, offsets, grads, batch,
+                     _eager_hyper(tbe, grads.device, iteration))
     return True
+
+
+def _eager_hyper(tbe: nn.Module, dev: torch.device, iteration: Optional[int]) -> torch.Tensor:
+    """The device words an eager update of the TBE reads its hyper-parameters from, written for this step (made
+    by the TBE's first eager update: a capture then finds them)."""
+    hyper = _HYPER.get(tbe)
+    if hyper is None or hyper.device != dev:
+        hyper = _HYPER[tbe] = torch.empty(ctypes.sizeof(OwnerHyper) // 4, device=dev)
+    write_hyper(tbe, iteration)
+    return hyper
 
 
 def _owner_keys(layout: "_OpLayout", ids: torch.Tensor, weights: Optional[torch.Tensor], first_id: torch.Tensor,
@@ -317,30 +324,33 @@ def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
         words.copy_(host.pin_memory() if words.is_cuda else host, non_blocking=True)
 
 
-def captured_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor,
-                            apply: torch.Tensor) -> None:
-    """The owner backward of a step captured in a CUDA graph: each TBE's kept ids laid out at a fixed capacity
-    by the ``owner_keys`` op (padding keys past every table after its own ids, which the update never walks),
-    the hyper-parameters in device words refreshed before each replay, and nothing applied where the device
-    word ``apply`` is 0."""
+def padded_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor, apply: torch.Tensor,
+                          iterations: Optional[Sequence[Optional[int]]]) -> bool:
+    """The owner backward without the id count on the host: each TBE's kept ids laid out at a fixed capacity by
+    the ``owner_keys`` op (padding keys past every table after its own ids, which the update never walks), and
+    nothing applied where the device word ``apply`` is 0. ``iterations``: an eager step's, whose
+    hyper-parameters it writes; None under capture (``CapturedTrainStep`` writes them before each replay).
+    False, with nothing launched, where the op does not take some TBE or the gradient."""
     held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
-    first_col, first_bag = 0, 0
-    for tbe in tbes:
-        layout = _op_layout(tbe, grads, first_col)
-        end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
-        if not _op_takes(layout, grads, kept.bags.offsets.numel() - 1, held_bags):
-            raise PgasError(f"the owner update op does not take TBE {tbe.embedding_specs} (or a "
-                            f"{grads.dtype} gradient): it cannot run in a captured training step")
-        hyper = _HYPER.get(tbe)
+    first_cols = list(itertools.accumulate([0] + [sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
+                                                  for tbe in tbes]))
+    layouts = [_op_layout(tbe, grads, col) for tbe, col in zip(tbes, first_cols)]
+    if not all(_op_takes(layout, grads, kept.bags.offsets.numel() - 1, held_bags) for layout in layouts):
+        return False
+    first_bag = 0
+    for i, (tbe, layout) in enumerate(zip(tbes, layouts)):
+        assert layout is not None  # _op_takes
+        hyper = _eager_hyper(tbe, grads.device, iterations[i]) if iterations is not None else _HYPER.get(tbe)
         if hyper is None or hyper.device != grads.device:
             raise PgasError("a training step through the owner update op is captured only after an eager step")
+        end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
         keys, bags, psw = _owner_keys(layout, kept.ids, kept.weights, kept.bags.first_id, kept.bags.first_weight,
                                       kept.bags.offsets, first_bag, end_bag, kept.stride, kept.capacity)
         offsets = kept.bags.offsets[first_bag:end_bag + 1] - kept.bags.offsets[first_bag]
         _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
                          kept.stride, hyper, apply, offsets[-1:])  # this TBE's ids sort first
-        first_col += sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
         first_bag = end_bag
+    return True
 
 
 def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

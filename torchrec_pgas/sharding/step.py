@@ -184,6 +184,14 @@ def advance_tbe_iterations(tbes: Sequence[nn.Module]) -> List[Optional[int]]:
     return out
 
 
+def sync_tbe_iterations(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> None:
+    """Each counting TBE's device counter as FBGEMM's backward leaves it (checkpoints carry it), after an owner
+    update that did not run FBGEMM's (``iters``: the step's, None for a TBE that does not count)."""
+    for tbe, it in zip(tbes, iters):
+        if it is not None:
+            tbe.iter.fill_(int(tbe.iter_cpu))
+
+
 def _counts_iterations(tbe: nn.Module) -> bool:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
@@ -456,12 +464,12 @@ class PgasStep(abc.ABC):
         return KeyedJaggedTensor(keys=list(self.feature_names[lo:hi]), values=ids, lengths=bags.lengths,
                                  offsets=bags.offsets, weights=weights, stride=self.world_size * rows)
 
-    def kept_ids_padded(self, slot_base: torch.Tensor, rows: int, block_features: Tuple[int, int, int],
+    def kept_ids_padded(self, slot_base: Union[int, torch.Tensor], rows: int, block_features: Tuple[int, int, int],
                         batches: torch.Tensor, whole: torch.Tensor) -> PaddedIds:
-        """:meth:`kept_ids` without the host sync, for a step captured in a CUDA graph: the slot is the
-        device's (``slot_base``: its first byte, a device tensor), and the ids are left where the sources
+        """:meth:`kept_ids` without the host sync, for the owner update op: the ids are left where the sources
         wrote them, for the ``owner_keys`` op to read at a fixed capacity (what the sources' index blocks can
-        hold for this rank)."""
+        hold for this rank). ``slot_base``: the slot's first byte, an int, or a device tensor for a step
+        captured in a CUDA graph (the device's slot)."""
         lay = self.layout
         bags = self._kept_bags(slot_base, rows, block_features, batches, whole)
         return PaddedIds(bags, self._buffer_as(lay.id_dtype), self._buffer_as(torch.float32) if lay.weighted else None,
@@ -547,9 +555,7 @@ class PgasStep(abc.ABC):
             return  # no row to update
         if self._owner_backward_applies(ticket.tbes):
             owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters)
-            for tbe, it in zip(ticket.tbes, ticket.tbe_iters):
-                if it is not None:  # the device counter, as the replay leaves it (checkpoints carry it)
-                    tbe.iter.fill_(int(tbe.iter_cpu))
+            sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             profiling.mark("owner_backward")
             return
         with torch.enable_grad(), _tbe_iterations(ticket.tbes, ticket.tbe_iters):
