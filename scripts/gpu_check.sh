@@ -16,7 +16,7 @@
 #   tests      every GPU test (tests/ -m gpu) at PGAS_TEST_WORLD ranks; quick-tests: a few of them
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
-#   bench-train benchmarks.embedding --mode train, both pairs, with each of TRAIN_OWNER_BACKWARDS (default
+#   bench-train benchmarks.embedding --mode train, TRAIN_PAIRS (default both), with each of TRAIN_OWNER_BACKWARDS (default
 #              "fbgemm pgas": PgasConfig.owner_backward), at each of TRAIN_WORLDS (default 1) GPUs, into
 #              train-<pair>-<owner backward>-w<n>; TRAIN_ARGS (default s004, s000-weak, s000-strong, 50 steps,
 #              no graph)
@@ -351,7 +351,7 @@ done
 if has bench-train; then
   read -r -a TRAIN_ARGV <<< "${TRAIN_ARGS:---preset s004 --preset s000-weak --preset s000-strong --steps 50 --stage-steps 10 --no-graph --no-single-gpu}"
   for n in ${TRAIN_WORLDS:-1}; do
-    for pair in rw tw; do
+    for pair in ${TRAIN_PAIRS:-rw tw}; do
       for ob in ${TRAIN_OWNER_BACKWARDS:-fbgemm pgas}; do
         bench "$n" "train-$pair-$ob-w$n" --mode train --pair "$pair" --owner-backward "$ob" "${TRAIN_ARGV[@]}"
       done
