@@ -5,9 +5,10 @@ then every weight and optimizer state compared. fp32 within rtol 1e-5 (the sums'
 trains with SGD and the Adagrads only, ignores row-wise Adagrad's weight decay and rounds fp16 SGD
 stochastically, so those cases (and Adam) are compared on GPUs."""
 
+import dataclasses
 import itertools
 import warnings
-from typing import List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torch.distributed as dist
 
-from torchrec_pgas.sharding.owner_backward import owner_backward, unsupported
+from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, unsupported
+from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -211,14 +213,40 @@ def test_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precision: SparseType, p
     _compare(torch.device("cuda", 0), optimizer, precision, pooling, weighted, weight_decay, mode)
 
 
+def _counting_owner_paths(counts: Dict[str, int]) -> Callable[[], None]:
+    """Count the owner updates applied at capacity (``PgasStep.update_at_capacity``) and the owner rebuilds at
+    the id count (``PgasStep.kept_ids``) of this process into ``counts``; returns the undo."""
+    at_capacity, at_count = PgasStep.update_at_capacity, PgasStep.kept_ids
+
+    def capacity(*args: Any, **kwargs: Any) -> bool:
+        taken = at_capacity(*args, **kwargs)
+        counts["capacity"] += int(taken)
+        return taken
+
+    def count(*args: Any, **kwargs: Any) -> Any:
+        counts["count"] += 1
+        return at_count(*args, **kwargs)
+
+    PgasStep.update_at_capacity, PgasStep.kept_ids = capacity, count  # type: ignore[method-assign]
+
+    def undo() -> None:
+        PgasStep.update_at_capacity, PgasStep.kept_ids = at_capacity, at_count  # type: ignore[method-assign]
+    return undo
+
+
 def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float]]:
     """Both PGAS shardings trained with owner_backward="pgas" against stock (FBGEMM) on the same batches:
-    SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags."""
-    config = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas")
+    SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags.
+    Each step lays the kept ids out at their capacity (as GPU eager and captured steps do) where the extension
+    is built, except with ``max_padded_eager_ids=0`` (the ``count`` case), where it reads their count."""
+    base = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas")
     out = []
     for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE):
-        for opt, dtype in ((EmbOptimType.EXACT_SGD, "fp32"), (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32"),
-                           (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp16")):
+        for opt, dtype, path in ((EmbOptimType.EXACT_SGD, "fp32", "capacity"),
+                                 (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "capacity"),
+                                 (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "count"),
+                                 (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp16", "capacity")):
+            config = dataclasses.replace(base, max_padded_eager_ids=0) if path == "count" else base
             model = default_model(seed=5, min_rows=world)
             if dtype == "fp16":
                 for ebc in (model.ebc, model.webc):
@@ -230,13 +258,22 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                        for _ in range(8)]
             types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
             fused = {"optimizer": opt, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                diffs = train_against_stock(model, types, batches, dist.group.WORLD, rank_device(rank, device_type),
-                                            fused, config)
+            counts = {"capacity": 0, "count": 0}
+            undo = _counting_owner_paths(counts)
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    diffs = train_against_stock(model, types, batches, dist.group.WORLD,
+                                                rank_device(rank, device_type), fused, config)
+            finally:
+                undo()
             fallbacks = [str(w.message) for w in caught if "owner_backward" in str(w.message)]
             assert not fallbacks, fallbacks  # FBGEMM's path would have served (and warned)
-            out.append((f"{kind} {opt.name} {dtype}", max(diffs)))
+            if path == "count" or not op_available():
+                assert counts["capacity"] == 0 and counts["count"] > 0, counts
+            else:
+                assert counts["capacity"] > 0 and counts["count"] == 0, counts
+            out.append((f"{kind} {opt.name} {dtype} {path}", max(diffs)))
     return out
 
 
@@ -246,7 +283,7 @@ def test_training_with_owner_backward_matches_stock() -> None:
     within one fp16 ulp (1e-3 below 2)."""
     for rank_results in run_distributed(_train_with_owner_backward, 2, "cpu"):
         for case, worst in rank_results:
-            assert worst <= (1e-3 if case.endswith("fp16") else 1e-5), f"{case}: {worst}"
+            assert worst <= (1e-3 if " fp16 " in case else 1e-5), f"{case}: {worst}"
 
 
 def test_owner_backward_settings_are_checked() -> None:

@@ -413,7 +413,7 @@ def test_kept_bags_reads_each_bags_length_and_starts_from_its_sources_block(
     want = _kept_bags_by_the_rule(buf, slot_base, batches, whole, config)
     assert lengths.tolist() == want[0] and first_id.tolist() == want[1]
     assert first_weight.tolist() == (want[2] if weighted else [])
-    assert lengths.device.type == first_id.device.type == dev.type  # outputs on the buffer's device
+    assert lengths.device == first_id.device == buf.to(dev).device  # outputs on the buffer's device
 
 
 @pytest.mark.parametrize("change,message", [

@@ -74,10 +74,19 @@ def _bad(batch: TrainBatch, what: str) -> TrainBatch:
     return TrainBatch(kjt, bad) if what == "wid" else TrainBatch(bad, batch.wkjt)
 
 
+def _outcome(pgas: Any, stock: Any, initial: Dict[str, torch.Tensor], errors: List[Any]) -> Dict[str, Any]:
+    """What a rank raised, whether every weight and optimizer state equals the reference's (``equal``), and
+    whether training moved any from ``initial`` (``trained``: an update applied on neither side is equal too)."""
+    got, ref = local_state(pgas), local_state(stock)
+    return {"errors": errors, "equal": all(torch.equal(got[k], ref[k]) for k in ref) and got.keys() == ref.keys(),
+            "trained": any(not torch.equal(got[k], initial[k]) for k in got)}
+
+
 def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str,
                owner_backward: str = "fbgemm") -> Dict[str, Any]:
     """Rank 1's step 2 is bad; every rank catches what it raises (in forward or backward) and goes on."""
     pgas, stock, batches = _sides(rank, world, kind, device_type, owner_backward=owner_backward)
+    initial = local_state(pgas)
     errors = []
     for i, batch in enumerate(batches):
         try:
@@ -86,8 +95,7 @@ def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str,
             errors.append((i, type(e).__name__, str(e)))
         if i != 2:
             _train(stock, batch)
-    got, ref = local_state(pgas), local_state(stock)
-    return {"errors": errors, "equal": all(torch.equal(got[k], ref[k]) for k in ref) and got.keys() == ref.keys()}
+    return _outcome(pgas, stock, initial, errors)
 
 
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
@@ -98,15 +106,17 @@ def test_a_bad_batch_changes_nothing_and_the_next_steps_train(kind: str, what: s
     assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")]
     assert expected in r1["errors"][0][2]
     assert [e[:2] for e in r0["errors"]] == [(2, "PgasPeerAbortError")] and "rank 1 aborted" in r0["errors"][0][2]
-    assert r0["equal"] and r1["equal"], (r0, r1)
+    assert r0["equal"] and r1["equal"] and r0["trained"] and r1["trained"], (r0, r1)
 
 
-def _failed_backward(rank: int, world: int, kind: str, device_type: str) -> Dict[str, Any]:
+def _failed_backward(rank: int, world: int, kind: str, device_type: str,
+                     owner_backward: str = "fbgemm") -> Dict[str, Any]:
     """Rank 1 skips step 2's backward, so rank 0's times out in the sharding whose backward runs first, which
     ends the model's backward before its other sharding's. Rank 0 keeps the failed step's output (a logged
     loss does; so does the exception's traceback until a garbage collection) and trains three more steps, the
     last one in step 2's buffer slot."""
-    pgas, stock, batches = _sides(rank, world, kind, device_type, wait_s=5)
+    pgas, stock, batches = _sides(rank, world, kind, device_type, wait_s=5, owner_backward=owner_backward)
+    initial = local_state(pgas)
     errors, kept = [], []
     for i, batch in enumerate(batches):
         if i != 2:
@@ -125,8 +135,7 @@ def _failed_backward(rank: int, world: int, kind: str, device_type: str) -> Dict
                 errors.append((i, type(e).__name__, str(e)))
         del loss
         dist.barrier()  # rank 1 waits out rank 0's timeout
-    got, ref = local_state(pgas), local_state(stock)
-    return {"errors": errors, "equal": all(torch.equal(got[k], ref[k]) for k in ref) and got.keys() == ref.keys()}
+    return _outcome(pgas, stock, initial, errors)
 
 
 def check_failed_backward(results: List[Dict[str, Any]]) -> None:
@@ -135,7 +144,7 @@ def check_failed_backward(results: List[Dict[str, Any]]) -> None:
     r0, r1 = results
     assert [e[:2] for e in r0["errors"]] == [(2, "PgasTimeoutError")], r0
     assert r1["errors"] == [], r1
-    assert r0["equal"] and r1["equal"], (r0, r1)
+    assert r0["equal"] and r1["equal"] and r0["trained"] and r1["trained"], (r0, r1)
 
 
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])

@@ -58,12 +58,14 @@ class PgasConfig:
             sort of the kept ids by row, then one fused pass), with FBGEMM's path
             where a TBE's optimizer or options are not covered (a warning names
             why); the path a training step captured in a CUDA graph takes.
-        max_padded_eager_ids: with ``owner_backward="pgas"`` on GPUs, an eager
-            step lays out and sorts an owner's kept ids at their capacity
-            (world size × ids capacity), as a captured step does, without reading
-            their count on the host, while that capacity is at most this many
-            ids. Past it, sorting the unused capacity would cost more than the
-            host sync it saves, and the step reads the count. 0: always read it.
+        max_padded_eager_ids: with ``owner_backward="pgas"``, an eager step
+            lays out and sorts an owner's kept ids at their capacity (world size
+            × ids capacity, once per TBE), as a captured step does, without
+            reading their count on the host, while those positions number at
+            most this. Past it, sorting the unused capacity would cost more than
+            reading the count, and the step reads it. Its scratch memory scales
+            with the capacity: ~40-50 bytes a position of one TBE (the keys,
+            bags and weights, and their sort). 0: always read the count.
     """
 
     max_local_batch_size: int = 4096

@@ -20,7 +20,7 @@ its backward raises the error on every rank instead.
 The owner update op (``owner_backward="pgas"``) needs no id count: the owner lays its ids out at a fixed
 capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a device word
 says the step failed on some rank. An eager step launches it before reading the flags (the host waits for
-the exchange, not for the update; ``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts), and
+the exchange, not for the update; ``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts; ``PgasStep.update_at_capacity``), and
 under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its
 kernels take each replay's epoch from the device.
 """
@@ -39,7 +39,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
-from torchrec_pgas.sharding.owner_backward import op_available, padded_owner_backward
 from torchrec_pgas.sharding.step import (
     PgasStep,
     PoolFn,
@@ -142,7 +141,8 @@ def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class DeviceStep(PgasStep):
-    """Three fused kernel launches per step on the current stream; no host sync.
+    """Three fused kernel launches per forward on the current stream, no host sync; a backward's one wait is
+    for the gradient exchange (``_raise_backward_problem``).
 
     Device-side errors (bad ids, batch mismatch, timeouts, a peer's abort) land
     in a pinned ``ErrorRecord`` that the next step reads without syncing;
@@ -338,23 +338,16 @@ class DeviceStep(PgasStep):
         f_lo, f_hi = self.lookup_features
         # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
         rows = lay.max_batch if self._owners.variable_batch else batch
-        if f_hi > f_lo and rows > 0 and not gave_up and self._updates_at_capacity(ticket):
+        if f_hi > f_lo and rows > 0 and not gave_up and self.updates_at_capacity(ticket):
             # The update is launched before the sources' flags are read and applies nothing unless ``whole``:
             # the host waits for the exchange only, not for the update.
             exchanged = torch.cuda.current_stream(self.device).record_event()
-            if self._padded_update(ticket, slot, rows, whole, ticket.tbe_iters):
+            if self.update_at_capacity(ticket, slot, rows, (f_lo, f_hi - f_lo, lay.num_features),
+                                       self._held_columns(), self._kept_batches(slot), whole, ticket.tbe_iters):
                 self._raise_backward_problem(epoch, exchanged)
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                 return
         self._count_and_apply(ticket, slot, rows, whole)
-
-    def _updates_at_capacity(self, ticket: StepTicket) -> bool:
-        """Whether the eager owner update lays the kept ids out at their fixed capacity, as a captured one does,
-        rather than at their count, which the host must read: the op applies every TBE, and the capacity is
-        within ``PgasConfig.max_padded_eager_ids``."""
-        lay = self.layout
-        return (self.world_size * lay.ids_capacity <= self.spec.config.max_padded_eager_ids
-                and self._owner_backward_applies(ticket.tbes) and op_available())
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
         """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
@@ -387,18 +380,6 @@ class DeviceStep(PgasStep):
             self.world_size, device=self.device) * lay.index_block_bytes
         return self._buffer_as(torch.int64)[headers // 8]
 
-    def _padded_update(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int, whole: torch.Tensor,
-                       iterations: Optional[Sequence[Optional[int]]]) -> bool:
-        """The owner update of the kept ids at their fixed capacity, applied only where ``whole`` (no host
-        read); False, with nothing applied, where the op does not take some TBE."""
-        lay = self.layout
-        f_lo, f_hi = self.lookup_features
-        kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows,
-                                    (f_lo, f_hi - f_lo, lay.num_features), self._kept_batches(slot), whole)
-        profiling.mark("kept_ids")
-        grads = self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype)
-        return padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations)
-
     def _captured_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The backward under CUDA-graph capture: the same stages as :meth:`_exchange_and_apply` with nothing
         read on the host. The kernels take the step's epoch from the device (each replay's own), the kept
@@ -430,7 +411,9 @@ class DeviceStep(PgasStep):
         whole = (self._grad_flags == 0).all()
         f_lo, f_hi = self.lookup_features
         rows = lay.max_batch if self._owners.variable_batch else ticket.batch
-        if f_hi > f_lo and not self._padded_update(ticket, slot, rows, whole, None):
+        held = (f_lo, f_hi - f_lo, lay.num_features)
+        if f_hi > f_lo and not self.update_at_capacity(ticket, slot, rows, held, self._held_columns(),
+                                                       self._kept_batches(slot), whole, None):
             specs = [t.embedding_specs for t in ticket.tbes]
             raise PgasError(f"{self.kind}: the owner update op does not take the TBEs {specs} (or a "
                             f"{self.spec.out_dtype} gradient): they cannot train in a captured step")

@@ -330,7 +330,7 @@ def padded_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: t
     the ``owner_keys`` op (padding keys past every table after its own ids, which the update never walks), and
     nothing applied where the device word ``apply`` is 0. ``iterations``: an eager step's, whose
     hyper-parameters it writes; None under capture (``CapturedTrainStep`` writes them before each replay).
-    False, with nothing launched, where the op does not take some TBE or the gradient."""
+    False, with nothing applied, where the op does not take some TBE or the gradient."""
     held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
     first_cols = list(itertools.accumulate([0] + [sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
                                                   for tbe in tbes]))

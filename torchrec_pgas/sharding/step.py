@@ -33,7 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.bootstrap import init_runtime
-from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, storage_key
+from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, padded_owner_backward, storage_key
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.step_abi import KeptBagsConfig, as_tensor, build
@@ -185,8 +185,8 @@ def advance_tbe_iterations(tbes: Sequence[nn.Module]) -> List[Optional[int]]:
 
 
 def sync_tbe_iterations(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> None:
-    """Each counting TBE's device counter as FBGEMM's backward leaves it (checkpoints carry it), after an owner
-    update that did not run FBGEMM's (``iters``: the step's, None for a TBE that does not count)."""
+    """Each counting TBE's device counter as a replayed FBGEMM step leaves it (checkpoints carry it), after an
+    owner update that did not run FBGEMM's (``iters``: the step's, None for a TBE that does not count)."""
     for tbe, it in zip(tbes, iters):
         if it is not None:
             tbe.iter.fill_(int(tbe.iter_cpu))
@@ -273,6 +273,7 @@ class PgasStep(abc.ABC):
         self.looked_up = 0  # lookups completed
         self._input_order: Optional[List[int]] = None
         self._owner_backward_gap: Optional[str] = None  # what owner_backward="pgas" does not cover, once known
+        self._op_refused_capacity = False  # the update op refused a TBE at capacity: read the count instead
         self._awaiting_backward: Set[int] = set()  # training steps whose blocks their backward still needs
         self._tickets: "weakref.WeakValueDictionary[int, StepTicket]" = weakref.WeakValueDictionary()
         _STEPS.add(self)
@@ -474,6 +475,32 @@ class PgasStep(abc.ABC):
         bags = self._kept_bags(slot_base, rows, block_features, batches, whole)
         return PaddedIds(bags, self._buffer_as(lay.id_dtype), self._buffer_as(torch.float32) if lay.weighted else None,
                          self.world_size * lay.ids_capacity, self.world_size * rows)
+
+    def updates_at_capacity(self, ticket: StepTicket) -> bool:
+        """Whether an eager step's owner update lays the kept ids out at their fixed capacity, as a captured one
+        does, rather than at their count, which the host must read: the op applies every TBE
+        (``owner_backward="pgas"``, the extension built, and it has not refused one), and the positions sorted,
+        TBEs × W × ids capacity, are within ``PgasConfig.max_padded_eager_ids``."""
+        positions = len(ticket.tbes) * self.world_size * self.layout.ids_capacity  # each TBE sorts the capacity
+        return (positions <= self.spec.config.max_padded_eager_ids and not self._op_refused_capacity
+                and self._owner_backward_applies(ticket.tbes) and op_available())
+
+    def update_at_capacity(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
+                           block_features: Tuple[int, int, int], columns: Tuple[int, int, int],
+                           batches: torch.Tensor, whole: torch.Tensor,
+                           iterations: Optional[Sequence[Optional[int]]]) -> bool:
+        """The owner update op over the ids kept in ``slot`` (an int, or the device's slot under capture) at their
+        fixed capacity (``kept_ids_padded``, ``kept_grads``' arguments), applied only where the device word
+        ``whole`` is true: nothing read on the host. False, with nothing applied, where the op does not take
+        some TBE."""
+        lay = self.layout
+        kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows, block_features, batches,
+                                    whole)
+        profiling.mark("kept_ids")
+        grads = self.kept_grads(slot, rows, columns, self.spec.out_dtype)
+        taken = padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations)
+        self._op_refused_capacity = not taken  # the op's reasons (dims, dtypes) hold for the next steps too
+        return taken
 
     def _buffer_as(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's whole buffer as elements of ``dtype`` (a view)."""
