@@ -174,6 +174,10 @@ class DeviceStep(PgasStep):
         self._status = torch.zeros(lay.num_slots, ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory()
         self._grad_flags = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
         self._grad_flags_host = torch.zeros(self.world_size + 1, dtype=torch.int64).pin_memory()
+        # [slot, source]: the int64 word of the buffer that holds the source's batch (its index block's header)
+        self._batch_words = torch.tensor([[(lay.index_block(slot, src) + lay.header_off + 8) // 8
+                                           for src in range(self.world_size)] for slot in range(lay.num_slots)],
+                                         dtype=torch.int64, device=device)
         self._owners = owners
         self._config_args = dict(timeout_ns=int(spec.config.wait_timeout_s * 1e9), rank=self.rank,
                                  bounds_mode=BOUNDS_MODES[spec.bounds_check_mode],
@@ -375,10 +379,8 @@ class DeviceStep(PgasStep):
     def _kept_batches(self, slot: Union[int, torch.Tensor]) -> torch.Tensor:
         """Each source's batch from its index block's header in ``slot`` (an int, or a device tensor), on the
         device."""
-        lay = self.layout
-        headers = slot * self.world_size * lay.index_block_bytes + lay.header_off + 8 + torch.arange(
-            self.world_size, device=self.device) * lay.index_block_bytes
-        return self._buffer_as(torch.int64)[headers // 8]
+        words = self._batch_words[slot] if isinstance(slot, int) else self._batch_words.index_select(0, slot.view(1))
+        return self._buffer_as(torch.int64)[words.view(-1)]
 
     def _captured_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The backward under CUDA-graph capture: the same stages as :meth:`_exchange_and_apply` with nothing

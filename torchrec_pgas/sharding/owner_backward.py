@@ -312,16 +312,25 @@ def hyper_words(tbe: nn.Module, iteration: Optional[int]) -> OwnerHyper:
 # update's stream (``write_hyper``): by the eager step itself, by ``CapturedTrainStep`` before each replay. Made
 # by the TBE's first eager update, outside any graph's memory pool, so a capture finds them.
 _HYPER: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+# Per TBE: (the device words' address, the bytes last written there); a step whose hyper-parameters are the
+# last step's (no learning-rate change, an optimizer without bias corrections) writes nothing.
+_HYPER_WRITTEN: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, bytes]]" = weakref.WeakKeyDictionary()
 
 
 def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
-    """Write the hyper-parameters of the TBE's next update into the device words the update reads."""
+    """Write the hyper-parameters of the TBE's next update into the device words the update reads, where they
+    changed since the last write."""
     words = _HYPER.get(tbe)
     if words is not None:
-        host = as_tensor(hyper_words(tbe, iteration)).view(torch.float32)
+        hyper = hyper_words(tbe, iteration)
+        written = (words.data_ptr(), bytes(hyper))
+        if _HYPER_WRITTEN.get(tbe) == written:
+            return
+        host = as_tensor(hyper).view(torch.float32)
         # one copy straight from pinned memory, no stream sync (the caching host allocator keeps the block
         # until the copy has run)
         words.copy_(host.pin_memory() if words.is_cuda else host, non_blocking=True)
+        _HYPER_WRITTEN[tbe] = written
 
 
 def padded_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor, apply: torch.Tensor,
@@ -346,7 +355,9 @@ def padded_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: t
         end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
         keys, bags, psw = _owner_keys(layout, kept.ids, kept.weights, kept.bags.first_id, kept.bags.first_weight,
                                       kept.bags.offsets, first_bag, end_bag, kept.stride, kept.capacity)
-        offsets = kept.bags.offsets[first_bag:end_bag + 1] - kept.bags.offsets[first_bag]
+        offsets = kept.bags.offsets[first_bag:end_bag + 1]
+        if first_bag:  # the op counts this TBE's ids from its first bag's
+            offsets = offsets - offsets[0]
         _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
                          kept.stride, hyper, apply, offsets[-1:])  # this TBE's ids sort first
         first_bag = end_bag
