@@ -19,10 +19,11 @@ its backward raises the error on every rank instead.
 
 The owner update op (``owner_backward="pgas"``) needs no id count: the owner lays its ids out at a fixed
 capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a device word
-says the step failed on some rank. An eager step launches it before reading the flags (the host waits for
-the exchange, not for the update; ``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts; ``PgasStep.update_at_capacity``), and
-under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its
-kernels take each replay's epoch from the device.
+says the step failed on some rank. An eager step launches it before reading the flags
+(``PgasStep.update_at_capacity``: the host waits for the exchange, not for the update;
+``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts), and under CUDA-graph capture
+(``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its kernels take each replay's
+epoch from the device.
 """
 
 import itertools
