@@ -260,6 +260,7 @@ def _eager_hyper(tbe: nn.Module, dev: torch.device, iteration: Optional[int]) ->
     hyper = _HYPER.get(tbe)
     if hyper is None or hyper.device != dev:
         hyper = _HYPER[tbe] = torch.empty(ctypes.sizeof(OwnerHyper) // 4, device=dev)
+        _HYPER_WRITTEN.pop(tbe, None)
     write_hyper(tbe, iteration)
     return hyper
 
@@ -313,7 +314,8 @@ def hyper_words(tbe: nn.Module, iteration: Optional[int]) -> OwnerHyper:
 # by the TBE's first eager update, outside any graph's memory pool, so a capture finds them.
 _HYPER: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 # Per TBE: (the device words' address, the bytes last written there); a step whose hyper-parameters are the
-# last step's (no learning-rate change, an optimizer without bias corrections) writes nothing.
+# last step's (no learning-rate change, an optimizer without bias corrections) writes nothing. Safe across streams
+# as the TBE's updates are: each update is ordered after the last one, and so after the copy that preceded it.
 _HYPER_WRITTEN: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, bytes]]" = weakref.WeakKeyDictionary()
 
 
