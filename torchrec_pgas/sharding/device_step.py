@@ -347,8 +347,7 @@ class DeviceStep(PgasStep):
             # The update is launched before the sources' flags are read and applies nothing unless ``whole``:
             # the host waits for the exchange only, not for the update.
             exchanged = torch.cuda.current_stream(self.device).record_event()
-            if self.update_at_capacity(ticket, slot, rows, (f_lo, f_hi - f_lo, lay.num_features),
-                                       self._held_columns(), self._kept_batches(slot), whole, ticket.tbe_iters):
+            if self._update_held(ticket, slot, rows, whole, ticket.tbe_iters):
                 self._raise_backward_problem(epoch, exchanged)
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                 return
@@ -376,6 +375,13 @@ class DeviceStep(PgasStep):
                 raise problem
             finally:  # else the traceback holds this frame and the frame the exception: a cycle that keeps the
                 del problem  # step's graph and its GPU tensors alive until a garbage collection
+
+    def _update_held(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int, whole: torch.Tensor,
+                     iterations: Optional[Sequence[Optional[int]]]) -> bool:
+        """``update_at_capacity`` of the features this rank holds, their sources' batches read on the device."""
+        f_lo, f_hi = self.lookup_features
+        return self.update_at_capacity(ticket, slot, rows, (f_lo, f_hi - f_lo, self.layout.num_features),
+                                       self._held_columns(), self._kept_batches(slot), whole, iterations)
 
     def _kept_batches(self, slot: Union[int, torch.Tensor]) -> torch.Tensor:
         """Each source's batch from its index block's header in ``slot`` (an int, or a device tensor), on the
@@ -414,9 +420,7 @@ class DeviceStep(PgasStep):
         whole = (self._grad_flags == 0).all()
         f_lo, f_hi = self.lookup_features
         rows = lay.max_batch if self._owners.variable_batch else ticket.batch
-        held = (f_lo, f_hi - f_lo, lay.num_features)
-        if f_hi > f_lo and not self.update_at_capacity(ticket, slot, rows, held, self._held_columns(),
-                                                       self._kept_batches(slot), whole, None):
+        if f_hi > f_lo and not self._update_held(ticket, slot, rows, whole, None):
             specs = [t.embedding_specs for t in ticket.tbes]
             raise PgasError(f"{self.kind}: the owner update op does not take the TBEs {specs} (or a "
                             f"{self.spec.out_dtype} gradient): they cannot train in a captured step")

@@ -343,9 +343,7 @@ def padded_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: t
     hyper-parameters it writes; None under capture (``CapturedTrainStep`` writes them before each replay).
     False, with nothing applied, where the op does not take some TBE or the gradient."""
     held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
-    first_cols = list(itertools.accumulate([0] + [sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
-                                                  for tbe in tbes]))
-    layouts = [_op_layout(tbe, grads, col) for tbe, col in zip(tbes, first_cols)]
+    layouts = [_op_layout(tbe, grads, col) for tbe, col in zip(tbes, _first_columns(tbes))]
     if not all(_op_takes(layout, grads, kept.bags.offsets.numel() - 1, held_bags) for layout in layouts):
         return False
     first_bag = 0
@@ -376,8 +374,13 @@ def owner_backward(tbes: Sequence[nn.Module], kjt: KeyedJaggedTensor, grads: tor
     """Apply one step's gradients to the TBEs of a stock lookup (``GroupedPooledEmbeddingsLookup``: the KJT's
     features split over the TBEs in order, their pooled outputs side by side in ``grads``): in the
     extension's op where it is built and takes the TBE, else (or with ``reference``) in torch ops."""
-    first_col = 0
-    for tbe, sub, iteration in zip(tbes, kjt.split([len(t.feature_table_map) for t in tbes]), iterations):
+    subs = kjt.split([len(t.feature_table_map) for t in tbes])
+    for tbe, sub, first_col, iteration in zip(tbes, subs, _first_columns(tbes), iterations):
         if reference or not op_available() or not op_update(tbe, sub, grads, first_col, iteration):
             reference_update(tbe, sub, grads, first_col, iteration)
-        first_col += sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map)
+
+
+def _first_columns(tbes: Sequence[nn.Module]) -> List[int]:
+    """Each TBE's first column of the step's gradient (their pooled outputs lie side by side, in order)."""
+    widths = [sum(tbe.embedding_specs[t][1] for t in tbe.feature_table_map) for tbe in tbes]
+    return list(itertools.accumulate([0] + widths))[:-1]

@@ -269,6 +269,9 @@ class PgasStep(abc.ABC):
         self.device = device
         self.buf = self.rt.alloc(spec.name, self.layout.nbytes)
         self.pad = self.rt.alloc_signals(spec.name, self.layout.num_signal_slots)
+        # each slot's first byte, beside the buffer: what the owner update at capacity reads its slot from
+        self._slot_bases = torch.tensor([self.layout.index_block(s, 0) for s in range(self.layout.num_slots)],
+                                        dtype=torch.int64, device=self.buf.local.device)
         self.issued = 0  # index dists issued (epochs are 1-based)
         self.looked_up = 0  # lookups completed
         self._input_order: Optional[List[int]] = None
@@ -493,9 +496,9 @@ class PgasStep(abc.ABC):
         fixed capacity (``kept_ids_padded``, ``kept_grads``' arguments), applied only where the device word
         ``whole`` is true: nothing read on the host. False, with nothing applied, where the op does not take
         some TBE."""
-        lay = self.layout
-        kept = self.kept_ids_padded(slot * self.world_size * lay.index_block_bytes, rows, block_features, batches,
-                                    whole)
+        bases = self._slot_bases
+        base = bases[slot:slot + 1] if isinstance(slot, int) else bases.index_select(0, slot.view(1))  # int: a view
+        kept = self.kept_ids_padded(base, rows, block_features, batches, whole)
         profiling.mark("kept_ids")
         grads = self.kept_grads(slot, rows, columns, self.spec.out_dtype)
         taken = padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations)
