@@ -21,7 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from test_training import CONFIG, Case, _model, _train_cases, _types
 from test_training_errors import _bad_batch, _failed_backward, _misuse, check_failed_backward, check_misuse
-from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_
+from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_, pgas_steps
 from torchrec_pgas.types import PgasError
 from torchrec_pgas.testing import (
     LossModel,
@@ -121,6 +121,41 @@ def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str)
     failed so, three steps after the bad one. Through the owner update, the timed-out exchange's flag must
     stop the update launched before the host read it."""
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward))
+
+
+def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[int]]:
+    """One model sharded twice with owner_backward="pgas", eager backwards replayed as CUDA graphs and not, 10
+    steps with local batches of 8 and 6 (a graph each): (the worst |graphs - none| over every weight and
+    optimizer state after every step, the graphs kept by each side's shardings)."""
+    device = rank_device(rank, "cuda")
+    case = Case(kind, EmbOptimType.ADAM, owner_backward="pgas")
+    model = _model(case, seed=4, min_rows=1)
+    fused = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
+    wrapped = LossModel(model)
+    sides = [shard(wrapped, _types(case, model, world), dist.group.WORLD, device,
+                   dataclasses.replace(CONFIG, owner_backward="pgas", eager_backward_graphs=graphs), fused,
+                   path="model.") for graphs in (True, False)]
+    gen = seeded(17 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    worst = 0.0
+    for i in range(10):
+        batch = 8 if i % 3 else 6
+        data = TrainBatch(random_kjt(t, batch, gen, 6), random_kjt(w, batch, gen, 6, weighted=True)).to(device)
+        for side in sides:
+            loss, _ = side(data)
+            loss.backward()
+        worst = max(worst, *_worst_diff(*sides).values())
+    return worst, [sum(step.backward_graphs for step in pgas_steps(side)) for side in sides]
+
+
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+def test_eager_backwards_replayed_as_graphs_train_as_launched_ones(kind: str) -> None:
+    """PgasConfig.eager_backward_graphs: bit for bit the launched backward's weights and states after every step,
+    across batch sizes (a graph each) and both EBCs (the second's backward sees no sibling awaiting); the
+    side without it keeps no graph."""
+    for worst, graphs in run_distributed(_eager_backward_graphs, WORLD, kind, device_type="cuda"):
+        assert worst == 0.0
+        assert graphs[0] >= 2 and graphs[1] == 0, graphs
 
 
 # ---- the training step captured in one CUDA graph ------------------------------------------------------

@@ -29,7 +29,7 @@ epoch from the device.
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -40,6 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
+from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
 from torchrec_pgas.sharding.step import (
     PgasStep,
     PoolFn,
@@ -141,6 +142,13 @@ def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([f for f, d in enumerate(dims) for _ in range(d // 4)], dtype=torch.int32, device=device)
 
 
+class _BackwardGraph(NamedTuple):
+    """An eager backward's kernels as a CUDA graph (``DeviceStep._replay_backward``)."""
+
+    graph: torch.cuda.CUDAGraph
+    grad: torch.Tensor  # the static gradient the graph reads: [batch, dim_sum], the output dtype
+
+
 class DeviceStep(PgasStep):
     """Three fused kernel launches per forward on the current stream, no host sync; a backward's one wait is
     for the gradient exchange (``_raise_backward_problem``).
@@ -195,6 +203,12 @@ class DeviceStep(PgasStep):
         # record its kernels leave (a peer abort by this rank).
         self._gave_up: Dict[int, PgasError] = {}
         self._grad_sent = 0  # the last step whose gradient (or give-up) grad_dist sent
+        # Eager backwards replayed as CUDA graphs (_replay_backward), by (batch, siblings' ids), for the TBEs'
+        # storage of the last eager update at capacity (which built what a capture reads: the TBEs' layouts and
+        # hyper-parameter words); None before one.
+        self._backward_graphs: Dict[Tuple[int, Tuple[int, ...]], _BackwardGraph] = {}
+        self._graph_pool: Optional[Tuple[int, int]] = None
+        self._graph_storage: Optional[List[Tuple[int, ...]]] = None
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
@@ -327,6 +341,9 @@ class DeviceStep(PgasStep):
             self.release(epoch)
 
     def _exchange_and_apply(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        if self._replays_backward(ticket):
+            self._replay_backward(ticket, grad)
+            return
         ops, lay, epoch = torch.ops.torchrec_pgas, self.layout, ticket.epoch
         slot = epoch % lay.num_slots
         args = self._state_args()
@@ -350,8 +367,63 @@ class DeviceStep(PgasStep):
             if self._update_held(ticket, slot, rows, whole, ticket.tbe_iters):
                 self._raise_backward_problem(epoch, exchanged)
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+                storage = [storage_key(t) for t in ticket.tbes]
+                if storage != self._graph_storage:  # graphs write through the addresses of their capture
+                    self._backward_graphs.clear()
+                    self._graph_storage = storage  # the TBEs' layouts and hyper-parameter words now exist
                 return
         self._count_and_apply(ticket, slot, rows, whole)
+
+    @property
+    def backward_graphs(self) -> int:
+        """How many CUDA graphs of its eager backward this sharding keeps (``PgasConfig.eager_backward_graphs``:
+        one per batch size, and per set of shardings whose backward follows this one's in the model)."""
+        return len(self._backward_graphs)
+
+    def _replays_backward(self, ticket: StepTicket) -> bool:
+        """Whether this eager backward replays a CUDA graph of the backward's kernels (``_backward_kernels``):
+        ``PgasConfig.eager_backward_graphs``, the capacity path (``updates_at_capacity``) taken since the TBEs'
+        storage last moved (it builds what a capture reads), and a step whose kernels may take the device's
+        epoch: it follows its own forward in this sharding and in every sibling awaiting it, and no sharding
+        gave it up on the host."""
+        epoch = ticket.epoch
+        if not (self.spec.config.eager_backward_graphs and epoch == self.looked_up
+                and not self._awaiting_backward and epoch not in self._gave_up
+                and self.lookup_features[1] > self.lookup_features[0] and self.updates_at_capacity(ticket)
+                and self._graph_storage == [storage_key(t) for t in ticket.tbes]):
+            return False
+        return all(isinstance(o, DeviceStep) and o.looked_up == epoch and epoch not in o._gave_up
+                   for o, _ in self.siblings_awaiting(epoch))
+
+    def _replay_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
+        """The eager backward as one replay of its kernels' graph, captured at the first step of its batch and
+        siblings (capture runs nothing: it replays at once), then the error check of the eager path."""
+        epoch = ticket.epoch
+        siblings = [o for o, _ in self.siblings_awaiting(epoch) if isinstance(o, DeviceStep)]
+        key = (ticket.batch, tuple(id(o) for o in siblings))
+        graph = self._backward_graphs.get(key)
+        if graph is None:
+            graph = self._backward_graphs[key] = self._capture_backward(ticket, grad, siblings)
+        for tbe, iteration in zip(ticket.tbes, ticket.tbe_iters):
+            write_hyper(tbe, iteration)
+        graph.grad.copy_(grad[:ticket.batch])
+        graph.graph.replay()
+        self._grad_sent = epoch
+        self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
+        self._raise_backward_problem(epoch, torch.cuda.current_stream(self.device).record_event())
+        sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+
+    def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor,
+                          siblings: Sequence["DeviceStep"]) -> "_BackwardGraph":
+        """A CUDA graph of ``_backward_kernels`` for this step's batch and siblings, reading its gradient from a
+        static buffer; this sharding's graphs share one memory pool (they never run at once)."""
+        static = self._sent_gradient(grad, ticket.batch).clone()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            self._backward_kernels(ticket, static, siblings)
+        return _BackwardGraph(graph, static)
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
         """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
@@ -405,11 +477,19 @@ class DeviceStep(PgasStep):
         if ticket.epoch != self.looked_up or self._awaiting_backward:  # the kernels take the last lookup's epoch
             raise PgasError(f"{self.kind}: a captured training step must run each sharding's forward once, then "
                             f"its backward (step {ticket.epoch}'s backward after lookup {self.looked_up})")
+        siblings = [o for o, _ in self.siblings_awaiting(ticket.epoch) if isinstance(o, DeviceStep)]
+        self._backward_kernels(ticket, grad, siblings)
+        torch.ops.torchrec_pgas.release_sources(*self._state_args(), 0)
+        record_captured_backward(self, ticket)
+
+    def _backward_kernels(self, ticket: StepTicket, grad: torch.Tensor, siblings: Sequence["DeviceStep"]) -> None:
+        """The backward's kernels with nothing read on the host, for a CUDA graph (a captured training step's,
+        or an eager step's own: ``_replay_backward``): the epoch is the device's last lookup's, ``siblings`` the
+        shardings whose failures of the step stop this one's update too."""
         ops, lay = torch.ops.torchrec_pgas, self.layout
         args = self._state_args()
         epoch = self._state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
         slot = epoch % lay.num_slots
-        siblings = [o for o, _ in self.siblings_awaiting(ticket.epoch) if isinstance(o, DeviceStep)]
         if siblings:  # as _adopt_sibling_failures, from device words
             failed = torch.cat([o.device_step_failed() for o in siblings]).any()
             at = (StateWord.STEP_FAILED + slot).view(1)  # index_select, not [tensor]: that reads it on the host
@@ -424,8 +504,6 @@ class DeviceStep(PgasStep):
             specs = [t.embedding_specs for t in ticket.tbes]
             raise PgasError(f"{self.kind}: the owner update op does not take the TBEs {specs} (or a "
                             f"{self.spec.out_dtype} gradient): they cannot train in a captured step")
-        ops.release_sources(*args, 0)
-        record_captured_backward(self, ticket)
 
     def _sent_gradient(self, grad: torch.Tensor, batch: int) -> torch.Tensor:
         """The first ``batch`` rows of the output's gradient, in the output dtype, starting on 16 bytes (a view
@@ -471,6 +549,8 @@ class DeviceStep(PgasStep):
             record.zero_()
             err = self._gave_up.pop(epoch, err)
             return err or sibling or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
+        if any(flag in (1, 2) for flag in flags[:self.world_size]):
+            self._consume_refusal(epoch)
         for src, flag in enumerate(flags[:self.world_size]):
             if flag == 1:
                 return PgasPeerAbortError(f"rank {src} gave up on step {epoch} of {self.kind} (see its error): "
@@ -480,6 +560,13 @@ class DeviceStep(PgasStep):
                     f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for the gradients of step "
                     f"{epoch} from rank {src}: a peer crashed, diverged, or skipped this step's backward")
         return sibling
+
+    def _consume_refusal(self, epoch: int) -> None:
+        """Clear the refusal a graph's ``await_grads`` published for step ``epoch`` (a source gave up or timed out;
+        csrc/grad_exchange.cu ``publish_refusal``): the backward raises it, the next forward must not again."""
+        record = self._status[epoch % self.layout.num_slots]
+        if int(record[0]) == epoch and int(record[1]) in (ErrorCode.PEER_ABORT, ErrorCode.TIMEOUT):
+            record.zero_()
 
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         record = self._status[epoch % self.layout.num_slots]
