@@ -87,18 +87,19 @@ def test_training_matches_stock_on_gpus() -> None:
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("owner_backward", ["fbgemm", "pgas"])
+@pytest.mark.parametrize("owner_backward,graphs", [("fbgemm", False), ("pgas", True), ("pgas", False)])
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
 @pytest.mark.parametrize("what", ["id", "wid", "capacity"])
-def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backward: str) -> None:
+def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backward: str, graphs: bool) -> None:
     """A bad id is recorded on the device of its rank only (``id``: in the EBC whose backward runs second, so
     the first one's backward must give the step up from that record; ``wid``: in the one that runs first); a
     batch over the capacity gives the step up on the host (its forward returns zeros and runs the stages
     empty, so every sharding of the model stays in step). Either way the step's backward raises on both ranks
     (the bad rank its error, the peer the abort), no weight moves, and the next steps train on both. With
     ``owner_backward="pgas"`` the eager update is launched before the host reads the sources' flags and must
-    apply nothing of the refused step (its reference: a twin of the same config that skips the step)."""
-    results = run_distributed(_bad_batch, 2, kind, what, "cuda", owner_backward)
+    apply nothing of the refused step (its reference: a twin of the same config that skips the step), whether
+    the backward replays graphs (``graphs``: eager_backward_graphs) or launches its kernels."""
+    results = run_distributed(_bad_batch, 2, kind, what, "cuda", owner_backward, graphs)
     r0, r1 = results
     expected = "exceeds PgasConfig.max_local_batch_size=16" if what == "capacity" else "has id 37 outside [0, 37)"
     assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")], r1
@@ -113,20 +114,21 @@ def test_misuse_raises_clearly_on_gpus() -> None:
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("owner_backward", ["fbgemm", "pgas"])
+@pytest.mark.parametrize("owner_backward,graphs", [("fbgemm", False), ("pgas", True), ("pgas", False)])
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
-def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str) -> None:
+def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str, graphs: bool) -> None:
     """The CPU twin's case. On GPUs a failed backward's exception alone (a reference cycle through the frame
     that raised it) keeps the step's graph to a garbage collection: test_a_bad_batch_changes_nothing_on_gpus
     failed so, three steps after the bad one. Through the owner update, the timed-out exchange's flag must
     stop the update launched before the host read it."""
-    check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward))
+    check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward, graphs))
 
 
-def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[int]]:
+def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[int, int, bool]]]:
     """One model sharded twice with owner_backward="pgas", eager backwards replayed as CUDA graphs and not, 10
-    steps with local batches of 8 and 6 (a graph each): (the worst |graphs - none| over every weight and
-    optimizer state after every step, the graphs kept by each side's shardings)."""
+    steps with local batches of 6 (steps 0, 3, 6, 9) and 8: (the worst |graphs - none| over every weight and
+    optimizer state after every step; per sharding of the graphed side: its graphs, its replays, whether this
+    rank holds features of it)."""
     device = rank_device(rank, "cuda")
     case = Case(kind, EmbOptimType.ADAM, owner_backward="pgas")
     model = _model(case, seed=4, min_rows=1)
@@ -139,23 +141,27 @@ def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, Lis
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
     worst = 0.0
     for i in range(10):
-        batch = 8 if i % 3 else 6
+        batch = 6 if i % 3 == 0 else 8
         data = TrainBatch(random_kjt(t, batch, gen, 6), random_kjt(w, batch, gen, 6, weighted=True)).to(device)
         for side in sides:
             loss, _ = side(data)
             loss.backward()
         worst = max(worst, *_worst_diff(*sides).values())
-    return worst, [sum(step.backward_graphs for step in pgas_steps(side)) for side in sides]
+    assert all(step.backward_graphs == 0 for step in pgas_steps(sides[1]))
+    return worst, [(step.backward_graphs, step.backward_graph_replays,
+                    step.lookup_features[1] > step.lookup_features[0]) for step in pgas_steps(sides[0])]
 
 
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
 def test_eager_backwards_replayed_as_graphs_train_as_launched_ones(kind: str) -> None:
-    """PgasConfig.eager_backward_graphs: bit for bit the launched backward's weights and states after every step,
-    across batch sizes (a graph each) and both EBCs (the second's backward sees no sibling awaiting); the
-    side without it keeps no graph."""
-    for worst, graphs in run_distributed(_eager_backward_graphs, WORLD, kind, device_type="cuda"):
+    """PgasConfig.eager_backward_graphs: bit for bit the launched backward's weights and states after every step.
+    Every sharding a rank holds features of replays from its second step on (the first builds what a capture
+    reads): 9 replays of 3 graphs, one per (batch, buffer slot) its steps met (epochs 1, 4, 7, 10 at batch 6:
+    slot 1; the others at batch 8: slots 2 and 0), the first step's key never replayed; no graph elsewhere."""
+    for worst, shardings in run_distributed(_eager_backward_graphs, WORLD, kind, device_type="cuda"):
         assert worst == 0.0
-        assert graphs[0] >= 2 and graphs[1] == 0, graphs
+        for graphs, replays, holds in shardings:
+            assert (graphs, replays) == ((3, 9) if holds else (0, 0)), shardings
 
 
 # ---- the training step captured in one CUDA graph ------------------------------------------------------
@@ -191,10 +197,10 @@ def _graphed_and_eager(rank: int, world: int, kind: str, optimizer: EmbOptimType
     case = Case(kind, optimizer, owner_backward="pgas")
     model = _model(case, seed=3, min_rows=1)
     fused = {"optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
-    config = dataclasses.replace(CONFIG, owner_backward="pgas")
     wrapped = LossModel(model)
-    graphed, eager = (shard(wrapped, _types(case, model, world), dist.group.WORLD, device, config, fused,
-                            path="model.") for _ in range(2))
+    graphed, eager = (shard(wrapped, _types(case, model, world), dist.group.WORLD, device,
+                            dataclasses.replace(CONFIG, owner_backward="pgas", eager_backward_graphs=graphs), fused,
+                            path="model.") for graphs in (True, False))  # the twin launches its eager backwards
     batches = [b.to(device) for b in _fixed_shape_batches(model, rank, steps)]
     static = _fixed_shape_batches(model, rank, 1)[0].to(device)  # the buffers the graph reads
     return model, graphed, eager, batches, static

@@ -67,11 +67,12 @@ class PgasConfig:
             with the capacity: ~40-50 bytes a position of one TBE (the keys,
             bags and weights, and their sort). 0: always read the count.
         eager_backward_graphs: on GPUs, an eager backward through the owner
-            update at capacity replays its kernels as a CUDA graph (captured
-            at its first step of each batch size: one replay instead of ~25
-            launches), where the step follows its own forward (no lookup of a
-            later step between them). The graphs keep their scratch memory
-            (``max_padded_eager_ids``' estimate) for the sharding's life.
+            update at capacity replays its kernels as two CUDA graphs (the
+            exchange's and the update's, captured at its first step of each
+            batch size and buffer slot: two replays instead of ~25 launches),
+            where the step follows its own forward (no lookup of a later step
+            between them). Each sharding keeps up to 12 pairs, with their
+            scratch memory (``max_padded_eager_ids``' estimate) in its pool.
     """
 
     max_local_batch_size: int = 4096

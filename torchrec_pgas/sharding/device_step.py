@@ -23,7 +23,9 @@ says the step failed on some rank. An eager step launches it before reading the 
 (``PgasStep.update_at_capacity``: the host waits for the exchange, not for the update;
 ``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts), and under CUDA-graph capture
 (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its kernels take each replay's
-epoch from the device.
+epoch from the device. Those kernels also serve eager steps that follow their own forward
+(``PgasConfig.eager_backward_graphs``): captured once per batch size and slot as two graphs, the exchange's and
+the update's, with the flags copied to the host between their replays.
 """
 
 import itertools
@@ -142,11 +144,19 @@ def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([f for f, d in enumerate(dims) for _ in range(d // 4)], dtype=torch.int32, device=device)
 
 
-class _BackwardGraph(NamedTuple):
-    """An eager backward's kernels as a CUDA graph (``DeviceStep._replay_backward``)."""
+# The graph pairs one sharding keeps of its eager backward (batch sizes × slots × sibling sets), least recently
+# replayed dropped first: each keeps its capacity-sized scratch in the sharding's pool.
+MAX_BACKWARD_GRAPHS = 12
 
-    graph: torch.cuda.CUDAGraph
-    grad: torch.Tensor  # the static gradient the graph reads: [batch, dim_sum], the output dtype
+
+class _BackwardGraph(NamedTuple):
+    """An eager backward's kernels as two CUDA graphs (``DeviceStep._replay_backward``)."""
+
+    exchange: torch.cuda.CUDAGraph  # grad_dist, await_grads, the flags' verdict
+    update: torch.cuda.CUDAGraph  # the owner update at capacity, applied only where ``whole``
+    grad: torch.Tensor  # the static gradient the exchange reads: [batch, dim_sum], the output dtype
+    whole: torch.Tensor  # the exchange's verdict that the update reads (held: the pool must not reuse it)
+    siblings: Tuple["DeviceStep", ...]  # whose device words the exchange reads (held: their ids are the key)
 
 
 class DeviceStep(PgasStep):
@@ -203,12 +213,14 @@ class DeviceStep(PgasStep):
         # record its kernels leave (a peer abort by this rank).
         self._gave_up: Dict[int, PgasError] = {}
         self._grad_sent = 0  # the last step whose gradient (or give-up) grad_dist sent
-        # Eager backwards replayed as CUDA graphs (_replay_backward), by (batch, siblings' ids), for the TBEs'
-        # storage of the last eager update at capacity (which built what a capture reads: the TBEs' layouts and
-        # hyper-parameter words); None before one.
-        self._backward_graphs: Dict[Tuple[int, Tuple[int, ...]], _BackwardGraph] = {}
+        # Eager backwards replayed as CUDA graphs (_replay_backward), by (batch, slot, gradient divisor, siblings'
+        # ids), for the TBEs' storage of the last eager update at capacity (which built what a capture reads: the
+        # TBEs' layouts and hyper-parameter words); None before one.
+        self._backward_graphs: Dict[Tuple[int, int, float, Tuple[int, ...]], _BackwardGraph] = {}
         self._graph_pool: Optional[Tuple[int, int]] = None
         self._graph_storage: Optional[List[Tuple[int, ...]]] = None
+        self._graphs_failed = False
+        self._graph_replays = 0
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
@@ -341,8 +353,7 @@ class DeviceStep(PgasStep):
             self.release(epoch)
 
     def _exchange_and_apply(self, ticket: StepTicket, grad: torch.Tensor) -> None:
-        if self._replays_backward(ticket):
-            self._replay_backward(ticket, grad)
+        if self._replays_backward(ticket) and self._replay_backward(ticket, grad):
             return
         ops, lay, epoch = torch.ops.torchrec_pgas, self.layout, ticket.epoch
         slot = epoch % lay.num_slots
@@ -376,18 +387,24 @@ class DeviceStep(PgasStep):
 
     @property
     def backward_graphs(self) -> int:
-        """How many CUDA graphs of its eager backward this sharding keeps (``PgasConfig.eager_backward_graphs``:
-        one per batch size, and per set of shardings whose backward follows this one's in the model)."""
+        """How many CUDA graph pairs of its eager backward this sharding keeps (``PgasConfig.eager_backward_graphs``:
+        one per batch size, buffer slot and set of shardings whose backward follows this one's; at most
+        ``MAX_BACKWARD_GRAPHS``)."""
         return len(self._backward_graphs)
 
+    @property
+    def backward_graph_replays(self) -> int:
+        """How many eager backwards of this sharding replayed a graph (``backward_graphs``)."""
+        return self._graph_replays
+
     def _replays_backward(self, ticket: StepTicket) -> bool:
-        """Whether this eager backward replays a CUDA graph of the backward's kernels (``_backward_kernels``):
-        ``PgasConfig.eager_backward_graphs``, the capacity path (``updates_at_capacity``) taken since the TBEs'
-        storage last moved (it builds what a capture reads), and a step whose kernels may take the device's
-        epoch: it follows its own forward in this sharding and in every sibling awaiting it, and no sharding
-        gave it up on the host."""
+        """Whether this eager backward replays CUDA graphs of the backward's kernels (``_exchange_kernels``,
+        ``_update_kernels``): ``PgasConfig.eager_backward_graphs`` (and no capture failed here), the capacity
+        path (``updates_at_capacity``) taken since the TBEs' storage last moved (it builds what a capture reads),
+        and a step whose kernels may take the device's epoch: it follows its own forward in this sharding and
+        in every sibling awaiting it, and no sharding gave it up on the host."""
         epoch = ticket.epoch
-        if not (self.spec.config.eager_backward_graphs and epoch == self.looked_up
+        if not (self.spec.config.eager_backward_graphs and not self._graphs_failed and epoch == self.looked_up
                 and not self._awaiting_backward and epoch not in self._gave_up
                 and self.lookup_features[1] > self.lookup_features[0] and self.updates_at_capacity(ticket)
                 and self._graph_storage == [storage_key(t) for t in ticket.tbes]):
@@ -395,35 +412,57 @@ class DeviceStep(PgasStep):
         return all(isinstance(o, DeviceStep) and o.looked_up == epoch and epoch not in o._gave_up
                    for o, _ in self.siblings_awaiting(epoch))
 
-    def _replay_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
-        """The eager backward as one replay of its kernels' graph, captured at the first step of its batch and
-        siblings (capture runs nothing: it replays at once), then the error check of the eager path."""
-        epoch = ticket.epoch
-        siblings = [o for o, _ in self.siblings_awaiting(epoch) if isinstance(o, DeviceStep)]
-        key = (ticket.batch, tuple(id(o) for o in siblings))
-        graph = self._backward_graphs.get(key)
+    def _replay_backward(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
+        """The eager backward as two graph replays, the exchange's and the update's, with the sources' flags
+        copied to the host between them: as the launched path, the host then waits for the exchange only, and
+        raises as it does. False, with nothing run, where the capture failed (the launched path serves)."""
+        epoch, lay = ticket.epoch, self.layout
+        siblings = tuple(o for o, _ in self.siblings_awaiting(epoch) if isinstance(o, DeviceStep))
+        slot = epoch % lay.num_slots
+        key = (ticket.batch, slot, gradient_divisor(self.world_size), tuple(id(o) for o in siblings))
+        graph = self._backward_graphs.pop(key, None)  # re-inserted last: the dict's order is least recent first
         if graph is None:
-            graph = self._backward_graphs[key] = self._capture_backward(ticket, grad, siblings)
+            graph = self._capture_backward(ticket, grad, siblings, slot)
+            if graph is None:
+                return False
+            if len(self._backward_graphs) >= MAX_BACKWARD_GRAPHS:
+                self._backward_graphs.pop(next(iter(self._backward_graphs)))
+        self._backward_graphs[key] = graph
         for tbe, iteration in zip(ticket.tbes, ticket.tbe_iters):
             write_hyper(tbe, iteration)
         graph.grad.copy_(grad[:ticket.batch])
-        graph.graph.replay()
+        graph.exchange.replay()
         self._grad_sent = epoch
         self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
-        self._raise_backward_problem(epoch, torch.cuda.current_stream(self.device).record_event())
+        exchanged = torch.cuda.current_stream(self.device).record_event()
+        profiling.mark("grad_exchange")
+        graph.update.replay()
+        profiling.mark("owner_update")
+        self._graph_replays += 1
+        self._raise_backward_problem(epoch, exchanged)
         sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+        return True
 
-    def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor,
-                          siblings: Sequence["DeviceStep"]) -> "_BackwardGraph":
-        """A CUDA graph of ``_backward_kernels`` for this step's batch and siblings, reading its gradient from a
-        static buffer; this sharding's graphs share one memory pool (they never run at once)."""
+    def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple["DeviceStep", ...],
+                          slot: int) -> Optional["_BackwardGraph"]:
+        """The exchange's and the update's graphs for this step's batch, slot and siblings, reading the gradient
+        from a static buffer, in this sharding's memory pool (its graphs run in turn on one stream). A capture
+        runs nothing: where one fails, graphs are off for this sharding (a warning says why), and None."""
         static = self._sent_gradient(grad, ticket.batch).clone()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._backward_kernels(ticket, static, siblings)
-        return _BackwardGraph(graph, static)
+        exchange, update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(exchange, pool=self._graph_pool, capture_error_mode="thread_local"):
+                whole = self._exchange_kernels(static, ticket.batch, siblings)
+            with torch.cuda.graph(update, pool=self._graph_pool, capture_error_mode="thread_local"):
+                self._update_kernels(ticket, slot, whole)
+        except Exception as e:  # noqa: BLE001 -- nothing ran: the launched path takes this step and the next ones
+            self._graphs_failed = True
+            warnings.warn(f"{self.kind}: eager backwards are launched, not replayed as CUDA graphs: the capture "
+                          f"failed ({e})")
+            return None
+        return _BackwardGraph(exchange, update, static, whole, siblings)
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
         """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
@@ -477,33 +516,36 @@ class DeviceStep(PgasStep):
         if ticket.epoch != self.looked_up or self._awaiting_backward:  # the kernels take the last lookup's epoch
             raise PgasError(f"{self.kind}: a captured training step must run each sharding's forward once, then "
                             f"its backward (step {ticket.epoch}'s backward after lookup {self.looked_up})")
-        siblings = [o for o, _ in self.siblings_awaiting(ticket.epoch) if isinstance(o, DeviceStep)]
-        self._backward_kernels(ticket, grad, siblings)
+        siblings = tuple(o for o, _ in self.siblings_awaiting(ticket.epoch) if isinstance(o, DeviceStep))
+        whole = self._exchange_kernels(grad, ticket.batch, siblings)
+        self._update_kernels(ticket, self._state[StateWord.CTR_LOOKUP] % self.layout.num_slots, whole)
         torch.ops.torchrec_pgas.release_sources(*self._state_args(), 0)
         record_captured_backward(self, ticket)
 
-    def _backward_kernels(self, ticket: StepTicket, grad: torch.Tensor, siblings: Sequence["DeviceStep"]) -> None:
-        """The backward's kernels with nothing read on the host, for a CUDA graph (a captured training step's,
-        or an eager step's own: ``_replay_backward``): the epoch is the device's last lookup's, ``siblings`` the
-        shardings whose failures of the step stop this one's update too."""
-        ops, lay = torch.ops.torchrec_pgas, self.layout
-        args = self._state_args()
+    def _exchange_kernels(self, grad: torch.Tensor, batch: int, siblings: Sequence["DeviceStep"]) -> torch.Tensor:
+        """The gradient exchange with nothing read on the host, for a CUDA graph (a captured training step's, or
+        an eager step's: ``_replay_backward``): the epoch is the device's last lookup's, and ``siblings``' failures
+        of the step fail it here too. Returns ``whole``: the device word that says every source sent its rows."""
+        ops, args = torch.ops.torchrec_pgas, self._state_args()
         epoch = self._state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
-        slot = epoch % lay.num_slots
         if siblings:  # as _adopt_sibling_failures, from device words
             failed = torch.cat([o.device_step_failed() for o in siblings]).any()
-            at = (StateWord.STEP_FAILED + slot).view(1)  # index_select, not [tensor]: that reads it on the host
-            self._state.index_put_((at,), torch.where(failed, epoch, self._state.index_select(0, at)))
-        ops.grad_dist(self._sent_gradient(grad, ticket.batch), *args, 0, ticket.batch,
-                      gradient_divisor(self.world_size), False)
+            at = (StateWord.STEP_FAILED + epoch % self.layout.num_slots).view(1)  # index_select, not [tensor]:
+            self._state.index_put_((at,), torch.where(failed, epoch, self._state.index_select(0, at)))  # no read
+        ops.grad_dist(self._sent_gradient(grad, batch), *args, 0, batch, gradient_divisor(self.world_size), False)
         ops.await_grads(*args, self._grad_flags, 0)
-        whole = (self._grad_flags == 0).all()
+        return (self._grad_flags == 0).all()
+
+    def _update_kernels(self, ticket: StepTicket, slot: Union[int, torch.Tensor], whole: torch.Tensor) -> None:
+        """The owner update at capacity of the ids kept in ``slot`` (an int, or the device's), applied only where
+        ``whole``, for a CUDA graph: the hyper-parameters are device words written before each replay."""
+        lay = self.layout
         f_lo, f_hi = self.lookup_features
         rows = lay.max_batch if self._owners.variable_batch else ticket.batch
         if f_hi > f_lo and not self._update_held(ticket, slot, rows, whole, None):
             specs = [t.embedding_specs for t in ticket.tbes]
             raise PgasError(f"{self.kind}: the owner update op does not take the TBEs {specs} (or a "
-                            f"{self.spec.out_dtype} gradient): they cannot train in a captured step")
+                            f"{self.spec.out_dtype} gradient): they cannot train in a CUDA graph")
 
     def _sent_gradient(self, grad: torch.Tensor, batch: int) -> torch.Tensor:
         """The first ``batch`` rows of the output's gradient, in the output dtype, starting on 16 bytes (a view
@@ -612,6 +654,7 @@ class DeviceStep(PgasStep):
     def _set_trace(self, on: bool) -> None:
         """Launch the kernels' comm-timeline builds (or not) from the next step on."""
         self._config.copy_(as_tensor(self.layout.config(**self._config_args, trace=on)))
+        self._backward_graphs.clear()  # their kernels were captured with the config as it was
 
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
