@@ -200,6 +200,27 @@ PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
   return m;
 }
 
+// Asks L2 for the `bytes` from `row` (the 128-byte lines that hold them); nothing on the CPU. A hint: it reads
+// no value and holds no register, and the walk gives it only rows it has bounds-checked.
+PGAS_UPDATE_FN void prefetch_l2(const void* row, int64_t bytes) {
+#if defined(__CUDA_ARCH__)
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{127};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = first; line < end; line += 128) asm volatile("prefetch.L2 [%0];" ::"l"(line));
+#else
+  (void)row;
+  (void)bytes;
+#endif
+}
+
+// The gradient row one position of a batch will be read for, asked of L2 as the batch starts: the walk then
+// loads rows kDepth ids at a time, so without it a walker has only those kDepth rows in flight from DRAM. The
+// weight and optimizer-state rows are not asked for: each is read once per run, by the run's first ids.
+template <typename grad_t>
+PGAS_UPDATE_FN void prefetch_grad_row(const OwnerUpdateParams& p, const IdMeta& m) {
+  if (m.src >= 0) prefetch_l2(static_cast<const grad_t*>(p.grad) + m.src, m.dim * int64_t{sizeof(grad_t)});
+}
+
 // a * b rounded to fp32 on its own: never contracted into a following add.
 PGAS_UPDATE_FN float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -339,6 +360,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
   for (int64_t q0 = lo; q0 < p.n; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
     const IdMeta mine = q < p.n ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true, true};
+    prefetch_grad_row<grad_t>(p, mine);
     // The batch ends at the first position that starts a run at or past hi (the next chunk's), at n, or at
     // the first key past every table (the padding of a captured step's fixed capacity: never walked).
     const unsigned past = lanes.ballot(mine.starts && (q >= hi || mine.beyond));
