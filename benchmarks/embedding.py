@@ -814,6 +814,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
     parser.add_argument("--owner-backward", default="fbgemm", choices=["fbgemm", "pgas"],
                         help="--mode train: PgasConfig.owner_backward (who applies the owner's gradients)")
+    parser.add_argument("--launched-backward", action="store_true",
+                        help="--mode train --owner-backward pgas: PgasConfig(eager_backward_graphs=False), the "
+                             "eager backward's kernels launched one by one, not replayed as CUDA graphs (its A/B)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     if args.mode == "train" and args.inference_only:
@@ -822,6 +825,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                              or args.optimizer == "adam"):
         parser.error("--train-graph needs --mode train, --owner-backward pgas and --no-graph, and not Adam (the "
                      "replays' iteration counts would part the model from stock's for the next workloads)")
+    if args.launched_backward and (args.mode != "train" or args.owner_backward != "pgas"):
+        parser.error("--launched-backward needs --mode train and --owner-backward pgas (the backward it launches)")
     if args.layout_ab and (args.inference_only or args.mode == "train"):
         parser.error("--layout-ab compares the two layouts' forwards: drop --inference-only and --mode train")
     presets = args.preset or ["quick"]
@@ -859,6 +864,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "input_sets": args.sets, "stage_steps": args.stage_steps,
             "pgas_training_layout": not args.inference_only, "mode": args.mode,
             "optimizer": args.optimizer if args.mode == "train" else None, "owner_backward": args.owner_backward,
+            "eager_backward_graphs": not args.launched_backward,
             "learning_rate": args.lr if args.mode == "train" else None,
             "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
             "argv": sys.argv,
@@ -875,7 +881,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         for key, same in itertools.groupby(workloads, key=group):
             ws = list(same)
             config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
-                                training=not args.inference_only, owner_backward=args.owner_backward)
+                                training=not args.inference_only, owner_backward=args.owner_backward,
+                                eager_backward_graphs=not args.launched_backward)
             stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)
             pgas = shard_ebc(ws[0], True, args.pair, config, device, fused_params)
             inference = (shard_ebc(ws[0], True, args.pair, dataclasses.replace(config, training=False), device,
