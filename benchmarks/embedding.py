@@ -650,6 +650,12 @@ def run_workload(w: Workload, stock: DistributedModelParallel, pgas: Distributed
     return row
 
 
+def backward_graph_counts(dmp: DistributedModelParallel) -> Tuple[int, int]:
+    """The eager backward's CUDA graphs captured and replayed so far, over every PGAS sharding of ``dmp``."""
+    stats = [step.backward_graph_stats for step in pgas_steps(dmp)]
+    return sum(s.captured for s in stats), sum(s.replays for s in stats)
+
+
 def train_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
                    inputs: List[KeyedJaggedTensor], flows: Traffic, args: argparse.Namespace, device: torch.device,
                    bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
@@ -658,6 +664,7 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
     grads = upstream_gradients(inputs, w.tables * w.dim, seed=4242 + dist.get_rank())
     steps = {"stock": lambda i: train_step(stock, inputs[i % n], grads[i % n]),
              "pgas": lambda i: train_step(pgas, inputs[i % n], grads[i % n])}
+    graphs_before = backward_graph_counts(pgas)
     for i in range(args.warmup):  # the same steps on both sides, so their states stay equal
         for step in steps.values():
             step(i)
@@ -672,6 +679,9 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
             args.stage_steps, device)
     check_errors(pgas)
     row["max_state_diff"] = max(diff, state_diff(stock, pgas, f"{w.name}: after the timed training steps"))
+    # the eager backwards' CUDA graphs over this workload's steps: captures past the first few mean a key churns
+    row["pgas_backward_graphs_captured"], row["pgas_backward_graph_replays"] = (
+        after - before for after, before in zip(backward_graph_counts(pgas), graphs_before))
     row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
     row["pgas_train_graph_p50_ms"] = row["speedup_train_graph"] = None
     if device.type == "cuda" and args.train_graph:

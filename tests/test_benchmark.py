@@ -92,6 +92,7 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
     assert out["meta"]["owner_backward"] == "pgas" and out["meta"]["eager_backward_graphs"]  # GPUs only
     for row in out["rows"]:
         assert row["max_state_diff"] <= 1e-3
+        assert row["pgas_backward_graphs_captured"] == row["pgas_backward_graph_replays"] == 0  # CPU: launched
         # the op splits its stage: the keys and their sort, then the op (the torch-ops reference does not)
         op_stages = ["owner_sort", "owner_update"] if op_available() else []
         assert list(row["pgas_train_stages_ms"]) == [*PGAS_STAGES, "grad_exchange", "kept_ids", *op_stages,

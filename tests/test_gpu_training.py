@@ -124,11 +124,11 @@ def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str,
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward, graphs))
 
 
-def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[int, int, bool]]]:
+def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[Tuple[int, ...], bool]]]:
     """One model sharded twice with owner_backward="pgas", eager backwards replayed as CUDA graphs and not, 10
     steps with local batches of 6 (steps 0, 3, 6, 9) and 8: (the worst |graphs - none| over every weight and
-    optimizer state after every step; per sharding of the graphed side: its graphs, its replays, whether this
-    rank holds features of it)."""
+    optimizer state after every step; per sharding of the graphed side: its ``backward_graph_stats``, whether
+    this rank holds features of it)."""
     device = rank_device(rank, "cuda")
     case = Case(kind, EmbOptimType.ADAM, owner_backward="pgas")
     model = _model(case, seed=4, min_rows=1)
@@ -147,21 +147,22 @@ def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, Lis
             loss, _ = side(data)
             loss.backward()
         worst = max(worst, *_worst_diff(*sides).values())
-    assert all(step.backward_graphs == 0 for step in pgas_steps(sides[1]))
-    return worst, [(step.backward_graphs, step.backward_graph_replays,
-                    step.lookup_features[1] > step.lookup_features[0]) for step in pgas_steps(sides[0])]
+    assert all(step.backward_graph_stats == (0, 0, 0) for step in pgas_steps(sides[1]))
+    return worst, [(tuple(step.backward_graph_stats), step.lookup_features[1] > step.lookup_features[0])
+                   for step in pgas_steps(sides[0])]
 
 
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
 def test_eager_backwards_replayed_as_graphs_train_as_launched_ones(kind: str) -> None:
     """PgasConfig.eager_backward_graphs: bit for bit the launched backward's weights and states after every step.
     Every sharding a rank holds features of replays from its second step on (the first builds what a capture
-    reads): 9 replays of 3 graphs, one per (batch, buffer slot) its steps met (epochs 1, 4, 7, 10 at batch 6:
-    slot 1; the others at batch 8: slots 2 and 0), the first step's key never replayed; no graph elsewhere."""
+    reads): 9 replays of 3 graphs, each captured once, one per (batch, buffer slot) its steps met (epochs 1, 4,
+    7, 10 at batch 6: slot 1; the others at batch 8: slots 2 and 0), the first step's key never replayed; no
+    graph elsewhere."""
     for worst, shardings in run_distributed(_eager_backward_graphs, WORLD, kind, device_type="cuda"):
         assert worst == 0.0
-        for graphs, replays, holds in shardings:
-            assert (graphs, replays) == ((3, 9) if holds else (0, 0)), shardings
+        for stats, holds in shardings:
+            assert stats == ((3, 3, 9) if holds else (0, 0, 0)), shardings
 
 
 # ---- the training step captured in one CUDA graph ------------------------------------------------------

@@ -71,8 +71,10 @@ class PgasConfig:
             exchange's and the update's, captured at its first step of each
             batch size and buffer slot: two replays instead of ~25 launches),
             where the step follows its own forward (no lookup of a later step
-            between them). Each sharding keeps up to 12 pairs, with their
-            scratch memory (``max_padded_eager_ids``' estimate) in its pool.
+            between them). Each sharding keeps up to 12 pairs. The pairs of
+            every sharding on a GPU share one memory pool, which holds the
+            largest capture's scratch (``max_padded_eager_ids``' estimate) for
+            the process's life, apart from the caching allocator's memory.
     """
 
     max_local_batch_size: int = 4096

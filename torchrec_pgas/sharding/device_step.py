@@ -44,6 +44,7 @@ from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
 from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
 from torchrec_pgas.sharding.step import (
+    BackwardGraphStats,
     PgasStep,
     PoolFn,
     StepSpec,
@@ -145,8 +146,29 @@ def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 # The graph pairs one sharding keeps of its eager backward (batch sizes × slots × sibling sets), least recently
-# replayed dropped first: each keeps its capacity-sized scratch in the sharding's pool.
+# replayed dropped first.
 MAX_BACKWARD_GRAPHS = 12
+
+
+class _DeviceGraphs:
+    """What the eager backwards' graphs of every sharding on one device share: one memory pool, so the pool
+    holds the scratch of one capture at a time rather than a sharding's each, and the event after the last
+    replay, which the next replay's stream waits on. Replays one after another never overlap, so their
+    scratch may alias: the one rule that makes sharing the pool safe, kept across streams."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.done: Optional[torch.cuda.Event] = None
+
+    def after_last(self, stream: torch.cuda.Stream) -> None:
+        if self.done is not None:
+            stream.wait_event(self.done)
+
+    def replayed(self, stream: torch.cuda.Stream) -> None:
+        self.done = stream.record_event()
+
+
+_DEVICE_GRAPHS: Dict[torch.device, _DeviceGraphs] = {}
 
 
 class _BackwardGraph(NamedTuple):
@@ -217,9 +239,9 @@ class DeviceStep(PgasStep):
         # ids), for the TBEs' storage of the last eager update at capacity (which built what a capture reads: the
         # TBEs' layouts and hyper-parameter words); None before one.
         self._backward_graphs: Dict[Tuple[int, int, float, Tuple[int, ...]], _BackwardGraph] = {}
-        self._graph_pool: Optional[Tuple[int, int]] = None
         self._graph_storage: Optional[List[Tuple[int, ...]]] = None
         self._graphs_failed = False
+        self._graph_captures = 0
         self._graph_replays = 0
 
     def read_input_order(self, order: Sequence[int]) -> None:
@@ -386,16 +408,10 @@ class DeviceStep(PgasStep):
         self._count_and_apply(ticket, slot, rows, whole)
 
     @property
-    def backward_graphs(self) -> int:
-        """How many CUDA graph pairs of its eager backward this sharding keeps (``PgasConfig.eager_backward_graphs``:
-        one per batch size, buffer slot and set of shardings whose backward follows this one's; at most
-        ``MAX_BACKWARD_GRAPHS``)."""
-        return len(self._backward_graphs)
-
-    @property
-    def backward_graph_replays(self) -> int:
-        """How many eager backwards of this sharding replayed a graph (``backward_graphs``)."""
-        return self._graph_replays
+    def backward_graph_stats(self) -> BackwardGraphStats:
+        """The graph pairs of its eager backward this sharding keeps (at most ``MAX_BACKWARD_GRAPHS``), has
+        captured, and replayed."""
+        return BackwardGraphStats(len(self._backward_graphs), self._graph_captures, self._graph_replays)
 
     def _replays_backward(self, ticket: StepTicket) -> bool:
         """Whether this eager backward replays CUDA graphs of the backward's kernels (``_exchange_kernels``,
@@ -404,10 +420,13 @@ class DeviceStep(PgasStep):
         and a step whose kernels may take the device's epoch: it follows its own forward in this sharding and
         in every sibling awaiting it, and no sharding gave it up on the host."""
         epoch = ticket.epoch
+        if self._graph_storage is not None and self._graph_storage != [storage_key(t) for t in ticket.tbes]:
+            self._backward_graphs.clear()  # they write through the old addresses: never again, even if they return
+            self._graph_storage = None  # until a launched update at capacity builds what a capture reads
         if not (self.spec.config.eager_backward_graphs and not self._graphs_failed and epoch == self.looked_up
-                and not self._awaiting_backward and epoch not in self._gave_up
+                and not self._awaiting_backward and epoch not in self._gave_up and self._graph_storage is not None
                 and self.lookup_features[1] > self.lookup_features[0] and self.updates_at_capacity(ticket)
-                and self._graph_storage == [storage_key(t) for t in ticket.tbes]):
+                and (self._owners.variable_batch or ticket.batch > 0)):  # the launched path's rows > 0
             return False
         return all(isinstance(o, DeviceStep) and o.looked_up == epoch and epoch not in o._gave_up
                    for o, _ in self.siblings_awaiting(epoch))
@@ -419,7 +438,7 @@ class DeviceStep(PgasStep):
         epoch, lay = ticket.epoch, self.layout
         siblings = tuple(o for o, _ in self.siblings_awaiting(epoch) if isinstance(o, DeviceStep))
         slot = epoch % lay.num_slots
-        key = (ticket.batch, slot, gradient_divisor(self.world_size), tuple(id(o) for o in siblings))
+        key = (ticket.batch, slot, gradient_divisor(self.world_size), tuple(sorted(id(o) for o in siblings)))
         graph = self._backward_graphs.pop(key, None)  # re-inserted last: the dict's order is least recent first
         if graph is None:
             graph = self._capture_backward(ticket, grad, siblings, slot)
@@ -428,15 +447,18 @@ class DeviceStep(PgasStep):
             if len(self._backward_graphs) >= MAX_BACKWARD_GRAPHS:
                 self._backward_graphs.pop(next(iter(self._backward_graphs)))
         self._backward_graphs[key] = graph
+        stream, shared = torch.cuda.current_stream(self.device), _DEVICE_GRAPHS[self.device]
+        shared.after_last(stream)
         for tbe, iteration in zip(ticket.tbes, ticket.tbe_iters):
             write_hyper(tbe, iteration)
         graph.grad.copy_(grad[:ticket.batch])
         graph.exchange.replay()
         self._grad_sent = epoch
         self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
-        exchanged = torch.cuda.current_stream(self.device).record_event()
+        exchanged = stream.record_event()
         profiling.mark("grad_exchange")
         graph.update.replay()
+        shared.replayed(stream)
         profiling.mark("owner_update")
         self._graph_replays += 1
         self._raise_backward_problem(epoch, exchanged)
@@ -446,22 +468,24 @@ class DeviceStep(PgasStep):
     def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple["DeviceStep", ...],
                           slot: int) -> Optional["_BackwardGraph"]:
         """The exchange's and the update's graphs for this step's batch, slot and siblings, reading the gradient
-        from a static buffer, in this sharding's memory pool (its graphs run in turn on one stream). A capture
-        runs nothing: where one fails, graphs are off for this sharding (a warning says why), and None."""
+        from a static buffer, in the device's pool (``_DeviceGraphs``). A capture runs nothing: where ours
+        refuses (a ``PgasError`` inside a valid capture), graphs are off for this sharding (a warning says why),
+        and None. A CUDA error that breaks the capture propagates: the allocator and stream are then not ours
+        to fall back on."""
         static = self._sent_gradient(grad, ticket.batch).clone()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
+        pool = _DEVICE_GRAPHS.setdefault(self.device, _DeviceGraphs()).pool
         exchange, update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(exchange, pool=self._graph_pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(exchange, pool=pool, capture_error_mode="thread_local"):
                 whole = self._exchange_kernels(static, ticket.batch, siblings)
-            with torch.cuda.graph(update, pool=self._graph_pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(update, pool=pool, capture_error_mode="thread_local"):
                 self._update_kernels(ticket, slot, whole)
-        except Exception as e:  # noqa: BLE001 -- nothing ran: the launched path takes this step and the next ones
+        except PgasError as e:  # nothing ran: the launched path takes this step and the next ones
             self._graphs_failed = True
             warnings.warn(f"{self.kind}: eager backwards are launched, not replayed as CUDA graphs: the capture "
                           f"failed ({e})")
             return None
+        self._graph_captures += 1
         return _BackwardGraph(exchange, update, static, whole, siblings)
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:

@@ -64,6 +64,14 @@ class PaddedIds(NamedTuple):
     stride: int
 
 
+class BackwardGraphStats(NamedTuple):
+    """How a sharding's eager backwards replayed CUDA graphs (``PgasConfig.eager_backward_graphs``, GPUs only)."""
+
+    kept: int  # graph pairs kept: one per batch size, buffer slot and set of siblings, a bounded number
+    captured: int  # pairs captured so far: more than ``kept`` where pairs were dropped and captured again
+    replays: int  # eager backwards that replayed a pair
+
+
 @dataclass(eq=False)
 class StepTicket:
     """What a training step keeps for its backward. The autograd graph of the step's output holds it: when
@@ -487,6 +495,11 @@ class PgasStep(abc.ABC):
         positions = len(ticket.tbes) * self.world_size * self.layout.ids_capacity  # each TBE sorts the capacity
         return (positions <= self.spec.config.max_padded_eager_ids and not self._op_refused_capacity
                 and self._owner_backward_applies(ticket.tbes) and op_available())
+
+    @property
+    def backward_graph_stats(self) -> BackwardGraphStats:
+        """This sharding's eager backwards replayed as CUDA graphs: none here (``DeviceStep`` replays them)."""
+        return BackwardGraphStats(0, 0, 0)
 
     def update_at_capacity(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
                            block_features: Tuple[int, int, int], columns: Tuple[int, int, int],
