@@ -810,6 +810,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "--owner-backward pgas and --no-graph: the forward's graphs leave the host's step "
                              "counters behind the device's; each workload gets its own models, their buffers sized "
                              "to its ids)")
+    parser.add_argument("--own-models", action="store_true",
+                        help="each workload its own models, their buffers sized to its ids (--train-graph implies "
+                             "it; without, workloads of one table shape share models sized for the largest)")
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--inference-only", action="store_true",
@@ -852,7 +855,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
-    group = own_models if args.train_graph else shared_models
+    group = own_models if args.train_graph or args.own_models else shared_models
     capacity: Dict[Tuple[int, ...], int] = {}
     for k, w in enumerate(workloads):
         inputs[w] = make_inputs(w, w.tables, w.batch_per_gpu, args.sets, seed=1000 * rank + k, device=device)
@@ -872,6 +875,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "commit": git_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
+            "own_models": bool(args.train_graph or args.own_models),
             "pgas_training_layout": not args.inference_only, "mode": args.mode,
             "optimizer": args.optimizer if args.mode == "train" else None, "owner_backward": args.owner_backward,
             "eager_backward_graphs": not args.launched_backward,

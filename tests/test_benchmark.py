@@ -84,12 +84,13 @@ PGAS_TRAIN_STAGES = [*PGAS_STAGES, "grad_exchange", "kept_ids", "replay_lookup",
 
 
 def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
-    """--owner-backward pgas: the PGAS side's updates come from the owner backward (no replayed lookup among
-    its stages), and the states still agree with stock's after the timed steps (the benchmark's own check
-    raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's CPU running sums differ in the
-    last bits, most in row-wise Adagrad's sums of squares, which run to tens)."""
-    out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas")
+    """--owner-backward pgas (with --own-models: a model a workload): the PGAS side's updates come from the owner
+    backward (no replayed lookup among its stages), and the states still agree with stock's after the timed
+    steps (the benchmark's own check raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's
+    CPU running sums differ in the last bits, most in row-wise Adagrad's sums of squares, which run to tens)."""
+    out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas", "--own-models")
     assert out["meta"]["owner_backward"] == "pgas" and out["meta"]["eager_backward_graphs"]  # GPUs only
+    assert out["meta"]["own_models"]
     for row in out["rows"]:
         assert row["max_state_diff"] <= 1e-3
         assert row["pgas_backward_graphs_captured"] == row["pgas_backward_graph_replays"] == 0  # CPU: launched
