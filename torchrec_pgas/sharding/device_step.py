@@ -158,14 +158,16 @@ class _DeviceGraphs:
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        self.done: Optional[torch.cuda.Event] = None
+        self.done = torch.cuda.Event()  # recorded again after each replay: no event a step
+        self.replays = 0
 
     def after_last(self, stream: torch.cuda.Stream) -> None:
-        if self.done is not None:
+        if self.replays:
             stream.wait_event(self.done)
 
     def replayed(self, stream: torch.cuda.Stream) -> None:
-        self.done = stream.record_event()
+        self.done.record(stream)
+        self.replays += 1
 
 
 _DEVICE_GRAPHS: Dict[torch.device, _DeviceGraphs] = {}
@@ -400,10 +402,8 @@ class DeviceStep(PgasStep):
             if self._update_held(ticket, slot, rows, whole, ticket.tbe_iters):
                 self._raise_backward_problem(epoch, exchanged)
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
-                storage = [storage_key(t) for t in ticket.tbes]
-                if storage != self._graph_storage:  # graphs write through the addresses of their capture
-                    self._backward_graphs.clear()
-                    self._graph_storage = storage  # the TBEs' layouts and hyper-parameter words now exist
+                if self.spec.config.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words now exist
+                    self._graph_storage = [storage_key(t) for t in ticket.tbes]
                 return
         self._count_and_apply(ticket, slot, rows, whole)
 
@@ -420,11 +420,13 @@ class DeviceStep(PgasStep):
         and a step whose kernels may take the device's epoch: it follows its own forward in this sharding and
         in every sibling awaiting it, and no sharding gave it up on the host."""
         epoch = ticket.epoch
+        if not self.spec.config.eager_backward_graphs or self._graphs_failed:
+            return False
         if self._graph_storage is not None and self._graph_storage != [storage_key(t) for t in ticket.tbes]:
             self._backward_graphs.clear()  # they write through the old addresses: never again, even if they return
             self._graph_storage = None  # until a launched update at capacity builds what a capture reads
-        if not (self.spec.config.eager_backward_graphs and not self._graphs_failed and epoch == self.looked_up
-                and not self._awaiting_backward and epoch not in self._gave_up and self._graph_storage is not None
+        if not (epoch == self.looked_up and not self._awaiting_backward and epoch not in self._gave_up
+                and self._graph_storage is not None
                 and self.lookup_features[1] > self.lookup_features[0] and self.updates_at_capacity(ticket)
                 and (self._owners.variable_batch or ticket.batch > 0)):  # the launched path's rows > 0
             return False
