@@ -47,13 +47,16 @@ under ``--out`` (default ``benchmarks/results/<date>-<device>-<commit>/``);
 """
 
 import argparse
+import cProfile
 import csv
 import dataclasses
 import datetime
 import gc
+import io
 import itertools
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -381,6 +384,34 @@ def time_steps(fn: Callable[[int], Any], steps: int, warmup: int, device: torch.
     return t.tolist()
 
 
+def host_profile(fn: Callable[[int], Any], steps: int, device: torch.device, path: Optional[str]) -> float:
+    """The host's p50 ms a call of ``fn`` (from an idle GPU, up to its return: the launches, and any wait on
+    the GPU the call makes), then cProfile over the same calls, its top functions by own time written to
+    ``path`` (None: not written). A step whose host ms is near its GPU-timeline ms is host-bound."""
+    cuda = device.type == "cuda"
+    ms, prof = [], cProfile.Profile()
+    for i in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        fn(i)
+        prof.disable()
+        ms.append(1e3 * (time.perf_counter() - t0))
+    if cuda:
+        torch.cuda.synchronize()
+    if path is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        text.write(f"{steps} calls, host p50 {p50(ms):.3f} ms a call (cProfile's own cost included)\n")
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text.getvalue().replace(os.getcwd() + os.sep, ""))
+    return p50(ms)
+
+
 def p50(x: Sequence[float]) -> float:
     return statistics.median(x)
 
@@ -683,6 +714,11 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
     row["pgas_backward_graphs_captured"], row["pgas_backward_graph_replays"] = (
         after - before for after, before in zip(backward_graph_counts(pgas), graphs_before))
     row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
+    for side, step in steps.items():  # after the timed steps, so that cProfile's cost stays out of them
+        row[f"{side}_train_host_p50_ms"] = None
+        if args.host_profile:
+            path = os.path.join(args.out, "host_profile", f"{w.name}-{side}.txt") if dist.get_rank() == 0 else None
+            row[f"{side}_train_host_p50_ms"] = host_profile(step, args.host_profile, device, path)
     row["pgas_train_graph_p50_ms"] = row["speedup_train_graph"] = None
     if device.type == "cuda" and args.train_graph:
         # the whole PGAS step replayed as one CUDA graph on input set 0 alone: the state goes back afterwards
@@ -830,6 +866,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--launched-backward", action="store_true",
                         help="--mode train --owner-backward pgas: PgasConfig(eager_backward_graphs=False), the "
                              "eager backward's kernels launched one by one, not replayed as CUDA graphs (its A/B)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                        help="--mode train: each side's host time a step (p50 over STEPS calls, recorded as "
+                             "<side>_train_host_p50_ms) and cProfile's top functions, <out>/host_profile/<workload>-"
+                             "<side>.txt (rank 0)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
     if args.mode == "train" and args.inference_only:
@@ -840,6 +880,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                      "replays' iteration counts would part the model from stock's for the next workloads)")
     if args.launched_backward and (args.mode != "train" or args.owner_backward != "pgas"):
         parser.error("--launched-backward needs --mode train and --owner-backward pgas (the backward it launches)")
+    if args.host_profile and args.mode != "train":
+        parser.error("--host-profile profiles the training step: add --mode train")
     if args.layout_ab and (args.inference_only or args.mode == "train"):
         parser.error("--layout-ab compares the two layouts' forwards: drop --inference-only and --mode train")
     presets = args.preset or ["quick"]
@@ -852,6 +894,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     workloads = [w for p in presets for w in PRESETS[p](world)]
     bandwidths = measure_bandwidths(device) if cuda else None
+    today = datetime.date.today().isoformat()
+    args.out = args.out or os.path.join("benchmarks", "results", f"{today}-{device_tag(device, world)}-{git_commit()}")
 
     # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
@@ -869,10 +913,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     rows: List[Dict[str, Any]] = []
 
     def save(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> str:
-        """Write results.json/csv (rank 0); after every workload, so a run cut short keeps its rows."""
+        """Write results.json/csv (rank 0) under ``--out``; after every workload, so a run cut short keeps its rows."""
         meta = {
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
-            "commit": git_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": git_commit(), "torch": torch.__version__, "date": today,
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
             "own_models": bool(args.train_graph or args.own_models),
@@ -883,10 +927,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
             "argv": sys.argv,
         }
-        out_dir = args.out or os.path.join(
-            "benchmarks", "results", f"{meta['date']}-{device_tag(device, world)}-{meta['commit']}")
-        write_results(out_dir, meta, rows, single)
-        return out_dir
+        write_results(args.out, meta, rows, single)
+        return args.out
 
     fused_params = ({"optimizer": OPTIMIZERS[args.optimizer][0], "learning_rate": args.lr}
                     if args.mode == "train" else None)

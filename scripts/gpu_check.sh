@@ -52,7 +52,7 @@
 #              counters, run log; the report stays in /tmp)
 #   full       tests,bench-rw (s004, s000-weak, s000-strong, skew),sanitizer,demo
 #
-# The benchmark keeps results.json only (benchmarks.plots rebuilds the CSV from it); logs go to one file
+# The benchmark keeps results.json (and --host-profile's folder; benchmarks.plots rebuilds the CSV); logs go to one file
 # per step. What to commit from a run: benchmarks/results/README.md. GIT_COMMIT=<commit> names the commit
 # in summary.txt when the tree's .git is missing or stale. NVLink multicast stays off. The script writes
 # only under <out>, /tmp and the tree's git-ignored build outputs: it never deletes or rewrites a
@@ -128,6 +128,7 @@ bench() {
   sed -n '/^measured:/,$p' /tmp/bench.log | grep -v "^results:" | tail -16 | tee -a "$OUT/summary.txt"
   grep -E "Error|error" /tmp/bench.log | tail -5 | tee -a "$OUT/summary.txt"
   mkdir -p "$OUT/$name" && cp "/tmp/bench/$name/results.json" "$OUT/$name/" 2>/dev/null
+  [ -d "/tmp/bench/$name/host_profile" ] && cp -r "/tmp/bench/$name/host_profile" "$OUT/$name/"
 }
 
 if has ceiling; then

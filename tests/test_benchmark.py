@@ -88,11 +88,16 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
     backward (no replayed lookup among its stages), and the states still agree with stock's after the timed
     steps (the benchmark's own check raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's
     CPU running sums differ in the last bits, most in row-wise Adagrad's sums of squares, which run to tens)."""
-    out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas", "--own-models")
+    out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas", "--own-models", "--host-profile", "2")
     assert out["meta"]["owner_backward"] == "pgas" and out["meta"]["eager_backward_graphs"]  # GPUs only
     assert out["meta"]["own_models"]
     for row in out["rows"]:
         assert row["max_state_diff"] <= 1e-3
+        for side in ("stock", "pgas"):  # --host-profile: the host's time a step and where it goes
+            assert row[f"{side}_train_host_p50_ms"] > 0
+            with open(os.path.join(tmp_path, "host_profile", f"{row['name']}-{side}.txt")) as f:
+                text = f.read()
+            assert text.startswith("2 calls, host p50") and "train_step" in text
         assert row["pgas_backward_graphs_captured"] == row["pgas_backward_graph_replays"] == 0  # CPU: launched
         # the op splits its stage: the keys and their sort, then the op (the torch-ops reference does not)
         op_stages = ["owner_sort", "owner_update"] if op_available() else []
