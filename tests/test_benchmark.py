@@ -97,7 +97,7 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
             assert row[f"{side}_train_host_p50_ms"] > 0
             with open(os.path.join(tmp_path, "host_profile", f"{row['name']}-{side}.txt")) as f:
                 text = f.read()
-            assert text.startswith("2 calls, host p50") and "train_step" in text
+            assert text.startswith("2 calls, host p50") and "(train_step)" in text
         assert row["pgas_backward_graphs_captured"] == row["pgas_backward_graph_replays"] == 0  # CPU: launched
         # the op splits its stage: the keys and their sort, then the op (the torch-ops reference does not)
         op_stages = ["owner_sort", "owner_update"] if op_available() else []
