@@ -174,10 +174,10 @@ _DEVICE_GRAPHS: Dict[torch.device, _DeviceGraphs] = {}
 
 
 class _BackwardGraph(NamedTuple):
-    """An eager backward's kernels as two CUDA graphs (``DeviceStep._replay_backward``)."""
+    """An eager backward's kernels as one CUDA graph (``DeviceStep._replay_backward``)."""
 
-    exchange: torch.cuda.CUDAGraph  # grad_dist, await_grads, the flags' verdict
-    update: torch.cuda.CUDAGraph  # the owner update at capacity, applied only where ``whole``
+    graph: torch.cuda.CUDAGraph  # grad_dist, await_grads, the flags to pinned memory, ``exchanged``, the update
+    exchanged: torch.cuda.Event  # recorded inside the graph once the flags are on the host (external)
     grad: torch.Tensor  # the static gradient the exchange reads: [batch, dim_sum], the output dtype
     whole: torch.Tensor  # the exchange's verdict that the update reads (held: the pool must not reuse it)
     siblings: Tuple["DeviceStep", ...]  # whose device words the exchange reads (held: their ids are the key)
@@ -434,9 +434,10 @@ class DeviceStep(PgasStep):
                    for o, _ in self.siblings_awaiting(epoch))
 
     def _replay_backward(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
-        """The eager backward as two graph replays, the exchange's and the update's, with the sources' flags
-        copied to the host between them: as the launched path, the host then waits for the exchange only, and
-        raises as it does. False, with nothing run, where the capture failed (the launched path serves)."""
+        """The eager backward as one graph replay, which copies the sources' flags to the host and records an
+        event between the exchange and the update: as the launched path, the host then waits for the exchange
+        only, and raises as it does. False, with nothing run, where the capture failed (the launched path
+        serves)."""
         epoch, lay = ticket.epoch, self.layout
         siblings = tuple(o for o, _ in self.siblings_awaiting(epoch) if isinstance(o, DeviceStep))
         slot = epoch % lay.num_slots
@@ -454,33 +455,30 @@ class DeviceStep(PgasStep):
         for tbe, iteration in zip(ticket.tbes, ticket.tbe_iters):
             write_hyper(tbe, iteration)
         graph.grad.copy_(grad[:ticket.batch])
-        graph.exchange.replay()
-        self._grad_sent = epoch
-        self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
-        exchanged = stream.record_event()
-        profiling.mark("grad_exchange")
-        graph.update.replay()
+        graph.graph.replay()
         shared.replayed(stream)
+        self._grad_sent = epoch
         profiling.mark("owner_update")
         self._graph_replays += 1
-        self._raise_backward_problem(epoch, exchanged)
+        self._raise_backward_problem(epoch, graph.exchanged)
         sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
         return True
 
     def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple["DeviceStep", ...],
                           slot: int) -> Optional["_BackwardGraph"]:
-        """The exchange's and the update's graphs for this step's batch, slot and siblings, reading the gradient
-        from a static buffer, in the device's pool (``_DeviceGraphs``). A capture runs nothing: where ours
+        """The backward's graph for this step's batch, slot and siblings, reading the gradient from a static
+        buffer, in the device's pool (``_DeviceGraphs``). A capture runs nothing: where ours
         refuses (a ``PgasError`` inside a valid capture), graphs are off for this sharding (a warning says why),
         and None. A CUDA error that breaks the capture propagates: the allocator and stream are then not ours
         to fall back on."""
         static = self._sent_gradient(grad, ticket.batch).clone()
         pool = _DEVICE_GRAPHS.setdefault(self.device, _DeviceGraphs()).pool
-        exchange, update = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        graph, exchanged = torch.cuda.CUDAGraph(), torch.cuda.Event(external=True)
         try:
-            with torch.cuda.graph(exchange, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 whole = self._exchange_kernels(static, ticket.batch, siblings)
-            with torch.cuda.graph(update, pool=pool, capture_error_mode="thread_local"):
+                self._grad_flags_host.copy_(self._grad_flags, non_blocking=True)
+                exchanged.record()
                 self._update_kernels(ticket, slot, whole)
         except PgasError as e:  # nothing ran: the launched path takes this step and the next ones
             self._graphs_failed = True
@@ -488,7 +486,7 @@ class DeviceStep(PgasStep):
                           f"failed ({e})")
             return None
         self._graph_captures += 1
-        return _BackwardGraph(exchange, update, static, whole, siblings)
+        return _BackwardGraph(graph, exchanged, static, whole, siblings)
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
         """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
