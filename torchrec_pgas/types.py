@@ -67,11 +67,11 @@ class PgasConfig:
             with the capacity: ~40-50 bytes a position of one TBE (the keys,
             bags and weights, and their sort). 0: always read the count.
         eager_backward_graphs: on GPUs, an eager backward through the owner
-            update at capacity replays its kernels as two CUDA graphs (the
-            exchange's and the update's, captured at its first step of each
-            batch size and buffer slot: two replays instead of ~25 launches),
-            where the step follows its own forward (no lookup of a later step
-            between them). Each sharding keeps up to 12 pairs. The pairs of
+            update at capacity replays its kernels as one CUDA graph (captured
+            at its first step of each batch size and buffer slot: one replay
+            instead of ~25 launches; the host still waits for the exchange
+            only), where the step follows its own forward (no lookup of a later
+            step between them). Each sharding keeps up to 12 graphs. The graphs of
             every sharding on a GPU share one memory pool, which holds the
             largest capture's scratch (``max_padded_eager_ids``' estimate) for
             the process's life, apart from the caching allocator's memory.

@@ -24,8 +24,8 @@ says the step failed on some rank. An eager step launches it before reading the 
 ``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts), and under CUDA-graph capture
 (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its kernels take each replay's
 epoch from the device. Those kernels also serve eager steps that follow their own forward
-(``PgasConfig.eager_backward_graphs``): captured once per batch size and slot as two graphs, the exchange's and
-the update's, with the flags copied to the host between their replays.
+(``PgasConfig.eager_backward_graphs``): captured once per batch size and slot as one graph, which copies the
+flags to the host and records an event between the exchange and the update (the host waits for that event).
 """
 
 import itertools
@@ -145,7 +145,7 @@ def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([f for f, d in enumerate(dims) for _ in range(d // 4)], dtype=torch.int32, device=device)
 
 
-# The graph pairs one sharding keeps of its eager backward (batch sizes × slots × sibling sets), least recently
+# The graphs one sharding keeps of its eager backward (batch sizes × slots × sibling sets), least recently
 # replayed dropped first.
 MAX_BACKWARD_GRAPHS = 12
 
@@ -409,7 +409,7 @@ class DeviceStep(PgasStep):
 
     @property
     def backward_graph_stats(self) -> BackwardGraphStats:
-        """The graph pairs of its eager backward this sharding keeps (at most ``MAX_BACKWARD_GRAPHS``), has
+        """The graphs of its eager backward this sharding keeps (at most ``MAX_BACKWARD_GRAPHS``), has
         captured, and replayed."""
         return BackwardGraphStats(len(self._backward_graphs), self._graph_captures, self._graph_replays)
 
