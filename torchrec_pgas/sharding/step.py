@@ -68,8 +68,8 @@ class BackwardGraphStats(NamedTuple):
     """How a sharding's eager backwards replayed CUDA graphs (``PgasConfig.eager_backward_graphs``, GPUs only)."""
 
     kept: int  # graphs kept: one per batch size, buffer slot and set of siblings, a bounded number
-    captured: int  # pairs captured so far: more than ``kept`` where pairs were dropped and captured again
-    replays: int  # eager backwards that replayed a pair
+    captured: int  # graphs captured so far: more than ``kept`` where graphs were dropped and captured again
+    replays: int  # eager backwards that replayed a graph
 
 
 @dataclass(eq=False)
