@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torch.distributed as dist
 
-from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, unsupported
+from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
 from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.testing import (
     LossModel,
@@ -145,6 +145,22 @@ def test_weights_moved_to_new_storage_get_the_next_update() -> None:
     owner_backward([tbe], kjt, grad, [2])
     assert torch.equal(old.detach(), old_before)
     assert not torch.equal(tbe.weights_host.detach(), old_before)
+
+
+@pytest.mark.parametrize("optimizer", [
+    EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    pytest.param(EmbOptimType.ADAM, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                             reason="FBGEMM's CPU TBE has no Adam"))])
+def test_hyper_parameter_words_change_with_the_iteration_for_adam_only(optimizer: EmbOptimType) -> None:
+    """The words an update reads move with the step only where the optimizer reads the iteration (Adam's bias
+    corrections), so an eager step of the others copies no words to the device; a learning-rate change moves
+    them for every optimizer."""
+    device = torch.device("cuda" if optimizer == EmbOptimType.ADAM else "cpu")
+    tbe = _tbe(device, optimizer, SparseType.FP32, PoolingMode.SUM, 0.0, WeightDecayMode.NONE)
+    first, second = bytes(hyper_words(tbe, 1)), bytes(hyper_words(tbe, 2))
+    assert (first != second) == (optimizer == EmbOptimType.ADAM)
+    tbe.set_learning_rate(0.01)
+    assert bytes(hyper_words(tbe, 2)) != second
 
 
 @pytest.mark.parametrize("mode", [WeightDecayMode.L2, WeightDecayMode.DECOUPLE])

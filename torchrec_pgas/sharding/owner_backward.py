@@ -302,11 +302,13 @@ def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, ba
 
 def hyper_words(tbe: nn.Module, iteration: Optional[int]) -> OwnerHyper:
     """The op's hyper-parameters for the TBE's next update: ``fused_optimizer``'s learning rate as the TBE
-    holds it, and Adam's bias corrections at ``iteration``."""
+    holds it, and Adam's bias corrections at ``iteration`` (1 for the other optimizers, which read none: so
+    their words change only with the learning rate, and ``write_hyper`` copies nothing a step)."""
     args, t = tbe.optimizer_args, float(iteration or 1)
+    adam = tbe.optimizer == EmbOptimType.ADAM
     return build(OwnerHyper, lr=float(tbe.get_learning_rate()), eps=args.eps, beta1=args.beta1, beta2=args.beta2,
-                 weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t,
-                 bias_correction2=1.0 - args.beta2 ** t, reserved=0.0)
+                 weight_decay=args.weight_decay, bias_correction1=1.0 - args.beta1 ** t if adam else 1.0,
+                 bias_correction2=1.0 - args.beta2 ** t if adam else 1.0, reserved=0.0)
 
 
 # Per TBE: the device words its update reads the hyper-parameters from, written before each update on the
