@@ -476,7 +476,8 @@ def staged_train_step(dmp: DistributedModelParallel, kjt: KeyedJaggedTensor, gra
                       names: Sequence[str], stock: bool) -> None:
     """``train_step`` with the forward's marks, then the backward's: stock's ``grad_output_dist`` (its
     output dist's backward) and ``owner_backward`` (its TBE's fused backward + optimizer); PGAS marks its
-    backward's stages itself (``grad_exchange``, ``kept_ids``, ``replay_lookup``, ``owner_backward``)."""
+    backward's stages itself (``grad_exchange``, ``kept_ids``, ``replay_lookup``, ``owner_backward``; a backward
+    replayed as a CUDA graph: ``owner_update``, the exchange and the update in one replay)."""
     with torch.enable_grad():
         values = staged_forward(dmp, kjt, names, _mark_output_dist_backward if stock else None)
         values.backward(grad)

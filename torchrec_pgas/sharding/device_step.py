@@ -171,6 +171,11 @@ class _DeviceGraphs:
 
 
 _DEVICE_GRAPHS: Dict[torch.device, _DeviceGraphs] = {}
+# The pinned flags a backward graph copies into, kept for the process once captured: the caching host allocator
+# remembers the capture's stream for the block, and freeing the block while another capture runs on that stream
+# would record its event into that capture.
+_CAPTURED_FLAGS: List[torch.Tensor] = []
+_FLAGS_UNSET = -1  # what the host writes into the pinned flags before a replay: no source flag is negative
 
 
 class _BackwardGraph(NamedTuple):
@@ -179,7 +184,7 @@ class _BackwardGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph  # grad_dist, await_grads, the flags to pinned memory, ``exchanged``, the update
     exchanged: torch.cuda.Event  # recorded inside the graph once the flags are on the host (external)
     grad: torch.Tensor  # the static gradient the exchange reads: [batch, dim_sum], the output dtype
-    whole: torch.Tensor  # the exchange's verdict that the update reads (held: the pool must not reuse it)
+    whole: torch.Tensor  # the exchange's verdict that the update reads, in the graph's pool
     siblings: Tuple["DeviceStep", ...]  # whose device words the exchange reads (held: their ids are the key)
 
 
@@ -455,14 +460,26 @@ class DeviceStep(PgasStep):
         for tbe, iteration in zip(ticket.tbes, ticket.tbe_iters):
             write_hyper(tbe, iteration)
         graph.grad.copy_(grad[:ticket.batch])
+        self._grad_flags_host.fill_(_FLAGS_UNSET)  # every earlier write into them was waited for
         graph.graph.replay()
-        shared.replayed(stream)
         self._grad_sent = epoch
+        shared.replayed(stream)
         profiling.mark("owner_update")
         self._graph_replays += 1
-        self._raise_backward_problem(epoch, graph.exchanged)
+        self._await_replayed_flags(graph.exchanged, stream)
+        self._raise_backward_problem(epoch, None)
         sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
         return True
+
+    def _await_replayed_flags(self, exchanged: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        """Wait until the replay's copy of the flags is on the host: on ``exchanged``, the event recorded inside the
+        graph, which each launch arms (the CUDA docs imply it rather than promise it; the drivers we ran do). Where
+        a flag still holds the host's fill, the event did not wait: the stream's sync does, the update included."""
+        exchanged.synchronize()
+        if min(self._grad_flags_host.tolist()) == _FLAGS_UNSET:
+            warnings.warn(f"{self.kind}: the backward graph's event returned before its flags copy ran; waiting for "
+                          "the stream instead (the update too)")
+            stream.synchronize()
 
     def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple["DeviceStep", ...],
                           slot: int) -> Optional["_BackwardGraph"]:
@@ -485,6 +502,8 @@ class DeviceStep(PgasStep):
             warnings.warn(f"{self.kind}: eager backwards are launched, not replayed as CUDA graphs: the capture "
                           f"failed ({e})")
             return None
+        if self._graph_captures == 0:
+            _CAPTURED_FLAGS.append(self._grad_flags_host)
         self._graph_captures += 1
         return _BackwardGraph(graph, exchanged, static, whole, siblings)
 
