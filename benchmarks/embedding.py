@@ -82,6 +82,7 @@ from tqdm import tqdm
 from torchrec_pgas import CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
+from torchrec_pgas.types import OWNER_BACKWARDS
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import fill_embeddings_, local_state
 
@@ -870,7 +871,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
                         help="--mode train: the tables' fused optimizer (adam: GPUs only, as FBGEMM's CPU TBE)")
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
-    parser.add_argument("--owner-backward", default="fbgemm", choices=["fbgemm", "pgas"],
+    parser.add_argument("--owner-backward", default=PgasConfig.owner_backward, choices=list(OWNER_BACKWARDS),
                         help="--mode train: PgasConfig.owner_backward (who applies the owner's gradients)")
     parser.add_argument("--launched-backward", action="store_true",
                         help="--mode train --owner-backward pgas: PgasConfig(eager_backward_graphs=False), the "

@@ -133,11 +133,11 @@ def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: A
 
 @pytest.mark.parametrize("pair", ["rw", "tw"])
 def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pair: str) -> None:
-    """--mode train: both sides' weights and optimizer states agree after the warm-up and after the timed
-    steps (bit-exact on CPU), the training step's stages in order, and the backward's floor bytes: a
-    gradient row and a sort pair per owned id, a read and write of each distinct row and its row-wise
-    Adagrad state, recomputed here from the inputs."""
-    out = _run(str(tmp_path), 2, "--pair", pair, "--mode", "train")
+    """--mode train with FBGEMM's owner backward: both sides' weights and optimizer states agree after the
+    warm-up and after the timed steps (bit-exact on CPU), the training step's stages in order, and the
+    backward's floor bytes: a gradient row and a sort pair per owned id, a read and write of each distinct
+    row and its row-wise Adagrad state, recomputed here from the inputs."""
+    out = _run(str(tmp_path), 2, "--pair", pair, "--mode", "train", "--owner-backward", "fbgemm")
     assert out["meta"]["mode"] == "train" and out["meta"]["optimizer"] == "rowwise_adagrad"
     with open(os.path.join(tmp_path, "results.csv")) as f:
         assert "pgas_train_stage_kept_ids_ms" in f.readline()

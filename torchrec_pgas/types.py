@@ -50,14 +50,16 @@ class PgasConfig:
             buffer slot, so that a step's ids stay until its backward (TorchRec's
             train pipelines keep up to three steps in flight). ``False`` for
             inference-only shardings: less memory, and a backward raises.
-        owner_backward: who applies an owner's gradients. ``"fbgemm"`` (the
-            default): the stock lookup replayed under autograd, so FBGEMM's fused
-            backward + optimizer run, every optimizer and option included.
-            ``"pgas"``: the owner backward of ``sharding/owner_backward.py``
+        owner_backward: who applies an owner's gradients. ``"pgas"`` (the
+            default): the owner backward of ``sharding/owner_backward.py``
             (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM; no replayed lookup: one
-            sort of the kept ids by row, then one fused pass), with FBGEMM's path
-            where a TBE's optimizer or options are not covered (a warning names
-            why); the path a training step captured in a CUDA graph takes.
+            sort of the kept ids by row, then one fused pass, deterministic),
+            with FBGEMM's path where a TBE's optimizer or options are not covered
+            (a warning names why, once per sharding); the path a training step
+            captured in a CUDA graph takes. ``"fbgemm"``: the stock lookup
+            replayed under autograd, so FBGEMM's fused backward + optimizer run,
+            every optimizer and option included (the reference; slower: an extra
+            lookup and a host sync a step, benchmarks/NOTES.md §40).
         max_padded_eager_ids: with ``owner_backward="pgas"``, an eager step
             lays out and sorts an owner's kept ids at their capacity (world size
             × ids capacity, once per TBE), as a captured step does, without
@@ -82,7 +84,7 @@ class PgasConfig:
     avg_pooling_capacity: int = 32
     wait_timeout_s: float = 120.0
     training: bool = True
-    owner_backward: str = "fbgemm"
+    owner_backward: str = "pgas"
     max_padded_eager_ids: int = 1 << 24
     eager_backward_graphs: bool = True
 
