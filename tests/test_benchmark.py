@@ -84,11 +84,11 @@ PGAS_TRAIN_STAGES = [*PGAS_STAGES, "grad_exchange", "kept_ids", "replay_lookup",
 
 
 def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
-    """--owner-backward pgas (with --own-models: a model a workload): the PGAS side's updates come from the owner
-    backward (no replayed lookup among its stages), and the states still agree with stock's after the timed
-    steps (the benchmark's own check raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's
+    """The default owner backward (PgasConfig's, the owner update; with --own-models: a model a workload): the PGAS
+    side's updates come from the owner backward (no replayed lookup among its stages), and the states still agree
+    with stock's after the timed steps (the benchmark's own check raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's
     CPU running sums differ in the last bits, most in row-wise Adagrad's sums of squares, which run to tens)."""
-    out = _run(str(tmp_path), 2, "--mode", "train", "--owner-backward", "pgas", "--own-models", "--host-profile", "2")
+    out = _run(str(tmp_path), 2, "--mode", "train", "--own-models", "--host-profile", "2")
     assert out["meta"]["owner_backward"] == "pgas" and out["meta"]["eager_backward_graphs"]  # GPUs only
     assert out["meta"]["own_models"]
     for row in out["rows"]:

@@ -617,7 +617,8 @@ class PgasStep(abc.ABC):
             self._owner_backward_gap = "; ".join(reasons)
             if reasons:
                 warnings.warn(f"{self.kind}: owner_backward='pgas' does not cover {self._owner_backward_gap}: "
-                              "FBGEMM's fused backward applies this sharding's gradients")
+                              "FBGEMM's fused backward applies this sharding's gradients "
+                              "(PgasConfig(owner_backward='fbgemm') chooses it without this warning)")
         return not self._owner_backward_gap
 
     def read_input_order(self, order: Sequence[int]) -> None:
