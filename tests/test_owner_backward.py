@@ -41,7 +41,7 @@ from torchrec_pgas.testing import (
     stock_twin,
     train_against_stock,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
+from torchrec_pgas.types import GPU_PADDED_EAGER_IDS, PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
 TABLES = [(50, 8), (37, 16), (5, 4)]  # (rows, dim); a table of 5 rows takes the hot ids
 FEATURE_TABLES = [0, 1, 1, 2]  # table 1 is shared by features 1 and 2
@@ -255,8 +255,10 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
     """Both PGAS shardings trained with owner_backward="pgas" against stock (FBGEMM) on the same batches:
     SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags.
     Each step lays the kept ids out at their capacity (as GPU eager and captured steps do) where the extension
-    is built, except with ``max_padded_eager_ids=0`` (the ``count`` case), where it reads their count."""
-    base = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas")
+    is built (the GPUs' default bound, set here: a CPU's reads the count), except with ``max_padded_eager_ids=0``
+    (the ``count`` case), where it reads their count."""
+    base = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas",
+                      max_padded_eager_ids=GPU_PADDED_EAGER_IDS)
     out = []
     for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE):
         for opt, dtype, path in ((EmbOptimType.EXACT_SGD, "fp32", "capacity"),

@@ -14,7 +14,7 @@ A representative subset runs in ``make test``; the whole matrix is marked ``matr
 """
 
 import dataclasses
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -58,7 +58,7 @@ class Case:
     eval_every: int = 0  # an eval forward after every that many steps
     eval_grad: bool = False  # ... with grad enabled, its output dropped
     owner_backward: str = "fbgemm"  # PgasConfig.owner_backward
-    max_padded_eager_ids: int = PgasConfig.max_padded_eager_ids  # ... and its eager layout's bound (GPUs)
+    max_padded_eager_ids: Optional[int] = None  # ... and its eager layout's bound (None: the device's default)
 
     @property
     def tolerance(self) -> float:

@@ -28,6 +28,7 @@ class PgasBackendType(Enum):
 
 
 OWNER_BACKWARDS = ("fbgemm", "pgas")  # PgasConfig.owner_backward
+GPU_PADDED_EAGER_IDS = 1 << 24  # PgasConfig.max_padded_eager_ids' default on GPUs
 
 @dataclass(frozen=True)
 class PgasConfig:
@@ -67,7 +68,9 @@ class PgasConfig:
             most this. Past it, sorting the unused capacity would cost more than
             reading the count, and the step reads it. Its scratch memory scales
             with the capacity: ~40-50 bytes a position of one TBE (the keys,
-            bags and weights, and their sort). 0: always read the count.
+            bags and weights, and their sort). 0: always read the count. None
+            (the default): 2^24 on GPUs, 0 on CPUs, where reading the count
+            costs no sync and sorting the unused capacity would only add work.
         eager_backward_graphs: on GPUs, an eager backward through the owner
             update at capacity replays its kernels as one CUDA graph (captured
             at its first step of each batch size and buffer slot: one replay
@@ -85,7 +88,7 @@ class PgasConfig:
     wait_timeout_s: float = 120.0
     training: bool = True
     owner_backward: str = "pgas"
-    max_padded_eager_ids: int = 1 << 24
+    max_padded_eager_ids: Optional[int] = None
     eager_backward_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -103,10 +106,16 @@ class PgasConfig:
             )
         if self.wait_timeout_s <= 0:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
-        if self.max_padded_eager_ids < 0:
+        if self.max_padded_eager_ids is not None and self.max_padded_eager_ids < 0:
             raise ValueError(f"PgasConfig.max_padded_eager_ids must be >= 0, got {self.max_padded_eager_ids}")
         if self.owner_backward not in OWNER_BACKWARDS:
             raise ValueError(f"PgasConfig.owner_backward must be one of {OWNER_BACKWARDS}, got {self.owner_backward!r}")
+
+    def padded_eager_ids(self, device_type: str) -> int:
+        """``max_padded_eager_ids`` for a sharding on ``device_type`` ("cuda" or "cpu"), its default resolved."""
+        if self.max_padded_eager_ids is not None:
+            return self.max_padded_eager_ids
+        return GPU_PADDED_EAGER_IDS if device_type == "cuda" else 0
 
     def ids_capacity(self, num_features: int) -> int:
         if self.max_ids_per_rank is not None:

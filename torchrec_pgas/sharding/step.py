@@ -491,9 +491,9 @@ class PgasStep(abc.ABC):
         """Whether an eager step's owner update lays the kept ids out at their fixed capacity, as a captured one
         does, rather than at their count, which the host must read: the op applies every TBE
         (``owner_backward="pgas"``, the extension built, and it has not refused one), and the positions sorted,
-        TBEs × W × ids capacity, are within ``PgasConfig.max_padded_eager_ids``."""
+        TBEs × W × ids capacity, are within ``PgasConfig.max_padded_eager_ids`` (by default none on CPUs)."""
         positions = len(ticket.tbes) * self.world_size * self.layout.ids_capacity  # each TBE sorts the capacity
-        return (positions <= self.spec.config.max_padded_eager_ids and not self._op_refused_capacity
+        return (positions <= self.spec.config.padded_eager_ids(self.device.type) and not self._op_refused_capacity
                 and self._owner_backward_applies(ticket.tbes) and op_available())
 
     @property
