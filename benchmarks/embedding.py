@@ -28,14 +28,16 @@ per-rank inputs and must agree before anything is timed. Then:
   (no bytes until the values all-to-all, none during the lookup, the pooled
   rows in the output all-to-all at the end).
 
-``--mode train`` adds the training step (forward, backward, fused optimizer; stock's fused TBE kernel on
-both sides, ``--optimizer``, default row-wise Adagrad) after the forward measurements of each workload:
+``--mode train`` adds the training step (forward, backward, fused optimizer, ``--optimizer``, default row-wise
+Adagrad; PGAS's owners apply it with ``--owner-backward``, default PgasConfig's) after the forward measurements of
+each workload:
 
 * both sides take the same inputs and upstream gradients; after the warm-up every local weight shard and
   optimizer state tensor must agree before the steps are timed (and again after them);
 * stages: the forward's, then the backward's: stock's output-dist backward (all-gather / all-to-all of the
   pooled gradient) and its TBE's fused backward + optimizer; PGAS's gradient exchange, the owner's
-  rebuild of its ids (the step's one host sync), the replayed lookup and FBGEMM's backward + optimizer;
+  rebuild of its ids, then the owner update (the keys' sort, the update) or, with ``--owner-backward
+  fbgemm``, the replayed lookup and FBGEMM's backward + optimizer;
 * roofline: the forward's floor plus the backward's HBM bytes (a gradient row read per id, a key sort as
   one read and write of an (id, position) pair per id, one read and write of each distinct touched row and
   its optimizer state) and its gradient bytes over NVLink (the forward's output bytes, reversed).
@@ -82,9 +84,9 @@ from tqdm import tqdm
 from torchrec_pgas import CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
-from torchrec_pgas.types import OWNER_BACKWARDS
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import fill_embeddings_, local_state
+from torchrec_pgas.types import OWNER_BACKWARDS
 
 @dataclasses.dataclass(frozen=True)
 class Pair:

@@ -23,7 +23,10 @@ Training (``CostModel(..., training=True)``) prices forward + backward, stock an
 compare fairly. The backward is a bytes model (``backward_bytes``: the pooled-output gradient crossing
 back, and the owner's fused TBE backward + optimizer; PGAS also replays the lookup) mapped to ms with the
 backend's backward coefficients where a training benchmark fitted them (``<backend>_bwd`` next to the
-forward's in a profile), else with its forward per-byte coefficients and no fixed cost.
+forward's in a profile), else with its forward per-byte coefficients and no fixed cost. PGAS's backward is
+priced, and the shipped profiles fitted, as FBGEMM's owner path (``owner_backward="fbgemm"``); the default
+owner update skips the replayed lookup and the host sync and was 2.3-2.5x faster at W = 2 on s004
+(``benchmarks/NOTES.md`` §40), so a training plan errs towards stock until the profiles are refitted.
 """
 
 import dataclasses
@@ -176,8 +179,9 @@ def backward_bytes(t: TableLoad, batch_per_rank: int, world_size: int, backend: 
     RW all-gathers the pooled gradient (every rank receives the other W-1 ranks' bags); PGAS RW sends each
     bag's gradient row only to the owners that hold ids of it (``expected_owners``, (W-1)/W of them
     remote). TW, stock and PGAS: the owner receives the other ranks' bags (PGAS one-sided). PGAS owners
-    also replay the lookup under autograd to drive FBGEMM's backward: one more gather of the rows, a real
-    cost of that design."""
+    also replay the lookup under autograd to drive FBGEMM's backward (``owner_backward="fbgemm"``, what the
+    shipped profiles were fitted on): one more gather of the rows. The default owner update does not; its
+    sort is not priced either (module docstring)."""
     fwd = table_bytes(t, batch_per_rank, world_size, backend)
     bags = batch_per_rank * len(t.pooling)
     grad_row = 4 * t.dim

@@ -20,7 +20,8 @@ import pytest
 
 from torchrec_pgas import stack
 
-pytestmark = pytest.mark.install
+# One test sets up every fixture: the sdist, its environment with the build, the wheel's environment.
+pytestmark = [pytest.mark.install, pytest.mark.timeout(1800)]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONSTRAINTS = str(stack.constraints_file(stack.DEFAULT_STACK))

@@ -312,6 +312,16 @@ def test_owner_backward_settings_are_checked() -> None:
         PgasConfig(owner_backward="pgas", max_padded_eager_ids=-1)
 
 
+def test_the_defaults_are_the_owner_update_at_capacity_on_gpus_only() -> None:
+    """The owner update applies by default; its eager step sorts at capacity on GPUs (no host sync to save on a
+    CPU, where sorting the unused capacity only costs), and a set bound holds on either."""
+    assert PgasConfig().owner_backward == "pgas"
+    assert PgasConfig().padded_eager_ids("cuda") == GPU_PADDED_EAGER_IDS == 1 << 24
+    assert PgasConfig().padded_eager_ids("cpu") == 0
+    assert PgasConfig(max_padded_eager_ids=5).padded_eager_ids("cpu") == 5
+    assert PgasConfig(max_padded_eager_ids=0).padded_eager_ids("cuda") == 0
+
+
 def _learning_rate_change(rank: int, world: int) -> Tuple[float, float]:
     """Row-wise Adagrad trained 8 steps with owner_backward="pgas" and with stock, the learning rate changed
     through ``fused_optimizer`` after step 4 on both, and once more without the change: (|pgas - stock|,

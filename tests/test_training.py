@@ -57,7 +57,7 @@ class Case:
     loop: str = "plain"
     eval_every: int = 0  # an eval forward after every that many steps
     eval_grad: bool = False  # ... with grad enabled, its output dropped
-    owner_backward: str = "fbgemm"  # PgasConfig.owner_backward
+    owner_backward: str = "fbgemm"  # PgasConfig.owner_backward (FBGEMM's path: bitwise equal to stock)
     max_padded_eager_ids: Optional[int] = None  # ... and its eager layout's bound (None: the device's default)
 
     @property
@@ -198,7 +198,7 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
         fused = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
         train_against_stock(model, _types(case, model, world), _batches(model, rank, 4), dist.group.WORLD,
                             rank_device(rank, "cpu"), fused, dataclasses.replace(CONFIG, owner_backward="fbgemm"))
-    finally:  # FBGEMM's owner backward: its eager step reads the kept ids (the default's lays them out at capacity)
+    finally:  # FBGEMM's owner backward: every eager step reads the kept ids (the owner update's may not)
         PgasStep.kept_ids = exact  # type: ignore[method-assign]
     return len(checked)
 

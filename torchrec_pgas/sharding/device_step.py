@@ -10,14 +10,15 @@ graph capturable.
 
 A training step's backward (``csrc/grad_exchange.cu``): ``grad_dist`` stores
 the gradient rows into the owners that served each bag, ``await_grads`` waits
-for this owner's sources, the owner rebuilds the ids it kept (``PgasStep``) at
-the one host sync (the id count FBGEMM's backward needs, which brings the
-step's error record and the sources' flags along), replays the stock lookup
-under autograd and ``release_sources`` hands the slot back. A step that failed
+for this owner's sources, the owner applies them (the owner update, or FBGEMM's
+path: below) and ``release_sources`` hands the slot back. A step that failed
 on any rank (device-side errors are recorded, not raised) changes no weight:
-its backward raises the error on every rank instead.
+its backward raises the error on every rank instead. FBGEMM's path rebuilds the
+kept ids at the one host sync (the id count FBGEMM's backward needs, which
+brings the step's error record and the sources' flags along) and replays the
+stock lookup under autograd.
 
-The owner update op (``owner_backward="pgas"``) needs no id count: the owner lays its ids out at a fixed
+The owner update op (``owner_backward="pgas"``, the default) needs no id count: the owner lays its ids out at a fixed
 capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a device word
 says the step failed on some rank. An eager step launches it before reading the flags
 (``PgasStep.update_at_capacity``: the host waits for the exchange, not for the update;

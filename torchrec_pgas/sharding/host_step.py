@@ -24,7 +24,8 @@ source's output block; the owners' blocks side by side, in rank order, are the s
 Backward (``PgasStep``): the requester puts its gradient into every owner's gradient block (row-wise: the
 whole ``[B, D]`` block, divided by the MEAN divisor and the gradient division as stock's autograd does;
 table-wise: the owner's columns), signals ``2 * epoch``, and waits for its sources' gradients; the owner
-replays the stock lookup on the ids it kept, then releases the step's blocks. Any error raises during the
+applies them to the ids it kept (the owner update's CPU path, or FBGEMM's through a replayed stock lookup:
+``PgasStep``), then releases the step's blocks. Any error raises during the
 forward on every rank (the failing rank aborts the step), so a failed step never reaches a backward.
 """
 
