@@ -42,7 +42,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torchrec_pgas.planner.cost_model import (
     BWD,
@@ -73,6 +73,12 @@ TRAIN_COLUMNS = ("stock_train_p50_ms", "pgas_train_p50_ms")
 VALIDATED_MODES = ("eager", "graph", "train")
 # A training run's --owner-backward (PgasConfig.owner_backward), as the profile's source names it.
 OWNER_BACKWARD = {"fbgemm": "FBGEMM", "pgas": "PGAS"}
+
+
+def owners_of(rows: List[Dict[str, Any]]) -> Set[str]:
+    """The owner backwards of the training rows among ``rows`` (``merge`` tags them)."""
+    return {r["owner_backward"] for r in rows if "owner_backward" in r and any(
+        p == "bwd" for _, _, p in measurements(r))}
 
 
 def measurements(row: Dict[str, Any]) -> Dict[Tuple[str, str, str], float]:
@@ -140,7 +146,7 @@ def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = No
     world size stay): how a one-GPU training run, which cannot price the wire, builds on a multi-GPU
     forward fit; the backward's wire price is then the base's forward one."""
     if base is not None:
-        return _with_backward(base, fit(results, name), name, results["meta"])
+        return _with_backward(base, fit(results, name), name, results["meta"], results["rows"])
     rows, meta = results["rows"], results["meta"]
     coeffs: Dict[str, Dict[str, Any]] = {"eager": {}, "graph": {}}
     pairs = [PAIR_BACKENDS[s] for s in sorted({r.get("stock", "row_wise") for r in rows})]
@@ -157,8 +163,8 @@ def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = No
         if found:  # the wire's price is the forward's (see the module docstring)
             bwd = fit_coefficients(found, {"wire": coeffs["eager"][backend].k_wire})
             coeffs["eager"][backend + BWD] = coeffs["graph"][backend + BWD] = bwd
+    owners = owners_of(rows)
     trained = [r for r in rows if any(p == "bwd" for _, _, p in measurements(r))]
-    owners = {r["owner_backward"] for r in trained if "owner_backward" in r}
     if len(owners) > 1:  # one backward per backend cannot price two implementations
         raise ValueError(f"training runs of different owner backwards: {sorted(owners)}")
     optimizers = ", ".join(sorted({str(r.get("optimizer")) for r in trained}))
@@ -169,7 +175,8 @@ def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = No
     return HardwareProfile(name, f"{meta['world_size']}x {meta['device']}", meta["world_size"], source, coeffs)
 
 
-def _with_backward(base: HardwareProfile, fitted: HardwareProfile, name: str, meta: Dict[str, Any]) -> HardwareProfile:
+def _with_backward(base: HardwareProfile, fitted: HardwareProfile, name: str, meta: Dict[str, Any],
+                   rows: List[Dict[str, Any]]) -> HardwareProfile:
     """``base`` with ``fitted``'s backward terms, their wire price taken from ``base``'s forward."""
     coeffs = {mode: dict(per_backend) for mode, per_backend in base.coefficients.items()}
     for mode, per_backend in fitted.coefficients.items():
@@ -179,8 +186,10 @@ def _with_backward(base: HardwareProfile, fitted: HardwareProfile, name: str, me
                     c, k_wire=base.get(key[:-len(BWD)], mode).k_wire)
     if not any(k.endswith(BWD) for per_backend in fitted.coefficients.values() for k in per_backend):
         raise ValueError("--base: the results have no training rows to fit a backward on")
-    source = (f"{base.source}; backward from benchmarks.embedding --mode train at {meta['world_size']}x "
-              f"{meta['device']} (commit {meta['commit']}; {meta['date']}), k_wire this profile's forward")
+    owners = "".join(f"{OWNER_BACKWARD[o]} owner backward; " for o in sorted(owners_of(rows)))
+    source = (f"{base.source}; backward (replacing any above) from benchmarks.embedding --mode train at "
+              f"{meta['world_size']}x {meta['device']} ({owners}commit {meta['commit']}; {meta['date']}), k_wire this "
+              f"profile's forward")
     return HardwareProfile(name, base.device, base.world_size, source, coeffs)
 
 

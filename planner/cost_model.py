@@ -23,10 +23,11 @@ Training (``CostModel(..., training=True)``) prices forward + backward, stock an
 compare fairly. The backward is a bytes model (``backward_bytes``: the pooled-output gradient crossing
 back, and the owner's fused TBE backward + optimizer; PGAS also replays the lookup) mapped to ms with the
 backend's backward coefficients where a training benchmark fitted them (``<backend>_bwd`` next to the
-forward's in a profile), else with its forward per-byte coefficients and no fixed cost. PGAS's backward is
-priced, and the shipped profiles fitted, as FBGEMM's owner path (``owner_backward="fbgemm"``); the default
-owner update skips the replayed lookup and the host sync and was 2.3-2.5x faster at W = 2 on s004
-(``benchmarks/NOTES.md`` §40), so a training plan errs towards stock until the profiles are refitted.
+forward's in a profile), else with its forward per-byte coefficients and no fixed cost. The bytes model
+prices PGAS's backward as FBGEMM's owner path (``owner_backward="fbgemm"``: a replayed lookup) and so were the H200
+profiles fitted; the default owner update skips the replay and the host sync (2.3-2.5x faster at W = 2 on s004,
+``benchmarks/NOTES.md`` §40). ``h100x2_nvlink.json``'s backward is fitted on the owner update, whose fixed cost
+and per-byte price absorb the difference; on the H200 profiles a training plan errs towards stock until refitted.
 """
 
 import dataclasses

@@ -272,7 +272,7 @@ def test_backward_from_one_gpu_joins_a_multi_gpu_forward_profile() -> None:
     forward coefficients, world size and wire price stay; results without training rows are refused."""
     base = fit({"meta": META, "rows": _grid()}, "fwd")
     joined = fit({"meta": {**META, "world_size": 1}, "rows": _grid(world=1, train=True)}, "joined", base=base)
-    assert (joined.world_size, joined.device) == (base.world_size, base.device) and "backward from" in joined.source
+    assert (joined.world_size, joined.device) == (base.world_size, base.device) and "backward (replacing any above) from" in joined.source
     for b in (NCCL_RW, PGAS_RW):
         assert joined.get(b, "eager") == base.get(b, "eager") and joined.has_backward(b, "graph")
         assert joined.backward(b, "eager").k_wire == base.get(b, "eager").k_wire
