@@ -177,13 +177,14 @@ def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = No
 
 def _with_backward(base: HardwareProfile, fitted: HardwareProfile, name: str, meta: Dict[str, Any],
                    rows: List[Dict[str, Any]]) -> HardwareProfile:
-    """``base`` with ``fitted``'s backward terms, their wire price taken from ``base``'s forward."""
+    """``base`` with ``fitted``'s backward terms, their wire price taken from ``base``'s eager forward; graph
+    mode's backward is the eager one, as ``fit`` makes it."""
     coeffs = {mode: dict(per_backend) for mode, per_backend in base.coefficients.items()}
     for mode, per_backend in fitted.coefficients.items():
-        for key, c in per_backend.items():
+        for key in per_backend:
             if key.endswith(BWD) and base.has(key[:-len(BWD)], mode):
                 coeffs.setdefault(mode, {})[key] = dataclasses.replace(
-                    c, k_wire=base.get(key[:-len(BWD)], mode).k_wire)
+                    fitted.get(key, "eager"), k_wire=base.get(key[:-len(BWD)], "eager").k_wire)
     if not any(k.endswith(BWD) for per_backend in fitted.coefficients.values() for k in per_backend):
         raise ValueError("--base: the results have no training rows to fit a backward on")
     owners = "".join(f"{OWNER_BACKWARD[o]} owner backward; " for o in sorted(owners_of(rows)))

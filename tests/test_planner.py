@@ -269,13 +269,18 @@ def test_backward_fit_at_one_gpu_invents_no_wire_price() -> None:
 
 def test_backward_from_one_gpu_joins_a_multi_gpu_forward_profile() -> None:
     """``fit(..., base=)``: a W = 1 training run adds its backward terms to a W = 2 forward profile, whose
-    forward coefficients, world size and wire price stay; results without training rows are refused."""
+    forward coefficients, world size and wire price stay (the eager forward's: graph mode's backward is the eager
+    one, whatever the graph forward's price); results without training rows are refused."""
     base = fit({"meta": META, "rows": _grid()}, "fwd")
+    for b in (NCCL_RW, PGAS_RW):
+        base.coefficients["graph"][b] = dataclasses.replace(base.get(b, "eager"), k_wire=1e-9)
     joined = fit({"meta": {**META, "world_size": 1}, "rows": _grid(world=1, train=True)}, "joined", base=base)
-    assert (joined.world_size, joined.device) == (base.world_size, base.device) and "backward (replacing any above) from" in joined.source
+    assert (joined.world_size, joined.device) == (base.world_size, base.device)
+    assert "backward (replacing any above) from" in joined.source
     for b in (NCCL_RW, PGAS_RW):
         assert joined.get(b, "eager") == base.get(b, "eager") and joined.has_backward(b, "graph")
         assert joined.backward(b, "eager").k_wire == base.get(b, "eager").k_wire
+        assert joined.backward(b, "graph") == joined.backward(b, "eager")
         assert _close(joined.backward(b, "eager"), BWD_TRUTH[b]), b
     with pytest.raises(ValueError, match="no training rows"):
         fit({"meta": {**META, "world_size": 1}, "rows": _grid(world=1)}, "none", base=base)
@@ -377,10 +382,12 @@ def test_shipped_profile_loads_and_unknown_hardware_warns(device: Optional[str],
 
 
 def test_shipped_h100_profile_has_training_terms() -> None:
-    """The 2x H100 profile was fitted on its forward and training runs (FBGEMM's owner backward, the default):
-    every backend has backward terms, graph mode's the eager ones (FBGEMM's backward is not captured)."""
+    """The 2x H100 profile was fitted on its forward runs, its backward on training runs with the owner update
+    (the default): every backend has backward terms, graph mode's the eager ones (the training benchmark times
+    the eager step)."""
     prof = load_profile(device_name=H100, world_size=2)
-    assert "7761925" in prof.source and "training rows" in prof.source and _committed_results(prof)
+    assert "7761925" in prof.source and "3ae36b2" in prof.source and "PGAS owner backward" in prof.source
+    assert _committed_results(prof)
     for b in (NCCL_RW, PGAS_RW, NCCL_TW, PGAS_TW):
         assert prof.has_backward(b, "eager") and prof.backward(b, "graph") == prof.backward(b, "eager")
 
