@@ -1,7 +1,9 @@
 # torchrec-pgas: `make demo` runs the main job, `make test` the tests (README).
 # STACK picks the torch / FBGEMM / TorchRec stack, torchrec_pgas/stacks/torchrec-$(STACK).txt:
 # 1.6 (the default) in .venv, another in .venv-$(STACK): `make test STACK=1.9`.
+# PYTEST_ARGS adds pytest arguments: `make test PYTEST_ARGS="-m stacks"` runs the slice CI runs on other stacks.
 STACK ?= 1.6
+PYTEST_ARGS ?=
 VENV ?= $(if $(filter 1.6,$(STACK)),.venv,.venv-$(STACK))
 PY := $(VENV)/bin/python
 DEPS := $(VENV)/.deps-installed
@@ -34,7 +36,7 @@ demo: $(BUILT)
 	$(PY) examples/demo.py
 
 test: $(BUILT)
-	$(PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests
+	$(PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf build *.egg-info torchrec_pgas/_C*.so $(BUILT)

@@ -38,6 +38,25 @@ def _nvshmem_requirement(cuda: str) -> List[str]:
     return [f"{name}=={importlib.metadata.version(name)}"]
 
 
+def _build_command(base: Any) -> Any:
+    """torch's BuildExtension, linking with no RUNPATH but the extension's own.
+
+    The interpreter's ``LDSHARED`` may carry ``-Wl,-rpath,<its lib dir>`` (pyenv's does), and some setuptools
+    releases link C++ with it: the wheel would then search that build machine's directory first for every
+    library, NVSHMEM's host library included. ``extra_link_args`` below name the one RUNPATH the wheel needs.
+    """
+
+    class BuildWithOwnRunpath(base):  # type: ignore[misc, valid-type]
+        def build_extensions(self) -> None:
+            for attr in ("linker_so", "linker_so_cxx"):
+                if hasattr(self.compiler, attr):
+                    argv = getattr(self.compiler, attr)
+                    setattr(self.compiler, attr, [a for a in argv if not a.startswith(("-Wl,-rpath,", "-Wl,-rpath="))])
+            super().build_extensions()
+
+    return BuildWithOwnRunpath
+
+
 def _extensions() -> Tuple[List[Any], Dict[str, Any], List[str]]:
     """The extension, its build command and what it adds to the requirements (nothing without nvcc)."""
     if os.environ.get("TORCH_PGAS_NO_CUDA") == "1" or shutil.which("nvcc") is None:
@@ -93,7 +112,7 @@ def _extensions() -> Tuple[List[Any], Dict[str, Any], List[str]]:
             "-Wl,-rpath,$ORIGIN/../nvidia/nvshmem/lib",
         ],
     )
-    return [ext], {"build_ext": BuildExtension}, _nvshmem_requirement(torch.version.cuda)
+    return [ext], {"build_ext": _build_command(BuildExtension)}, _nvshmem_requirement(torch.version.cuda)
 
 
 ext_modules, cmdclass, ext_requires = _extensions()

@@ -9,6 +9,7 @@ at W = 3 and trains on there exactly as stock does. CPU (shm backend), SUM table
 import os
 from typing import Any, Dict, List
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -82,6 +83,7 @@ def _interchange(rank: int, world: int, root: str, pgas_first: bool) -> bool:
     return got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
+@pytest.mark.stacks
 def test_checkpoints_move_between_pgas_and_stock(tmp_path: Any) -> None:
     for pgas_first in (True, False):
         assert all(run_distributed(_interchange, 2, str(tmp_path), pgas_first)), pgas_first
@@ -109,6 +111,7 @@ def _load_at_three(rank: int, world: int, root: str) -> bool:
         torch.allclose(after[0][k], after[1][k], rtol=1e-5, atol=1e-6) for k in after[1])
 
 
+@pytest.mark.stacks
 def test_a_pgas_checkpoint_saved_at_two_ranks_loads_at_three(tmp_path: Any) -> None:
     run_distributed(_save_at_two, 2, str(tmp_path))
     assert all(run_distributed(_load_at_three, 3, str(tmp_path)))

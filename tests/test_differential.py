@@ -12,6 +12,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec_pgas.testing import TwoEbcModel, compare_with_stock, random_kjt, run_distributed, seeded
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
+pytestmark = pytest.mark.stacks
+
 
 def random_config(seed: int, world: int) -> Tuple[TwoEbcModel, Dict[str, str], Dict[str, int]]:
     """Tables of dims 4..32 (multiples of 4), 1..300 rows (often < or not divisible by W),

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from typing import List
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,7 @@ def test_dlrm_inference_with_pgas_matches_stock() -> None:
     assert any(line.startswith("validate:") and line.endswith("PASS") for line in out), out
 
 
+@pytest.mark.stacks
 def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     """--train --sharding pgas --validate: the stock twin trained on the same batches has the same loss after
     every step (1e-4 relative) and the same final AUC (1e-3); the trajectories are the run's own report."""
@@ -54,6 +57,7 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     assert max(abs(a - b) / b for a, b in zip(got["losses"], got["stock_losses"])) <= 1e-4
 
 
+@pytest.mark.stacks
 def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) -> None:
     """--pipeline sparse_dist: both sides train through TorchRec's TrainPipelineSparseDist on the same batches,
     still equal to stock step by step; the report carries both samples/s."""

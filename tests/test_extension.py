@@ -14,6 +14,8 @@ import torch
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.step_abi import BoundsMode, KeptBagsConfig, OwnerKeysConfig, as_tensor, build
 
+pytestmark = pytest.mark.stacks
+
 try:
     import torchrec_pgas._C as _C
 except ImportError:  # pure-Python install (TORCH_PGAS_NO_CUDA=1 or no nvcc)

@@ -126,6 +126,7 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("optimizer,precision,pooling,weighted", CPU_CASES)
 def test_matches_fbgemm_on_cpu(optimizer: EmbOptimType, precision: SparseType, pooling: PoolingMode,
                                weighted: bool) -> None:
@@ -164,6 +165,7 @@ def test_hyper_parameter_words_change_with_the_iteration_for_adam_only(optimizer
     assert bytes(hyper_words(tbe, 2)) != second
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("mode", [WeightDecayMode.L2, WeightDecayMode.DECOUPLE])
 def test_rowwise_adagrad_weight_decay_follows_fbgemms_gpu_kernel(mode: WeightDecayMode) -> None:
     """FBGEMM 1.6's CPU kernel ignores row-wise Adagrad's weight decay (measured), its GPU kernel applies it
@@ -296,6 +298,7 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
     return out
 
 
+@pytest.mark.stacks
 @pytest.mark.slow
 def test_training_with_owner_backward_matches_stock() -> None:
     """Within 1e-5 (relative above 1) of stock's weights and optimizer states after every step; fp16 weights

@@ -32,7 +32,8 @@ from torchrec_pgas.step_abi import (
     build,
 )
 
-pytestmark = pytest.mark.skipif(not op_available(), reason="torchrec_pgas._C not built (no nvcc)")
+pytestmark = [pytest.mark.skipif(not op_available(), reason="torchrec_pgas._C not built (no nvcc)"),
+              pytest.mark.stacks]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -471,6 +471,7 @@ def test_options_torchrec_prices_carry_stock_fixed_costs_as_the_priced_ones() ->
                                                                        cheap[name].bwd_compute)
 
 
+@pytest.mark.stacks
 def test_enumerator_prices_both_and_honours_constraints_and_modes() -> None:
     auto = _plan_types()
     # the shipped H200 profile: PGAS's fixed cost is ~8x lower, so every free RW table goes PGAS
@@ -497,6 +498,7 @@ def _run_planned(rank: int, world: int, types: Dict[str, str]) -> Dict[str, floa
     return {k: float((out[k] - ref[k]).abs().max()) for k in ref}
 
 
+@pytest.mark.stacks
 def test_planned_mixed_plan_runs_on_shm() -> None:
     types = _plan_types()
     assert {"pgas_row_wise", "row_wise", "table_wise"} <= set(types.values())
@@ -504,6 +506,7 @@ def test_planned_mixed_plan_runs_on_shm() -> None:
         assert max(diffs.values()) < 1e-5, diffs
 
 
+@pytest.mark.stacks
 def test_explain_cli(tmp_path: Any) -> None:
     cfg = tmp_path / "m.yaml"
     cfg.write_text("world_size: 2\nbatch_per_rank: 1024\ntables:\n"

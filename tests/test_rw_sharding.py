@@ -44,6 +44,7 @@ def _matches_stock(rank: int, world: int) -> Dict[str, Any]:
     }
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_matches_stock_row_wise(world: int) -> None:
     for res in run_distributed(_matches_stock, world):
@@ -129,6 +130,7 @@ def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
     return results
 
 
+@pytest.mark.stacks
 def test_bad_inputs_raise_clear_errors() -> None:
     r0, r1 = run_distributed(_bad_inputs, 2)
     # The rank with the bad id names the feature, table and value; its peer learns why.

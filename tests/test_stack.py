@@ -16,6 +16,8 @@ from packaging.version import Version
 from torchrec_pgas import stack
 from torchrec_pgas.stack import Installed, StackError
 
+pytestmark = pytest.mark.stacks
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

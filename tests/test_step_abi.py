@@ -17,6 +17,8 @@ from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.step_abi import BoundsMode, FeatureDesc, StepConfig
 from torchrec_pgas.types import PgasError
 
+pytestmark = pytest.mark.stacks
+
 HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "step_abi.h"
 
 

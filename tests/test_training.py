@@ -41,6 +41,7 @@ from torchrec_pgas.step_abi import OwnerKeysConfig, as_tensor, build
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
 STEPS = 20
+MATRIX_STEPS = 8  # each case's state still passes empty batches and Adagrad's growing sums; 2.5x fewer steps
 CONFIG = PgasConfig(max_local_batch_size=16, avg_pooling_capacity=12, wait_timeout_s=60)
 
 
@@ -106,7 +107,8 @@ def _batches(model: TwoEbcModel, rank: int, steps: int) -> List[TrainBatch]:
                        random_kjt(w, 8, gen, 6, weighted=True)) for i in range(steps)]
 
 
-def _train_cases(rank: int, world: int, cases: List[Case], device_type: str) -> List[Tuple[str, float, float]]:
+def _train_cases(rank: int, world: int, cases: List[Case], device_type: str,
+                 steps: int = STEPS) -> List[Tuple[str, float, float]]:
     """(case, worst |pgas - stock| over the steps, its tolerance) for every case, one process group."""
     out = []
     for i, case in enumerate(cases):
@@ -114,7 +116,7 @@ def _train_cases(rank: int, world: int, cases: List[Case], device_type: str) -> 
         fused: Dict[str, Any] = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3,
                                  "weight_decay": case.weight_decay, "stochastic_rounding": False,
                                  "output_dtype": case.output_dtype}
-        diffs = train_against_stock(model, _types(case, model, world), _batches(model, rank, STEPS),
+        diffs = train_against_stock(model, _types(case, model, world), _batches(model, rank, steps),
                                     dist.group.WORLD, rank_device(rank, device_type), fused,
                                     dataclasses.replace(CONFIG, owner_backward=case.owner_backward,
                                                         max_padded_eager_ids=case.max_padded_eager_ids),
@@ -142,6 +144,7 @@ QUICK = [
 ]
 
 
+@pytest.mark.stacks
 def test_training_matches_stock_at_two_ranks() -> None:
     """Row-wise and table-wise, SGD and row-wise Adagrad (weight decay), SUM and MEAN, weighted features, a
     shared table, empty bags, a table of W rows and rows not divisible by W, a mixed plan, eval forwards
@@ -232,4 +235,4 @@ FULL = [Case(kind, opt, wd, pooling, data_type, out, loop=loop)
 @pytest.mark.parametrize("world", [2, 3])
 def test_training_matrix_matches_stock(world: int) -> None:
     """Every sharding x optimizer x pooling x dtypes x loop (120 cases) at 2 and 3 ranks (CI, after make test)."""
-    _assert_equal(run_distributed(_train_cases, world, FULL, "cpu"))
+    _assert_equal(run_distributed(_train_cases, world, FULL, "cpu", MATRIX_STEPS))

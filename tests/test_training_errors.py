@@ -99,6 +99,7 @@ def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str,
     return _outcome(pgas, stock, initial, errors)
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 @pytest.mark.parametrize("what", ["id", "wid", "capacity"])
 def test_a_bad_batch_changes_nothing_and_the_next_steps_train(kind: str, what: str) -> None:

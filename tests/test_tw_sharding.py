@@ -67,6 +67,7 @@ def _matches_stock(rank: int, world: int, device: str) -> Dict[str, Any]:
     }
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("device,world", [("cpu", 2), ("cpu", 3), pytest.param("cuda", GPU_WORLD, marks=pytest.mark.gpu)])
 def test_matches_stock_table_wise_bit_exact(device: str, world: int) -> None:
     """Stock TW's TBE and ours (the TBE on shm, the fused kernel on GPUs) sum the same rows in the same
