@@ -60,6 +60,7 @@ def _puts_signals_epochs(rank: int, world: int) -> Dict[str, object]:
     return out
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("world", [2, 3])
 def test_puts_signals_epochs(world: int) -> None:
     results = run_distributed(_puts_signals_epochs, world)
@@ -144,6 +145,7 @@ def _shutdown_destroys_the_group(rank: int, world: int) -> Dict[str, int]:
     return {"alive": int(group() is not None), "threads_before": before, "threads_after": _gloo_threads()}
 
 
+@pytest.mark.stacks
 def test_shutdown_destroys_the_process_group_while_python_is_whole() -> None:
     """Else gloo's threads are joined by the interpreter's teardown, where a rank could die with SIGABRT."""
     for r in run_distributed(_shutdown_destroys_the_group, 2):

@@ -14,9 +14,11 @@ import torch.distributed as dist
 from torchrec_pgas.nvshmem_backend import NvshmemRuntime
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.shm_backend import ShmRuntime
-from torchrec_pgas.types import PgasBackendType
+from torchrec_pgas.types import PgasBackendType, PgasError
 
+# Runtimes hold their group weakly: this registry keeps no process group alive.
 _RUNTIMES: Dict[Tuple[int, str], PgasRuntime] = {}
+_EXIT_HOOKED = False
 
 
 def init_runtime(
@@ -39,8 +41,15 @@ def init_runtime(
         ) else torch.device("cpu")
     if backend is None:
         backend = PgasBackendType.NVSHMEM if device.type == "cuda" else PgasBackendType.SHM
-    key = (id(pg), backend.value)  # the runtime holds ``pg``, so the id stays unique
+    key = (id(pg), backend.value)
+    stale = _RUNTIMES.get(key)
+    if stale is not None and not stale.serves(pg):  # a destroyed group's runtime; ``pg`` reuses its id
+        if not stale.finalize_at_exit:
+            raise PgasError("a destroyed process group's NVSHMEM runtime is still up: finalize_all() first")
+        del _RUNTIMES[key]
+        stale.finalize()
     if key not in _RUNTIMES:
+        _at_exit_once()
         if backend == PgasBackendType.SHM:
             _RUNTIMES[key] = ShmRuntime(pg, device)
         else:
@@ -64,23 +73,43 @@ def _finalize_local() -> None:
             rt.finalize()
 
 
-def shutdown() -> None:
-    """Local: ``dist.destroy_process_group()``, made to destroy the group now. Call it instead, at the end.
+def _at_exit() -> None:
+    """At exit, while Python is whole: collect the dead models (TorchRec's sharded modules are cycles that hold
+    the process group) and release the local runtimes. After the user's ``destroy_process_group`` that frees
+    gloo's group here, joining its threads, instead of in interpreter finalization: where, presumably, a
+    worker thread letting go of its last work's tensors takes the GIL and CPython ends it with
+    ``pthread_exit``, whose unwinding through a noexcept destructor is ``std::terminate`` (the SIGABRT with
+    "terminate called without an active exception" seen at exit of two-process CPU jobs; never reproduced on
+    demand, so the mechanism is upstream's account, not our backtrace)."""
+    gc.collect()
+    _finalize_local()
 
-    A runtime holds its process group, and so does a model that is gone but not yet collected (TorchRec's
-    sharded modules form reference cycles): either would keep gloo's group, with its worker and transport
-    threads, alive past ``destroy_process_group``, to be torn down by the last garbage collection of
-    interpreter teardown, after Python has begun finalizing: where ranks were seen to die at exit now and then
-    (SIGABRT, "terminate called without an active exception"). So: collect (dead models let go of the shm
-    segments), release the runtimes that finalize locally, destroy, all while Python is whole. Still keeping
-    the group: a model still referenced (drop it first), and ``torch.distributed.optim`` when first imported
-    after init_process_group (a default argument of its ZeroRedundancyOptimizer module; import it before).
-    NVSHMEM runtimes stay, as at exit (``finalize_all`` is their collective release).
+
+def _at_exit_once() -> None:
+    """Registered with the first runtime: atexit runs last-registered first, so it runs before the hooks of
+    torch and of the modules imported before it."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(_at_exit)
+        _EXIT_HOOKED = True
+
+
+def shutdown() -> None:
+    """Local: the whole teardown now, while Python is whole: collect garbage (dead models let go of the shm
+    segments), release the runtimes that finalize locally, ``dist.destroy_process_group()``.
+
+    A user's plain ``dist.destroy_process_group()`` and exit is safe as well: runtimes hold their group weakly,
+    and the exit hook registered with the first runtime collects the dead models (TorchRec's sharded modules
+    form reference cycles that hold the group) before interpreter finalization, so gloo's group and its
+    threads go there, not in finalization, where ranks were seen to die now and then (SIGABRT, "terminate
+    called without an active exception"). What still keeps a group past its destroy: a model still referenced
+    (drop it first), and ``torch.distributed.nn`` (which TorchRec imports) or ``torch.distributed.optim`` when
+    first imported after init_process_group (their functions take ``group.WORLD`` as a default argument: import
+    torchrec and torchrec_pgas before init_process_group). NVSHMEM runtimes stay, as at exit (``finalize_all``
+    is their collective release).
     """
     gc.collect()
     _finalize_local()
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-atexit.register(_finalize_local)

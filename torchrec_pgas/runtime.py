@@ -22,6 +22,7 @@ reset can race with a late reader.
 """
 
 import abc
+import weakref
 from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple
 
@@ -81,12 +82,26 @@ class PgasRuntime(abc.ABC):
     finalize_at_exit: bool = True
 
     def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
-        self.pg = pg
+        # Weak: the registry of runtimes is process-global, and a strong reference would keep gloo's group,
+        # and its threads, alive past the user's destroy_process_group into interpreter finalization (issue 43).
+        self._pg = weakref.ref(pg)
         self.rank: int = dist.get_rank(pg)
         self.world_size: int = dist.get_world_size(pg)
         self.device = device
         self._buffers: Dict[str, SymmetricBuffer] = {}
         self._pads: Dict[str, SignalPad] = {}
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        """The process group this runtime bootstraps over; an error once the group was destroyed."""
+        pg = self._pg()
+        if pg is None:
+            raise PgasError("the process group of this PGAS runtime was destroyed")
+        return pg
+
+    def serves(self, pg: dist.ProcessGroup) -> bool:
+        """Is this the runtime of ``pg`` (not of a destroyed group whose id ``pg`` reuses)?"""
+        return self._pg() is pg
 
     # ---- allocation (collective) -------------------------------------------
     def alloc(self, name: str, nbytes: int) -> SymmetricBuffer:
