@@ -57,6 +57,9 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 self._pooling_type_to_rs_features[PoolingType.SUM.value].extend(
                     config.feature_names
                 )
+        steps = [s.step for s in self._embedding_shardings if isinstance(s, PgasShardingMixin) and s.step is not None]
+        for step in steps:
+            step.join_module(steps)
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         """Stock, except that a module holding one PGAS sharding (and no mean callback, which reads

@@ -72,7 +72,8 @@ class HostStep(PgasStep):
     def begin_index_dist(self, kjt: KeyedJaggedTensor) -> Tuple[int, torch.Tensor]:
         """The next step's epoch and its checked ids, once every owner has released this rank's blocks of
         the step that last used the slot. Bad input gives the step up on every rank (it raises here, and
-        peers raise at their waits for this rank) and consumes its epoch, so the next step runs."""
+        peers raise at their waits for this rank) and consumes its epoch, so the next step runs; so does a
+        peer's abort seen while waiting for the slot (a peer that gave the step up already)."""
         epoch = self.claim_slot()
         err = self.input_error(kjt)
         values = self._checked_ids(kjt, epoch) if err is None else None
@@ -80,8 +81,12 @@ class HostStep(PgasStep):
             raise self._give_up(err or PgasError(f"{self.kind}: no ids"), epoch)
         lay = self.layout
         if epoch > lay.num_slots:
-            self.rt.wait(self.pad, [lay.release_signal(d) for d in range(self.world_size)], epoch - lay.num_slots,
-                         self.spec.config.wait_timeout_s, "the release of this rank's blocks", step=epoch)
+            try:
+                self.rt.wait(self.pad, [lay.release_signal(d) for d in range(self.world_size)],
+                             epoch - lay.num_slots, self.spec.config.wait_timeout_s,
+                             "the release of this rank's blocks", step=epoch)
+            except PgasError as err:  # a peer gave the step up (its abort wakes this wait) or died
+                raise self._give_up(err, epoch)
         self.issued = epoch
         return epoch, values
 
@@ -90,6 +95,15 @@ class HostStep(PgasStep):
         self.issued = self.looked_up = epoch
         self.release(epoch)
         return err
+
+    def consume_failed_step(self, epoch: int, err: PgasError) -> None:
+        """Give step ``epoch`` up here too if its lookup has not run: abort it (a peer waiting on this rank
+        for this sharding's ids or output raises instead of waiting) and release its blocks, as a step that
+        fails its own index dist does. A step whose lookup ran keeps its output: the dropped autograd graph
+        releases it."""
+        if self.looked_up >= epoch or self.issued < epoch - 1:
+            return
+        self._give_up(PgasError(f"{self.kind}: another sharding of the module failed step {epoch}: {err}"), epoch)
 
     def release(self, epoch: int) -> None:
         for src in self._order():

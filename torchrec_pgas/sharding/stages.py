@@ -44,7 +44,11 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         step = _require(self._step, self._kind)
         features = step.in_sharding_order(sparse_features)
-        step.index_dist(features)
+        try:
+            step.index_dist(features)
+        except PgasError as err:
+            step.forward_failed(err, step.issued)
+            raise
         return NoWait(NoWait(features))
 
 
@@ -59,7 +63,12 @@ class PgasPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         self._tbes = [emb.emb_module for emb in self._emb_modules]
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
-        return _require(self._step, self._kind).lookup(sparse_features, super().forward, self._tbes)
+        step = _require(self._step, self._kind)
+        try:
+            return step.lookup(sparse_features, super().forward, self._tbes)
+        except PgasError as err:
+            step.forward_failed(err, step.looked_up)
+            raise
 
 
 class PgasShardingMixin:

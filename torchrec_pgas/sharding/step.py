@@ -292,6 +292,7 @@ class PgasStep(abc.ABC):
         _STEPS.add(self)
         self._dropped: List[int] = []  # of those, steps whose output went without a backward
         self._anchor = torch.zeros((), requires_grad=True)  # makes a training step's output require grad
+        self._module_steps: List["weakref.ref[PgasStep]"] = []  # the PGAS steps of this step's module
 
     @property
     def feature_names(self) -> Tuple[str, ...]:
@@ -315,6 +316,26 @@ class PgasStep(abc.ABC):
         hanging (later steps run); returns ``err``."""
         self.rt.abort(self.pad, str(err), epoch)
         return err
+
+    def join_module(self, steps: Sequence["PgasStep"]) -> None:
+        """The PGAS steps of this step's module (this one among them), in module order (``forward_failed``)."""
+        self._module_steps = [weakref.ref(s) for s in steps]
+
+    def forward_failed(self, err: PgasError, epoch: int) -> None:
+        """This step raised ``err`` for step ``epoch`` in its module's forward, which ends that forward on
+        every rank (the failing rank raises its error, the peers the abort): every other PGAS step of the
+        module consumes step ``epoch`` as well (``consume_failed_step``), so that all of them run the next
+        batch at the next epoch on every rank, whichever of them had run their stages of the failed step."""
+        for ref in self._module_steps:
+            other = ref()
+            if other is not None and other is not self:
+                other.consume_failed_step(epoch, err)
+
+    def consume_failed_step(self, epoch: int, err: PgasError) -> None:
+        """A sibling sharding failed step ``epoch`` in the module's forward: this step's stages of it that did
+        not run will not (``forward_failed``). A backend whose forward raises (the host path) consumes them
+        here; the device path raises no step error in the forward (it gives a step up by running its stages
+        empty and raises at the backward), so it has nothing to consume."""
 
     def bad_id_message(self, f: int, value: int) -> str:
         spec = self.spec
