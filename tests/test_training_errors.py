@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.testing import (
@@ -17,6 +18,7 @@ from torchrec_pgas.testing import (
     TrainBatch,
     all_tables,
     default_model,
+    default_tables,
     local_state,
     random_kjt,
     rank_device,
@@ -206,3 +208,102 @@ def check_misuse(results: List[Dict[str, Any]], names_rank_1: str) -> None:
 
 def test_misuse_raises_clearly_and_changes_nothing() -> None:
     check_misuse(run_distributed(_misuse, 2, "cpu"), "from rank(s) [1]")
+
+
+# ---- refusals in mixed plans ------------------------------------------------------------------------------
+
+# Plans of the two EBCs' four tables each (unweighted, weighted): pgas_table_wise next to pgas_row_wise, and the
+# stock types in the weighted EBC, whose forward runs after the unweighted one's, where the bad batches refuse
+# ("@-1": the last rank). On shm a stock sharding must not share an EBC with a PGAS sharding that refuses a
+# step: the failing rank raises in its input dist, before the stock sharding's collectives, which its peers
+# have entered (README, limits); the GPU path gives the step up without raising in the forward.
+MIXED_PLANS = {
+    "rw-tw-rw-tw": (("pgas_row_wise", "pgas_table_wise@-1", "pgas_row_wise", "pgas_table_wise@0"),
+                    ("pgas_row_wise", "pgas_table_wise@-1", "pgas_row_wise", "pgas_table_wise@0")),
+    "tw-rw-tw-rw": (("pgas_table_wise@0", "pgas_row_wise", "pgas_table_wise@-1", "pgas_row_wise"),
+                    ("row_wise", "pgas_table_wise@-1", "table_wise@0", "pgas_row_wise")),
+    "tw-tw-rw-tw": (("pgas_table_wise@-1", "pgas_table_wise@0", "pgas_row_wise", "pgas_table_wise@-1"),
+                    ("table_wise@-1", "pgas_row_wise", "pgas_table_wise@0", "row_wise")),
+}
+# The bad batch: an id past its table in a pgas_row_wise feature, in a pgas_table_wise one, or a batch above
+# max_local_batch_size (every sharding refuses it).
+REFUSALS = ("id-rw", "id-tw", "capacity")
+REFUSED_STEP, STEPS_AFTER = 3, 5
+
+
+def _mixed_types(plan: str, world: int) -> Dict[str, str]:
+    types = {}
+    for prefix, kinds in zip("tw", MIXED_PLANS[plan]):
+        for i, kind in enumerate(kinds):
+            types[f"{prefix}{i}"] = kind.replace("@-1", f"@{world - 1}")
+    return types
+
+
+def _refused(batch: TrainBatch, types: Dict[str, str], what: str) -> TrainBatch:
+    """``batch`` with its refusal: the first id of the first feature of a table of the named kind set past
+    every table's rows, or 17 samples."""
+    if what == "capacity":
+        return _bad(batch, "capacity")
+    kind = "pgas_row_wise" if what == "id-rw" else "pgas_table_wise"
+    table = next(c for c in default_tables() if types[c.name].startswith(kind))
+    kjt = batch.kjt
+    values = kjt.values().clone()
+    values[sum(kjt.length_per_key()[:kjt.keys().index(table.feature_names[0])])] = 10**9
+    return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
+
+
+def _refusal(rank: int, world: int, plan: str, what: str) -> Dict[str, Any]:
+    """The default owner update (row-wise Adagrad) against stock on the same batches; the last rank's step
+    REFUSED_STEP is bad, every rank skips it (stock never sees it), STEPS_AFTER steps follow. The largest
+    |pgas - stock| / max(1, |stock|) over every weight and optimizer state after each step, and the errors."""
+    model = default_model(all_sum=True, min_rows=world)
+    types = _mixed_types(plan, world)
+    fused = {**FUSED, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-3}
+    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=60)
+    wrapped = LossModel(model)
+    pgas = shard(wrapped, types, dist.group.WORLD, torch.device("cpu"), config, fused, path="model.")
+    stock = shard(wrapped, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, torch.device("cpu"),
+                  fused_params=fused, stock=True, path="model.")
+    gen = seeded(11 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    errors, diffs = [], []
+    for i in range(REFUSED_STEP + 1 + STEPS_AFTER):
+        batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True))
+        try:
+            _train(pgas, _refused(batch, types, what) if i == REFUSED_STEP and rank == world - 1 else batch)
+        except PgasError as e:
+            errors.append((i, type(e).__name__))
+        if i != REFUSED_STEP:
+            _train(stock, batch)
+        got, ref = local_state(pgas), local_state(stock)
+        diffs.append(max(float(((got[k].double() - ref[k].double()).abs() / ref[k].double().abs().clamp(min=1)).max())
+                         for k in ref if ref[k].numel()))
+    return {"errors": errors, "diffs": diffs}
+
+
+def _refusals(rank: int, world: int) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    return {(plan, what): _refusal(rank, world, plan, what) for plan in MIXED_PLANS for what in REFUSALS}
+
+
+def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None:
+    """Every rank raised at the refused step and only there (the last rank its own error, the others the
+    abort), and every weight and optimizer state stayed within fp32 rounding of stock's after every step."""
+    world = len(results)
+    for rank, per_case in enumerate(results):
+        for case, r in per_case.items():
+            own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError"}[case[1]]
+            assert r["errors"] == [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")], (rank, case, r)
+            assert max(r["diffs"]) <= 1e-5, (rank, case, r["diffs"])
+
+
+def test_a_refused_step_in_a_mixed_plan_leaves_the_next_steps_equal_to_stock() -> None:
+    """A pgas_table_wise sharding next to pgas_row_wise and stock ones in one EBC: a step refused by any of
+    them (a bad id in a row-wise or a table-wise feature, a batch over capacity) is consumed by every PGAS
+    sharding of the EBC on every rank, and the steps after it train as stock does without it."""
+    check_refusals(run_distributed(_refusals, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_a_refused_step_in_a_mixed_plan_at_three_ranks() -> None:
+    check_refusals(run_distributed(_refusals, 3))

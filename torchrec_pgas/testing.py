@@ -517,11 +517,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device_
     )
     results: Dict[int, Any] = {}
     done = False
-    while not done:  # drain while joining: a rank's put blocks once its result outgrows the pipe's buffer
-        done = context.join(timeout=0.2)
-        while not queue.empty():
-            rank, value = queue.get()
-            results[rank] = value
+    try:
+        while not done:  # drain while joining: a rank's put blocks once its result outgrows the pipe's buffer
+            done = context.join(timeout=0.2)
+            while not queue.empty():
+                rank, value = queue.get()
+                results[rank] = value
+    finally:
+        # Interrupted (a test's time limit, ^C): hung ranks must not outlive the call, or the caller's exit
+        # would wait for them forever.
+        for proc in context.processes if not done else []:
+            if proc.is_alive():
+                proc.kill()
     return [results[r] for r in range(world_size)]
 
 
