@@ -36,10 +36,12 @@ from torchrec_pgas.testing import (
 )
 from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
 
-# TorchRec 1.6 and torch 2.11 warn about their own internals on every sharding (a deprecated torch helper
-# TorchRec calls, FX tracing's naming): nothing a user of this demo can act on. Other warnings still print.
+# TorchRec 1.6, torch 2.11 and FBGEMM 1.6 warn about their own internals on every sharding or step (a deprecated
+# torch helper TorchRec calls, FX tracing's naming, a kernel variant): nothing a user of this demo can act on.
+# Other warnings still print.
 warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*")
 warnings.filterwarnings("ignore", message=r"Multiple backends are registered with this ProcessGroup.*")
+warnings.filterwarnings("ignore", message=r"TBE B200 optimization.*")  # FBGEMM's GPU backward, every step
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 # The owner update sums each row's gradient terms in its own order: fp32 rounding against stock (README).

@@ -85,8 +85,10 @@ def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
 
 
 def test_dlrm_auto_sharding_trains_like_stock() -> None:
-    """--train --sharding auto: the planner prices forward + backward; whatever it picks trains as stock does."""
+    """--train --sharding auto: the planner prices forward + backward and plans PGAS tables here (the shipped
+    profile's training terms), which train as stock does."""
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "auto", "--train", "--batch-size", "32",
                    "--steps", "6", "--max-rows", "2000", "--validate")
-    assert any(line.startswith("DLRM train, sharding=auto (") for line in out), out
+    planned = [re.match(r"DLRM train, sharding=auto \((\d+) tables pgas_row_wise", line) for line in out]
+    assert any(m and int(m.group(1)) > 0 for m in planned), out
     assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out

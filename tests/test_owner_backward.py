@@ -148,11 +148,10 @@ def test_weights_moved_to_new_storage_get_the_next_update() -> None:
     assert not torch.equal(tbe.weights_host.detach(), old_before)
 
 
-# Adam's case needs a GPU TBE: FBGEMM's CPU TBE raises NotImplementedError for Adam, so without a GPU it skips.
+# Adam's case needs a GPU TBE (FBGEMM's CPU TBE raises NotImplementedError for Adam): marked gpu, it skips on CPUs.
 @pytest.mark.parametrize("optimizer", [
     EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    pytest.param(EmbOptimType.ADAM, marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                             reason="FBGEMM's CPU TBE has no Adam"))])
+    pytest.param(EmbOptimType.ADAM, marks=pytest.mark.gpu)])  # the GPU check runs it (-m gpu)
 def test_hyper_parameter_words_change_with_the_iteration_for_adam_only(optimizer: EmbOptimType) -> None:
     """The words an update reads move with the step only where the optimizer reads the iteration (Adam's bias
     corrections), so an eager step of the others copies no words to the device; a learning-rate change moves

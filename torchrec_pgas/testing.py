@@ -465,10 +465,12 @@ def train_against_stock(
 
 
 def _start_method(device_type: str) -> str:
-    """CPU ranks fork from a server process that imported this module (torch, TorchRec, FBGEMM) once: each
-    rank is still a fresh process, started in a fraction of a second instead of a new interpreter's ~3 s of
-    imports (most of a short multi-process test). CUDA ranks spawn: no fork near a CUDA runtime."""
-    if device_type != "cpu":
+    """On a machine without GPUs, ranks fork from a server process that imported this module (torch, TorchRec,
+    FBGEMM) once: each rank is still a fresh process, started in a fraction of a second instead of a new
+    interpreter's ~3 s of imports (most of a short multi-process test). Where there are GPUs, ranks spawn,
+    whatever ``device_type`` says (a CPU-placed rank may still use CUDA): FBGEMM's GPU build initializes CUDA
+    on import, and a process forked from one that did cannot use CUDA."""
+    if device_type != "cpu" or torch.cuda.device_count() > 0:
         return "spawn"
     mp.get_context("forkserver").set_forkserver_preload([__name__])  # read when the server first starts
     return "forkserver"
