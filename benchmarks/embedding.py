@@ -132,7 +132,7 @@ class Workload:
     batch_per_gpu: int
     pooling: int  # fixed bag size, or the maximum of uniform [1, pooling]
     pooling_dist: str = "fixed"  # fixed | uniform
-    ids: str = "uniform"  # uniform | zipf<alpha>
+    ids: str = "uniform"  # uniform | zipf<alpha> | hzipf<alpha> (hashed)
 
     @property
     def name(self) -> str:
@@ -142,6 +142,10 @@ class Workload:
     @property
     def model_key(self) -> Tuple[int, int, int]:
         return (self.tables, self.rows, self.dim)
+
+
+ZIPF_ALPHAS = (0.9, 1.05, 1.2)  # the zipf presets' exponents: hashed Criteo-like ids are about 1.05
+ID_HASH = 2654435761  # Knuth's multiplicative hash, as examples/dlrm/data.py scatters its Zipf ranks
 
 
 def _s004(world: int) -> List[Workload]:
@@ -160,6 +164,19 @@ def _s000_strong(world: int) -> List[Workload]:
 def _skew(world: int) -> List[Workload]:
     return [Workload("skew", 8, 1_000_000, 64, b, 32, ids=ids)
             for b in (1024, 4096) for ids in ("uniform", "zipf1.05", "zipf1.2")]
+
+
+def _s000_weak_zipf(world: int) -> List[Workload]:
+    """s000-weak's shape with what real training feeds it: hashed Zipf ids, the hot rows scattered over the
+    owners as a hash scatters them (examples/dlrm/data.py)."""
+    return [dataclasses.replace(w, preset="s000-weak-zipf", ids=f"hzipf{a}")
+            for w in _s000_weak(world) for a in ZIPF_ALPHAS]
+
+
+def _s000_strong_zipf(world: int) -> List[Workload]:
+    """s000-strong's shape with hashed Zipf ids (as ``_s000_weak_zipf``)."""
+    return [dataclasses.replace(w, preset="s000-strong-zipf", ids=f"hzipf{a}")
+            for w in _s000_strong(world) for a in ZIPF_ALPHAS]
 
 
 def _quick(world: int) -> List[Workload]:
@@ -190,6 +207,7 @@ def _smoke(world: int) -> List[Workload]:
 
 PRESETS: Dict[str, Callable[[int], List[Workload]]] = {
     "s004": _s004, "s000-weak": _s000_weak, "s000-strong": _s000_strong, "skew": _skew, "quick": _quick,
+    "s000-weak-zipf": _s000_weak_zipf, "s000-strong-zipf": _s000_strong_zipf,
     "l2-reuse": _l2_reuse, "profile": _profile, "index": _index, "smoke": _smoke,
 }
 # 1-GPU reference of the scaling presets (unsharded TBE): (tables, batch); weak keeps 64 tables per GPU.
@@ -200,15 +218,18 @@ SINGLE_GPU: Dict[str, Tuple[int, int]] = {"s000-weak": (64, 16384), "s000-strong
 
 
 def _ids(n: int, rows: int, kind: str, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Uniform, or Zipf(alpha) with row 0 the hottest (no hashing: under RW the hot
-    rows all live on rank 0, which is the load imbalance this workload shows)."""
+    """Uniform; Zipf(alpha) with row 0 the hottest (``zipf``: no hashing, so under RW the hot rows all live on
+    rank 0, the load imbalance the skew preset shows); or the same Zipf ranks hashed to rows (``hzipf``: the
+    hot rows scattered over the table, as hashed ids are in real training data)."""
     if kind == "uniform":
         return torch.randint(0, rows, (n,), generator=gen, device=device)
-    alpha = float(kind.removeprefix("zipf"))
+    hashed = kind.startswith("hzipf")
+    alpha = float(kind.removeprefix("hzipf" if hashed else "zipf"))
     cdf = torch.arange(1, rows + 1, dtype=torch.float64, device=device).pow_(-alpha).cumsum_(0)
     cdf /= cdf[-1].clone()
     u = torch.rand(n, generator=gen, dtype=torch.float64, device=device)
-    return torch.searchsorted(cdf, u).clamp_(max=rows - 1)
+    ranks = torch.searchsorted(cdf, u).clamp_(max=rows - 1)
+    return ranks * ID_HASH % rows if hashed else ranks
 
 
 def make_inputs(w: Workload, tables: int, batch: int, n_sets: int, seed: int,

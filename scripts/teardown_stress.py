@@ -6,9 +6,9 @@ exit code, a signal (SIGABRT: "terminate called without an active exception") or
 rank's stderr. The ranks find each other as under ``torchrun`` (``env://`` with the store served by this
 process, ``TORCHELASTIC_USE_AGENT_STORE``).
 
-``--launch fork`` (the default; ~2 s a run unloaded against ~3.5 s for spawn) forks the ranks from this process after it imported torch,
-TorchRec and torchrec-pgas once: each rank still runs its job and then the interpreter's whole exit
-(atexit hooks, finalization). ``spawn`` starts fresh interpreters, like ``torchrun``, ``mp`` runs them under
+``--launch fork`` (the default; ~2 s a run unloaded against ~3.5 s for spawn) forks the ranks from this
+process after it imported torch, TorchRec and torchrec-pgas once: each rank still runs its job and then the
+interpreter's whole exit (atexit hooks, finalization). ``spawn`` starts fresh interpreters, like ``torchrun``, ``mp`` runs them under
 ``run_distributed`` (the test launcher, which calls ``shutdown()``); ``--gdb`` (spawn) runs them
 under gdb and keeps its backtrace of every thread for the runs that fail.
 

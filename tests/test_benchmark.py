@@ -10,7 +10,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from benchmarks.embedding import PRESETS, make_inputs
+from benchmarks.embedding import ID_HASH, PRESETS, _ids, make_inputs
 from benchmarks.owner_op import INPUT_SEED
 from torchrec_pgas.sharding.owner_backward import op_available
 
@@ -182,3 +182,18 @@ def test_layout_ab_times_both_layouts_after_checking_them(tmp_path: Any) -> None
     bad = subprocess.run([sys.executable, "-m", "benchmarks.embedding", "--layout-ab", "--inference-only"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--layout-ab" in bad.stderr
+
+
+def test_hashed_zipf_ids_are_the_zipf_ranks_scattered_by_the_hash() -> None:
+    """``hzipf``: the same draws as ``zipf`` (row r's count is rank r's), each rank moved to rank * hash mod rows,
+    as examples/dlrm/data.py moves them: the hottest stays row 0, the next ones are scattered over the table (an
+    owner of row-wise blocks does not hold all of them)."""
+    rows, n = 1000, 20_000
+    ranks = _ids(n, rows, "zipf1.05", torch.Generator().manual_seed(3), torch.device("cpu"))
+    hashed = _ids(n, rows, "hzipf1.05", torch.Generator().manual_seed(3), torch.device("cpu"))
+    assert torch.equal(hashed, ranks * ID_HASH % rows)
+    counts, moved = torch.bincount(ranks, minlength=rows), torch.bincount(hashed, minlength=rows)
+    assert torch.equal(moved[torch.arange(rows) * ID_HASH % rows], counts)
+    second = int(moved.topk(2).indices[1])
+    assert second == ID_HASH % rows and second >= rows // 8
+    assert [w.ids for w in PRESETS["s000-strong-zipf"](4)] == ["hzipf0.9", "hzipf1.05", "hzipf1.2"]
