@@ -108,8 +108,7 @@ def shutdown() -> None:
     torchrec and torchrec_pgas before init_process_group). NVSHMEM runtimes stay, as at exit (``finalize_all``
     is their collective release).
     """
-    gc.collect()
-    _finalize_local()
+    _at_exit()
     if dist.is_initialized():
         dist.destroy_process_group()
 

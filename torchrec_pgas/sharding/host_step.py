@@ -92,7 +92,8 @@ class HostStep(PgasStep):
 
     def _give_up(self, err: PgasError, epoch: int) -> PgasError:
         self.fail(err, epoch)
-        self.issued = self.looked_up = epoch
+        self.issued = max(self.issued, epoch)  # a sibling's failed step may lie behind index dists run ahead
+        self.looked_up = epoch
         self.release(epoch)
         return err
 

@@ -44,10 +44,12 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         step = _require(self._step, self._kind)
         features = step.in_sharding_order(sparse_features)
+        issued = step.issued
         try:
             step.index_dist(features)
         except PgasError as err:
-            step.forward_failed(err, step.issued)
+            if step.issued > issued:  # the step was given up; an error before it claimed one consumed none
+                step.forward_failed(err, step.issued)
             raise
         return NoWait(NoWait(features))
 
@@ -64,10 +66,12 @@ class PgasPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         step = _require(self._step, self._kind)
+        looked_up = step.looked_up
         try:
             return step.lookup(sparse_features, super().forward, self._tbes)
         except PgasError as err:
-            step.forward_failed(err, step.looked_up)
+            if step.looked_up > looked_up:  # as in the index dist: only a step this lookup consumed
+                step.forward_failed(err, step.looked_up)
             raise
 
 
