@@ -1,8 +1,10 @@
-// The owner update on the GPU: the walk of owner_update.h with a warp per
-// chunk of sorted positions (grid-stride over the chunks, their size set by
-// the ids per warp). The warp's lanes read a batch of 32 positions' fields one
-// a lane, then walk the positions together, splitting each row's columns. No
-// host sync: the id count is the tensors' size (or a device word), the
+// The owner update on the GPU: the two phases of owner_update.h, a kernel
+// each, with a warp per chunk of sorted positions (grid-stride over the
+// chunks, their size set by the used positions and the resident warps). The
+// warp's lanes read a batch of 32 positions' fields one a lane, then walk the
+// positions together, splitting each row's columns. Phase 2 starts after
+// phase 1's grid completes (stream order): the partials it reads are written.
+// No host sync: the id count is the tensors' size (or a device word), the
 // hyper-parameters are read on the device.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -42,36 +44,54 @@ struct WarpLanes {
   __device__ void sync() const { __syncwarp(); }
 };
 
-// A chunk is walked serially by one warp, so a step's ids spread over every
-// walker: kOwnerChunk positions a chunk where there are that many per walker,
-// down to one batch of 32 (a small step's walk is a few dependent loads per
-// id; in 256-id chunks it would run on n / 256 warps).
-__device__ __forceinline__ int64_t walker_chunk(int64_t n, int64_t walkers) {
-  const int64_t per_walker = (n + walkers - 1) / walkers;
-  const int64_t batches = (per_walker + 31) / 32;
-  return batches < 1 ? 32 : batches * 32 < kOwnerChunk ? batches * 32 : kOwnerChunk;
+// The walkers' loop over the chunks of the used positions (grid-stride: an eager launch sized to its ids and a
+// captured one sized to the capacity cut the same chunks, from `used` and the resident warps).
+template <int kColumns, typename Walk>
+__device__ __forceinline__ void for_each_chunk(const OwnerUpdateParams& p, Walk&& walk) {
+  if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
+  const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
+  const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
+  const int64_t chunks = (used + size - 1) / size, stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks; c += stride) {
+    walk(c, size, used, lanes);
+  }
 }
 
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
-    owner_update_kernel(OwnerUpdateParams p) {
-  if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
-  const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
-  const int64_t n = used_positions(p), walkers = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t chunk = walker_chunk(n, walkers), chunks = (n + chunk - 1) / chunk;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks; c += walkers) {
-    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c * chunk, c * chunk + chunk, lanes);
-  }
+    owner_walk_kernel(OwnerUpdateParams p) {
+  for_each_chunk<kColumns>(p, [&](int64_t c, int64_t size, int64_t used, WarpLanes<kColumns> lanes) {
+    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
+  });
 }
 
-// As many CTAs as the positions fill with 32-id chunks, at most the resident ones (a captured step's
-// capacity: every resident CTA, each reading how many positions are used).
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
-void launch(const OwnerUpdateParams& p) {
-  const auto kernel = owner_update_kernel<weight_t, grad_t, kOptimizer, kColumns>;
+__global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
+    owner_finish_kernel(OwnerUpdateParams p) {
+  for_each_chunk<kColumns>(p, [&](int64_t c, int64_t size, int64_t used, WarpLanes<kColumns> lanes) {
+    finish_run<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
+  });
+}
+
+// Both phases on the update's stream, as many CTAs as the positions fill with 32-id chunks, at most the
+// resident ones (a captured step's capacity: every resident CTA, each reading how many positions are used).
+// The partials live in the launch's own allocation (the stream's caching allocator; a capture's graph pool).
+template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
+void launch(OwnerUpdateParams p, int64_t max_dim) {
+  const auto walk = owner_walk_kernel<weight_t, grad_t, kOptimizer, kColumns>;
+  const int resident = resident_ctas(walk, kThreads);
+  p.walkers = static_cast<int64_t>(resident) * kWarps;
+  const int64_t cols = (max_dim + 31) / 32 * 32;
+  p.partial_stride = 2 * cols + 1;
+  const at::Tensor partials = at::empty({max_chunks(p.n, p.walkers) * p.partial_stride},
+                                        at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+  p.partials = partials.data_ptr<float>();
   const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
-  const int blocks = static_cast<int>(std::min<int64_t>(needed, resident_ctas(kernel, kThreads)));
-  kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+  const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  walk<<<blocks, kThreads, 0, stream>>>(p);
+  PGAS_CUDA_CHECK(cudaGetLastError());
+  owner_finish_kernel<weight_t, grad_t, kOptimizer, kColumns><<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -87,8 +107,7 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
   std::vector<at::Tensor> on_device;  // the descriptors' device copies
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, apply, used, on_device);
-  int64_t max_dim = 0;
-  for (const at::Tensor& w : weights) max_dim = std::max<int64_t>(max_dim, w.size(1));
+  const int64_t max_dim = widest_dim(weights);
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
                         [&](auto weight, auto grad_type, auto optimizer) {
     if (p.n == 0) return;
@@ -96,13 +115,13 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
     using grad_t = decltype(grad_type);
     constexpr Optimizer kOptimizer = decltype(optimizer)::value;
     if (max_dim <= 32) {
-      launch<weight_t, grad_t, kOptimizer, 1>(p);
+      launch<weight_t, grad_t, kOptimizer, 1>(p, max_dim);
     } else if (max_dim <= 64) {
-      launch<weight_t, grad_t, kOptimizer, 2>(p);
+      launch<weight_t, grad_t, kOptimizer, 2>(p, max_dim);
     } else if (max_dim <= 128) {
-      launch<weight_t, grad_t, kOptimizer, 4>(p);
+      launch<weight_t, grad_t, kOptimizer, 4>(p, max_dim);
     } else {
-      launch<weight_t, grad_t, kOptimizer, kOwnerMaxDim / 32>(p);
+      launch<weight_t, grad_t, kOptimizer, kOwnerMaxDim / 32>(p, max_dim);
     }
   });
 }

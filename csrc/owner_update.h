@@ -32,10 +32,28 @@
 // it); only row-wise Adagrad's sum of the row's squares adds in another order
 // on a GPU (each lane's columns, then across the lanes) than on the CPU.
 // Then one update of that row and its optimizer state in fp32, stored in the
-// weights' dtype (round to nearest). Each run is walked by the walker of
-// the chunk it starts in: no two walkers write one row, nothing is atomic
-// (so the keys must be sorted: unsorted ones would split a row into runs that
-// two walkers update at once).
+// weights' dtype (round to nearest). No two walkers write one row and nothing
+// is atomic (so the keys must be sorted: unsorted ones would split a row into
+// runs that two walkers update at once).
+//
+// Chunks and the two phases. The positions [0, used) are cut into chunks of
+// chunk_positions(used, walkers) positions: a size that depends on the used
+// positions and the device (its resident walkers) only, never on a launch's
+// grid, so an eager step and a replay of it cut alike and sum alike, bit for
+// bit. Phase 1 (walk_chunk): a chunk's walker sums and applies every run that
+// starts in the chunk and ends in it; the positions before its first run start
+// are the tail of an earlier chunk's run (skipped); a chunk where no run starts
+// (interior to one long run) is summed whole; the sum of the run that starts in
+// a chunk and crosses its end, and an interior chunk's sum, are stored as the
+// chunk's partial (each column's compensated sum and its carry). Phase 2
+// (finish_run, after every walker of phase 1): the walker of the chunk a
+// crossing run starts in adds the partials of its interior chunks in chunk
+// order, then the run's tail terms, and applies the row. A hot row's n ids cost
+// its walkers n / chunks each plus one partial a chunk in phase 2: the split
+// FBGEMM makes over CTAs for runs past 1,024 ids, in a fixed order instead of
+// fp32 atomics. Partials: `partial_stride` floats a chunk, the column sums at
+// [0, cols), their carries at [cols, 2 cols) (cols = (partial_stride - 1) / 2,
+// indexed by column), then whether an id of the chunk added a term (1 or 0).
 //
 // Bounds: the host checks every table view and feature descriptor against the
 // tensors they name (owner_update_host.cpp). On the device a key outside
@@ -69,7 +87,7 @@ namespace torchrec_pgas {
 
 // Largest table dim the update takes (a GPU lane holds up to dim / 32 sums).
 constexpr int kOwnerMaxDim = 512;
-// Sorted positions per chunk: the CPU walkers' unit of work, the GPU's largest (owner_update.cu).
+// The largest chunk of sorted positions (one walker's serial share of a phase); the smallest is 32.
 constexpr int64_t kOwnerChunk = 256;
 
 // A table's views in the TBE's storage, built by the host from the op's
@@ -101,6 +119,9 @@ struct OwnerUpdateParams {
   const int64_t* apply;  // null, or a word on the update's device: 0 applies nothing (a refused step)
   const int64_t* used;  // null, or a word on the update's device: positions at or past it hold only keys past
                         // every table (a captured step's capacity); it sizes the walkers' chunks
+  int64_t walkers;  // the walkers the chunks are sized for: the GPU kernel's resident warps; 1 on the CPU
+  float* partials;  // [max_chunks(n, walkers)][partial_stride]: the chunks' partial sums (phase 1 -> phase 2)
+  int64_t partial_stride;
 };
 
 // The positions that may hold ids: n, or fewer where the device word `used` says so.
@@ -108,6 +129,20 @@ PGAS_UPDATE_FN int64_t used_positions(const OwnerUpdateParams& p) {
   if (p.used == nullptr) return p.n;
   const int64_t used = *p.used;
   return used < 0 ? 0 : used < p.n ? used : p.n;
+}
+
+// The positions a chunk holds for `walkers` walkers: a multiple of 32 in [32, kOwnerChunk], enough for every
+// walker to hold about one chunk (a small step's walk is a few dependent loads per id: in 256-position chunks
+// it would run on used / 256 walkers). At most max_chunks(n, walkers) chunks cover the used positions.
+PGAS_UPDATE_FN int64_t chunk_positions(int64_t used, int64_t walkers) {
+  const int64_t per_walker = (used + walkers - 1) / walkers;
+  const int64_t batches = (per_walker + 31) / 32;
+  return batches < 1 ? 32 : batches * 32 < kOwnerChunk ? batches * 32 : kOwnerChunk;
+}
+
+inline int64_t max_chunks(int64_t n, int64_t walkers) {
+  const int64_t at_largest = (n + kOwnerChunk - 1) / kOwnerChunk;
+  return at_largest > walkers ? at_largest : walkers;
 }
 
 PGAS_UPDATE_FN int64_t key_at(const OwnerUpdateParams& p, int64_t q) {
@@ -337,33 +372,122 @@ PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, c
   }
 }
 
-// The walk of one chunk of sorted positions [lo, hi): every run that starts
-// in it, in sorted order, each summed over its ids (past hi if it runs on) and
-// applied when the next run starts. Positions before the chunk's first run
-// start belong to the previous chunk's run: skipped. Per batch of kCount
-// positions: the fields lane-per-position (id_meta); then, kDepth ids at a
-// time, their gradient rows and their runs' weight rows are loaded before the
-// first is summed, so a walker keeps kDepth rows in flight. Every branch is
-// uniform over the lanes (all of them walk the same id), so they stay
-// converged. A row's ids are summed by one walker: a row hit by a million ids
-// is one walker's million loads. Keys past every table's rows sort last and end
-// every walk: a capacity's unused tail costs its walkers one read of its keys.
-template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Lanes lanes) {
+// A chunk's partial: the run's column sums and carries as the lane holds them, and whether an id added a term.
+template <typename Lanes>
+PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t chunk, int dim, const float* g,
+                                  const float* carry, bool added, Lanes lanes) {
+  float* out = p.partials + chunk * p.partial_stride;
+  const int64_t cols = (p.partial_stride - 1) / 2;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    if (d < dim) {
+      out[d] = g[j];
+      out[cols + d] = carry[j];
+    }
+  }
+  if (lanes.lane == 0) out[2 * cols] = added ? 1.f : 0.f;
+}
+
+// Adds a chunk's partial to a run's compensated sum: its sum, then its carry taken back.
+template <typename Lanes>
+PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t chunk, int dim, float* g, float* carry,
+                                bool& added, Lanes lanes) {
+  const float* in = p.partials + chunk * p.partial_stride;
+  const int64_t cols = (p.partial_stride - 1) / 2;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    if (d < dim) {
+      add_compensated(g[j], carry[j], in[d]);
+      add_compensated(g[j], carry[j], -in[cols + d]);
+    }
+  }
+  added = added || in[2 * cols] != 0.f;
+}
+
+// Adds the terms of positions [lo, hi), all of one run (of a table `dim` wide), in sorted order: per batch of
+// kCount positions their fields lane-per-position, then kDepth ids' gradient rows in flight at a time.
+template <typename Lanes, typename grad_t>
+PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi, int dim, Lanes lanes, float* g,
+                              float* carry, bool& added) {
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
+  for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
+    const int64_t q = q0 + lanes.lane;
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, false, false};
+    prefetch_grad_row<grad_t>(p, mine);
+    const int count = hi - q0 < Lanes::kCount ? static_cast<int>(hi - q0) : Lanes::kCount;
+    for (int i0 = 0; i0 < count; i0 += kDepth) {
+      float term[kDepth][kColumns];
+      bool adds[kDepth];
+      PGAS_UNROLL
+      for (int k = 0; k < kDepth; ++k) {  // loads only
+        const int i = i0 + k < count ? i0 + k : count - 1;
+        const int64_t src = lanes.broadcast(mine.src, i);
+        const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
+        adds[k] = i0 + k < count && src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dim, weight, inv_length, lanes, term[k]);
+      }
+      PGAS_UNROLL
+      for (int k = 0; k < kDepth; ++k) {
+        if (!adds[k]) continue;
+        added = true;
+        PGAS_UNROLL
+        for (int j = 0; j < lanes.columns(dim); ++j) add_compensated(g[j], carry[j], term[k][j]);
+      }
+    }
+  }
+}
+
+// Whether `key` lies past every table's rows (a captured step's padding sorts there).
+PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
+  const OwnerTable& last = p.tables[p.num_tables - 1];
+  return key >= last.key_base + last.rows;
+}
+
+// A chunk where no run starts, inside one long run (not one of keys past the tables or before them): summed
+// whole into the chunk's partial, which phase 2 adds to the run's.
+template <typename Lanes, typename grad_t>
+PGAS_UPDATE_FN void sum_interior_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t lo, int64_t hi,
+                                       Lanes lanes) {
+  const int64_t key = key_at(p, lo);
+  if (key < 0 || past_tables(p, key)) return;
+  const int dim = static_cast<int>(p.tables[table_of(p, key)].dim);
+  float g[Lanes::kMaxColumns], carry[Lanes::kMaxColumns];
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) g[j] = carry[j] = 0.f;
+  bool added = false;
+  sum_terms<Lanes, grad_t>(p, lo, hi, dim, lanes, g, carry, added);
+  store_partial(p, chunk, dim, g, carry, added, lanes);
+}
+
+// Phase 1 for chunk `chunk` of sorted positions, [lo, hi) = [chunk * size, min((chunk + 1) * size, used)):
+// every run that starts in it, in sorted order, summed over its ids and applied when the next run starts; the
+// last one stored as the chunk's partial instead where it runs on past hi. Positions before the chunk's first
+// run start belong to an earlier chunk's run: skipped. Per batch of kCount positions: the fields
+// lane-per-position (id_meta); then, kDepth ids at a time, their gradient rows and their runs' weight rows are
+// loaded before the first is summed, so a walker keeps kDepth rows in flight. Every branch is uniform over
+// the lanes (all of them walk the same id), so they stay converged. Keys past every table's rows sort last and
+// end every walk.
+template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
+  constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
+  const int64_t lo = chunk * size, hi = lo + size < used ? lo + size : used;
+  if (lo >= hi) return;
+  if (lo > 0 && key_at(p, lo - 1) == key_at(p, hi - 1)) return sum_interior_chunk<Lanes, grad_t>(p, chunk, lo, hi, lanes);
   const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
   OpenRun<kColumns> run;
   run.table = -1;
   run.added = false;
   run.row = 0;
   bool opened = false;  // a run of this chunk has started
-  for (int64_t q0 = lo; q0 < p.n; q0 += Lanes::kCount) {
+  for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
-    const IdMeta mine = q < p.n ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true, true};
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true, true};
     prefetch_grad_row<grad_t>(p, mine);
-    // The batch ends at the first position that starts a run at or past hi (the next chunk's), at n, or at
-    // the first key past every table (the padding of a captured step's fixed capacity: never walked).
-    const unsigned past = lanes.ballot(mine.starts && (q >= hi || mine.beyond));
+    // The batch ends at hi or at the first key past every table (the padding of a captured step's fixed
+    // capacity: never walked).
+    const unsigned past = lanes.ballot(mine.starts && mine.beyond);
     const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
     const unsigned starts = lanes.ballot(mine.starts);
     for (int i0 = 0; i0 < end; i0 += kDepth) {
@@ -405,9 +529,51 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t lo, int64_t h
         }
       }
     }
-    if (end < Lanes::kCount || (!opened && q0 + Lanes::kCount >= hi)) break;
+    if (end < Lanes::kCount) return close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);  // the padding
   }
-  close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
+  const bool crosses = hi < used && run.table >= 0 && key_at(p, hi) == key_at(p, hi - 1);
+  if (crosses) {
+    store_partial(p, chunk, static_cast<int>(p.tables[run.table].dim), run.g, run.carry, run.added, lanes);
+  } else {
+    close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
+  }
+}
+
+// The first position in [lo, hi) whose key is past `key` (hi if none): the keys are sorted.
+PGAS_UPDATE_FN int64_t run_end(const OwnerUpdateParams& p, int64_t key, int64_t lo, int64_t hi) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (key_at(p, mid) <= key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Phase 2 for chunk `chunk`: where a run starts in it and crosses its end, the run's sum is its partial, then
+// the partials of the chunks it covers whole (in chunk order), then the terms of its tail (the positions of its
+// last chunk before that chunk's first run start); then the row's one update.
+template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
+  const int64_t lo = chunk * size, hi = lo + size;
+  if (hi >= used) return;
+  const int64_t key = key_at(p, hi - 1);
+  if (key_at(p, hi) != key || (lo > 0 && key_at(p, lo - 1) == key)) return;  // ends here, or starts before
+  const IdMeta last = id_meta(p, hi - 1);
+  if (last.table < 0) return;  // a key outside the tables: nothing was stored
+  const OwnerTable& table = p.tables[last.table];
+  const int dim = static_cast<int>(table.dim);
+  OpenRun<Lanes::kMaxColumns> run;
+  run.added = false;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) run.g[j] = run.carry[j] = 0.f;
+  add_partial(p, chunk, dim, run.g, run.carry, run.added, lanes);
+  const int64_t end = run_end(p, key, hi, used);
+  const int64_t whole_end = end == used ? (used + size - 1) / size : end / size;  // past the chunks it covers
+  for (int64_t c = chunk + 1; c < whole_end; ++c) add_partial(p, c, dim, run.g, run.carry, run.added, lanes);
+  const int64_t tail = whole_end * size < hi ? hi : whole_end * size;
+  if (tail < end) sum_terms<Lanes, grad_t>(p, tail, end, dim, lanes, run.g, run.carry, run.added);
+  if (!run.added) return;
+  load_before<Lanes, weight_t, kOptimizer>(p, last.table, last.row, lanes, run.before);
+  update_row<Lanes, weight_t, kOptimizer>(table, last.row, *p.hyper, p.config, lanes, run.g, run.before);
 }
 
 // Host side (owner_update_host.cpp): the op's inputs checked, naming the bad
@@ -420,6 +586,13 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
                                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used,
                                       std::vector<at::Tensor>& on_device);
+
+// The widest table's dim: it sizes the GPU lanes' columns and the partials.
+inline int64_t widest_dim(at::TensorList weights) {
+  int64_t widest = 0;
+  for (const at::Tensor& w : weights) widest = w.size(1) > widest ? w.size(1) : widest;
+  return widest;
+}
 
 // Calls fn(weight_t{}, grad_t{}, optimizer) for the update's weight and gradient dtypes and its optimizer (an
 // std::integral_constant: each optimizer's walk is its own kernel, without the others' branches).

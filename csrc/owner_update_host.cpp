@@ -136,13 +136,20 @@ struct HostLanes {
   void sync() const {}
 };
 
+// Both phases with a CPU thread per chunk (one walker's chunk sizes: 256 positions from 256 ids on), the
+// partials in a buffer of their own.
 template <typename weight_t, typename grad_t, Optimizer kOptimizer>
-void update_on_host(const OwnerUpdateParams& p) {
-  const int64_t chunks = (used_positions(p) + kOwnerChunk - 1) / kOwnerChunk;
+void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
+  const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
+  const int64_t chunks = (used + size - 1) / size;
+  p.partial_stride = 2 * max_dim + 1;
+  std::vector<float> partials(static_cast<size_t>(chunks * p.partial_stride));
+  p.partials = partials.data();
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) {
-      walk_chunk<HostLanes, weight_t, grad_t, kOptimizer>(p, c * kOwnerChunk, c * kOwnerChunk + kOwnerChunk, HostLanes{});
-    }
+    for (int64_t c = lo; c < hi; ++c) walk_chunk<HostLanes, weight_t, grad_t, kOptimizer>(p, c, size, used, HostLanes{});
+  });
+  at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) finish_run<HostLanes, weight_t, grad_t, kOptimizer>(p, c, size, used, HostLanes{});
   });
 }
 
@@ -197,6 +204,9 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
       static_cast<int64_t>(tables.size()),
       apply.has_value() ? apply->data_ptr<int64_t>() : nullptr,
       used.has_value() ? used->data_ptr<int64_t>() : nullptr,
+      1,  // walkers: the launch sets its own
+      nullptr,  // partials: the launch allocates them
+      0,
   };
 }
 
@@ -212,9 +222,10 @@ void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, apply, used, on_device);
   if (p.apply != nullptr && *p.apply == 0) return;
+  const int64_t max_dim = widest_dim(weights);
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
                         [&](auto weight, auto grad_type, auto optimizer) {
-                          update_on_host<decltype(weight), decltype(grad_type), decltype(optimizer)::value>(p);
+                          update_on_host<decltype(weight), decltype(grad_type), decltype(optimizer)::value>(p, max_dim);
                         });
 }
 

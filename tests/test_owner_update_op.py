@@ -135,6 +135,78 @@ def test_op_matches_reference(device: str, layout: str, optimizer: EmbOptimType,
                                                              mode, dev).state()[0])  # it did update
 
 
+LONG_RUN = 100_000  # ids of one row in one step: ~390 chunks of 256 positions, summed in two phases
+LONG_TABLES, LONG_FEATURES = [(3000, 64), (500, 16)], [0, 1, 1]
+
+
+def _long_run_kjt(batch: int, weighted: bool, device: torch.device) -> KeyedJaggedTensor:
+    """Row 7 of table 0 hit by LONG_RUN ids spread over feature 0's bags (bags of different lengths, so MEAN
+    factors and per-sample weights vary along the run), between random ids; row 3 of table 1 by 5,000 ids over
+    features 1 and 2 (a shared table)."""
+    gen = torch.Generator().manual_seed(44)
+    bags = []
+    for f, t in enumerate(LONG_FEATURES):
+        hot_row, hot_ids = (7, LONG_RUN) if t == 0 else (3, 2500)
+        hot = torch.full((hot_ids,), hot_row)
+        hot_bag = torch.randint(0, batch, (hot_ids,), generator=gen)
+        for b in range(batch):
+            cold = torch.randint(0, LONG_TABLES[t][0], (int(torch.randint(0, 40, (1,), generator=gen)),),
+                                 generator=gen)
+            ids = torch.cat([cold, hot[hot_bag == b]])
+            bags.append(ids[torch.randperm(ids.numel(), generator=gen)])
+    lengths = torch.tensor([b.numel() for b in bags])
+    values = torch.cat(bags)
+    weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
+    return KeyedJaggedTensor(keys=[f"f{f}" for f in range(len(LONG_FEATURES))], values=values.to(device),
+                             lengths=lengths.to(device), weights=None if weights is None else weights.to(device),
+                             stride=batch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer,weight_dtype,grad_dtype,pooling,weighted,mode",
+                         [c for c in CASES if c.values[2] != torch.bfloat16])
+def test_a_row_of_100k_ids_matches_the_float64_reference(device: str, optimizer: EmbOptimType,
+                                                         weight_dtype: torch.dtype, grad_dtype: torch.dtype,
+                                                         pooling: PoolingMode, weighted: bool,
+                                                         mode: WeightDecayMode) -> None:
+    """A run of 10^5 ids crosses hundreds of chunks: its partials and tail, added in phase 2, give the row's
+    sum as the reference's float64 sum does, within rtol 1e-5 (fp16 weights: one ulp); two runs of the op
+    agree bit for bit."""
+    dev, batch = torch.device(device), 32
+    kjt = _long_run_kjt(batch, weighted, dev)
+    grad = (torch.randn(batch, 64 + 16 + 16, generator=torch.Generator().manual_seed(2)) * 0.1).to(grad_dtype).to(dev)
+    ref, ours, again = (FlatTables(LONG_TABLES, LONG_FEATURES, optimizer, weight_dtype, pooling, mode, dev)
+                        for _ in range(3))
+    owner_backward([ref], kjt, grad, [1], reference=True)
+    assert op_update(ours, kjt, grad, 0, 1) and op_update(again, kjt, grad, 0, 1)
+    for got, want, repeat in zip(ours.state(), ref.state(), again.state()):
+        assert torch.equal(got, repeat)
+        if got.dtype == torch.float16:
+            ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp(min=2.0 ** -14)
+            assert bool(((got.float() - want.float()).abs() <= ulp).all())
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_walk_does_not_depend_on_the_thread_count() -> None:
+    """The CPU path's chunks are fixed by the used positions, not by its threads: one thread and two update
+    a long run bit for bit alike."""
+    kjt = _long_run_kjt(16, True, torch.device("cpu"))
+    grad = torch.randn(16, 96, generator=torch.Generator().manual_seed(3))
+    states = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            tbe = FlatTables(LONG_TABLES, LONG_FEATURES, EmbOptimType.ADAM, torch.float32, PoolingMode.MEAN,
+                             WeightDecayMode.NONE, torch.device("cpu"))
+            assert op_update(tbe, kjt, grad, 0, 1)
+            states.append(tbe.state())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_op_update_skips_ids_outside_their_tables(device: str) -> None:
     """Ids outside their table's rows update nothing: a KJT with them (negative, past the table, inside the
@@ -282,6 +354,46 @@ def test_op_walks_alike_at_any_chunk_size(n: int) -> None:
         for name in ("weights", "momentum1"):
             torch.testing.assert_close(got[name][0].cpu(), want[name][0], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}, used {used}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_split_walk_is_bit_identical_eager_and_replayed() -> None:
+    """The GPU's chunks follow the used positions and the device, not the launch: an eager update at the ids'
+    count and the same update captured at a capacity four times larger (the count in the device word ``used``)
+    and replayed write the same bits, as do two eager runs; a run of 10^5 ids crosses hundreds of chunks."""
+    dev, rows, dim, batch = torch.device("cuda"), 4000, 64, 128
+    gen = torch.Generator().manual_seed(9)
+    n = 300_000
+    keys = torch.cat([torch.randint(0, rows, (n - LONG_RUN,), generator=gen), torch.full((LONG_RUN,), 11)])
+    keys = keys.sort(stable=True).values
+    base = _op_args(offsets=torch.arange(batch + 1) * (n // batch), grad=torch.randn(batch, dim, generator=gen),
+                    weights=[torch.randn(rows, dim, generator=gen)], momentum1=[torch.randn(rows, dim, generator=gen)],
+                    momentum2=[torch.rand(rows, dim, generator=gen)],
+                    config=as_tensor(build(OwnerUpdateConfig, optimizer=Optimizer.ADAM,
+                                           weight_decay_mode=WeightDecay.NONE, mean=0, weighted=0, batch=batch)),
+                    keys=keys, bags=torch.randint(0, batch, (n,), generator=gen, dtype=torch.int32))
+    eager = [_on(dev, base) for _ in range(2)]
+    for args in eager:
+        _run(args)
+    pad = 3 * n
+    captured = _on(dev, dict(base, keys=torch.cat([keys, torch.full((pad,), rows)]),
+                             bags=torch.cat([base["bags"], torch.full((pad,), -1, dtype=torch.int32)]),
+                             used=torch.tensor([n])))
+    start = [t.clone() for name in ("weights", "momentum1", "momentum2") for t in captured[name]]
+    _run(captured)  # the first update uploads the descriptors: never under capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        _run(captured)
+    torch.cuda.current_stream().wait_stream(stream)
+    for t, s in zip((t for name in ("weights", "momentum1", "momentum2") for t in captured[name]), start):
+        t.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in ("weights", "momentum1", "momentum2"):
+        assert torch.equal(eager[0][name][0], eager[1][name][0]), name
+        assert torch.equal(captured[name][0], eager[0][name][0]), name
 
 
 def _kept_buffer(device: torch.device, lengths: List[int], first_id: List[int]) -> dict:
