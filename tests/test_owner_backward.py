@@ -383,3 +383,21 @@ def test_owner_backward_follows_learning_rate_changes() -> None:
     """A learning rate set through ``fused_optimizer`` reaches the owner backward as it reaches FBGEMM's."""
     for to_stock, to_unchanged in run_distributed(_learning_rate_change, 2):
         assert to_stock <= 1e-5 and to_unchanged > 1e-3, (to_stock, to_unchanged)
+
+
+def test_pooling_capacity_sizes_each_tables_features() -> None:
+    """The capacity sums each feature's ids per bag: its table's ``pooling_capacity`` (from the plan's pooling
+    factors), else ``avg_pooling_capacity``."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from torchrec_pgas import pooling_capacity_from_constraints
+
+    constraints = {"a": ParameterConstraints(pooling_factors=[1.0]), "b": ParameterConstraints(pooling_factors=[3.0, 7.5])}
+    capacity = pooling_capacity_from_constraints(constraints, headroom=1.2)
+    assert capacity == pytest.approx({"a": 1.2, "b": 9.0})
+    config = PgasConfig(max_local_batch_size=100, avg_pooling_capacity=32, pooling_capacity=capacity)
+    assert config.ids_capacity(["a", "a", "b", "c"]) == 100 * (1.2 + 1.2 + 9.0 + 32)
+    assert hash(config) == hash(PgasConfig(max_local_batch_size=100, pooling_capacity=dict(reversed(capacity.items()))))
+    assert PgasConfig(max_ids_per_rank=5, pooling_capacity=capacity).ids_capacity(["a"]) == 5
+    with pytest.raises(ValueError, match=r"ids per bag must be > 0, got \[\('a', 0\)\]"):
+        PgasConfig(pooling_capacity={"a": 0})

@@ -184,8 +184,9 @@ def test_a_row_of_100k_ids_matches_the_float64_reference(device: str, optimizer:
         if got.dtype == torch.float16:
             ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp(min=2.0 ** -14)
             assert bool(((got.float() - want.float()).abs() <= ulp).all())
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:  # a column whose 10^5 terms cancel to a small sum keeps the compensated sum's ~n eps^2 error
+            # of the terms' magnitude, which Adam's step carries to ~1e-6 absolute (measured on an H200: 1.3e-6)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
 
 
 def test_the_cpu_walk_does_not_depend_on_the_thread_count() -> None:

@@ -116,6 +116,8 @@ def _bad_inputs(rank: int, world: int) -> Dict[str, str]:
     attempt("too_large", with_id(good, pos_tf1, 37) if rank == 1 else good, wgood)
     attempt("negative", with_id(good, 0, -5) if rank == 0 else good, wgood)
     attempt("capacity", good, wgood, config=PgasConfig(max_local_batch_size=16, max_ids_per_rank=2))
+    one_sixteenth = {t: 1 / 16 for t in ("t0", "t1", "t2", "t3")}  # one id a feature in a batch of 16
+    attempt("pooling_capacity", good, wgood, config=PgasConfig(max_local_batch_size=16, pooling_capacity=one_sixteenth))
     small, wsmall = sample_batches(model, rank, batch=3 if rank == 1 else 4)[0]
     attempt("batch_mismatch", small, wsmall)
     big, wbig = sample_batches(model, rank, batch=17)[0]
@@ -143,6 +145,8 @@ def test_bad_inputs_raise_clear_errors() -> None:
     assert r1["negative"].startswith("PgasPeerAbortError: rank 0 aborted")
     assert "PgasCapacityError" in r0["capacity"] + r1["capacity"]
     assert "ids in one step, above the capacity of 2" in r0["capacity"] + r1["capacity"]
+    assert "PgasCapacityError" in r0["pooling_capacity"] + r1["pooling_capacity"]
+    assert "(PgasConfig.max_ids_per_rank / pooling_capacity / avg_pooling_capacity)" in r0["pooling_capacity"]
     for r in (r0, r1):
         assert "equal local batch sizes" in r["batch_mismatch"]
         assert "has 3" in r["batch_mismatch"] and "has 4" in r["batch_mismatch"]

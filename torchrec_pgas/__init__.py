@@ -27,6 +27,7 @@ from torchrec_pgas.types import (
     PgasInputError,
     PgasPeerAbortError,
     PgasTimeoutError,
+    pooling_capacity_from_constraints,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "check_errors",
     "copy_kjt_",
     "finalize_all",
+    "pooling_capacity_from_constraints",
     "init",
     "pgas_steps",
     "shutdown",

@@ -1,8 +1,9 @@
 """Public types of torchrec-pgas: sharding-type names, the per-sharder config, errors."""
 
+import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
@@ -41,10 +42,16 @@ class PgasConfig:
     Args:
         max_local_batch_size: largest local batch (KJT stride) a rank may feed.
         max_ids_per_rank: most ids (KJT values) one rank may feed one sharding
-            in one step. ``None`` means ``max_local_batch_size * num_features *
-            avg_pooling_capacity`` for each sharding.
+            in one step. ``None`` means ``max_local_batch_size`` times the sum
+            over the sharding's features of their table's ids per bag
+            (``pooling_capacity``, else ``avg_pooling_capacity``).
         avg_pooling_capacity: the mean ids per bag that the default capacity
-            covers.
+            covers, for tables ``pooling_capacity`` does not name.
+        pooling_capacity: per table name, the mean ids per bag (over a step's
+            batch) its features' capacity covers: the plan's pooling factors
+            with headroom (``pooling_capacity_from_constraints``), e.g. 1 for a
+            one-hot feature, whose buffers, kept ids and sort then hold 1/32 of
+            the default's positions. A mapping or (name, ids) pairs.
         wait_timeout_s: how long a rank waits for a peer's signal before it
             raises (a peer that crashed or diverged must not hang the job).
         training: keep what a backward needs: gradient blocks and a third
@@ -85,6 +92,7 @@ class PgasConfig:
     max_local_batch_size: int = 4096
     max_ids_per_rank: Optional[int] = None
     avg_pooling_capacity: int = 32
+    pooling_capacity: Union[Mapping[str, float], Tuple[Tuple[str, float], ...]] = ()
     wait_timeout_s: float = 120.0
     training: bool = True
     owner_backward: str = "pgas"
@@ -104,6 +112,11 @@ class PgasConfig:
             raise ValueError(
                 f"PgasConfig.avg_pooling_capacity must be > 0, got {self.avg_pooling_capacity}"
             )
+        pairs = tuple(sorted(dict(self.pooling_capacity).items()))
+        bad = [(name, ids) for name, ids in pairs if not ids > 0]
+        if bad:
+            raise ValueError(f"PgasConfig.pooling_capacity: ids per bag must be > 0, got {bad}")
+        object.__setattr__(self, "pooling_capacity", pairs)  # hashable, as a frozen config must be
         if self.wait_timeout_s <= 0:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         if self.max_padded_eager_ids is not None and self.max_padded_eager_ids < 0:
@@ -117,10 +130,26 @@ class PgasConfig:
             return self.max_padded_eager_ids
         return GPU_PADDED_EAGER_IDS if device_type == "cuda" else 0
 
-    def ids_capacity(self, num_features: int) -> int:
+    def ids_per_bag(self, table: str) -> float:
+        """The mean ids per bag the capacity covers for ``table``'s features."""
+        return dict(self.pooling_capacity).get(table, self.avg_pooling_capacity)
+
+    def ids_capacity(self, feature_tables: Sequence[str]) -> int:
+        """The most ids one rank may feed a sharding whose features read ``feature_tables`` in one step."""
         if self.max_ids_per_rank is not None:
             return self.max_ids_per_rank
-        return max(1, self.max_local_batch_size * num_features * self.avg_pooling_capacity)
+        per_sample = sum(self.ids_per_bag(t) for t in feature_tables)
+        return max(1, math.ceil(self.max_local_batch_size * per_sample))
+
+
+def pooling_capacity_from_constraints(constraints: Mapping[str, Any], headroom: float = 1.0) -> Dict[str, float]:
+    """``PgasConfig.pooling_capacity`` from the planner's ``ParameterConstraints`` per table: each table's
+    largest ``pooling_factors`` entry (the mean ids per bag of its features) times ``headroom`` (a step's batch
+    may average more than the data's mean). Tables without pooling factors are left to ``avg_pooling_capacity``."""
+    if not headroom > 0:
+        raise ValueError(f"headroom must be > 0, got {headroom}")
+    return {name: max(c.pooling_factors) * headroom for name, c in constraints.items()
+            if getattr(c, "pooling_factors", None)}
 
 
 def pgas_config_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> PgasConfig:

@@ -45,7 +45,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from examples.dlrm.data import SyntheticCriteo, table_rows
-from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, shutdown
+from torchrec_pgas import (
+    PgasConfig,
+    PgasEmbeddingBagCollectionSharder,
+    check_errors,
+    pooling_capacity_from_constraints,
+    shutdown,
+)
 from torchrec_pgas.placement import RankPlacement, best_placement, rank_placement
 from torchrec_pgas.planner import PgasDecisionStats, PgasEnumerator, pgas_row_wise
 from torchrec_pgas.types import PGAS_ROW_WISE
@@ -69,16 +75,21 @@ def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLR
                           over_arch_layer_sizes=[128, 64, 1], dense_device=device))
 
 
+def table_constraints(model: DLRMTrain) -> Dict[str, ParameterConstraints]:
+    """What the plan knows of each table: row-wise (stock or PGAS), fused, and its pooling factor: every
+    feature is one-hot (one id a bag), which both the planner's estimates and the PGAS buffers' capacity use."""
+    rw_types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
+    return {c.name: ParameterConstraints(sharding_types=rw_types, compute_kernels=["fused"], pooling_factors=[1.0])
+            for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()}
+
+
 def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
     """--sharding auto: the planner's choice per table between stock row_wise and pgas_row_wise.
 
     Planned by ``collective_plan`` (rank 0 plans, every rank gets its plan) on a CUDA topology, which is a
     dry run that needs no GPU: TorchRec enumerates no row-wise options for a CPU topology.
     """
-    ebc = model.model.sparse_arch.embedding_bag_collection
-    rw_types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
-    constraints = {c.name: ParameterConstraints(sharding_types=rw_types, compute_kernels=["fused"])
-                   for c in ebc.embedding_bag_configs()}
+    constraints = table_constraints(model)
     world = dist.get_world_size()
     topology = Topology(world_size=world, compute_device="cuda",
                         local_world_size=rank_placement(world).local_size(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -106,7 +117,9 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int, tra
     types = types or {t: PGAS_ROW_WISE if sharding == "pgas" else ShardingType.ROW_WISE.value for t in names}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
     if PGAS_ROW_WISE in types.values():  # inference only: no slot or buffer kept for a backward
-        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=batch, training=train))
+        config = PgasConfig(max_local_batch_size=batch, training=train,
+                            pooling_capacity=pooling_capacity_from_constraints(table_constraints(model)))
+        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)
     plan = construct_module_sharding_plan(
         ebc, {t: pgas_row_wise() if types[t] == PGAS_ROW_WISE else row_wise(compute_kernel="fused") for t in names},
         sharder=sharder, local_size=local_size, world_size=world, device_type=device.type)

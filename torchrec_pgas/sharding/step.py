@@ -267,7 +267,7 @@ class PgasStep(abc.ABC):
             world_size=env.world_size,
             num_features=spec.num_features,
             max_batch=spec.config.max_local_batch_size,
-            ids_capacity=spec.config.ids_capacity(spec.num_features),
+            ids_capacity=spec.config.ids_capacity(spec.feature_tables),
             dim_sum=block_dim_sum,
             weighted=spec.weighted,
             id_bytes=id_bytes_for(spec.shard_rows),
@@ -358,7 +358,7 @@ class PgasStep(abc.ABC):
         if nnz > lay.ids_capacity:
             return PgasCapacityError(
                 f"{self.kind}: rank {self.rank} has {nnz} ids in one step, above the capacity of "
-                f"{lay.ids_capacity} (PgasConfig.max_ids_per_rank / avg_pooling_capacity)"
+                f"{lay.ids_capacity} (PgasConfig.max_ids_per_rank / pooling_capacity / avg_pooling_capacity)"
             )
         return None
 
