@@ -107,12 +107,12 @@ __global__ void __launch_bounds__(kThreads) grad_dist_kernel(StepParams p, const
   }
 }
 
-// A source's gradients of step `epoch`: arrived, given up by the source, or timed out.
+// A source's gradients of step `epoch`: arrived, given up by the source, or timed out (the step's deadline).
 __device__ __forceinline__ int64_t await_source(const StepParams& p, int s, int64_t epoch) {
   const int64_t* slot = my_signal(p, kGradSignals, s);
-  const uint64_t start = global_timer_ns();
+  const uint64_t deadline = step_deadline_ns(p, epoch);
   int64_t seen = ld_acquire_sys(slot);
-  while (seen < 2 * epoch && global_timer_ns() - start <= static_cast<uint64_t>(p.timeout_ns)) {
+  while (seen < 2 * epoch && global_timer_ns() <= deadline) {
     seen = ld_acquire_sys(slot);
   }
   return seen < 2 * epoch ? kTimedOut : seen == 2 * epoch + 1 ? kGaveUp : kArrived;
@@ -130,7 +130,7 @@ __device__ __forceinline__ void publish_refusal(const StepParams& p, const int64
     const bool gave_up = flags[s] == kGaveUp;
     status->a = gave_up ? s : 3;
     status->b = gave_up ? 0 : s;
-    status->c = 0;
+    status->c = gave_up ? 0 : waited_ms(p, step_deadline_ns(p, epoch), global_timer_ns());
     status->epoch = epoch;
     __threadfence_system();
     status->code = gave_up ? ErrorCode::kPeerAbort : ErrorCode::kTimeout;

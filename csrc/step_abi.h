@@ -84,7 +84,10 @@ enum StateWord : int64_t {
   // + 4 slot: the error record (code, a, b, c) of the step in that buffer slot, published by its combine
   kErrRecords = 16 + 2 * kMaxWorld,
   kStepFailed = kErrRecords + 4 * kMaxSlots,  // + slot: the epoch of the last step there that failed
-  kStateWords = kStepFailed + kMaxSlots,
+  // + slot: the deadline of every wait of the step in that slot, set by its first wait
+  // ((microseconds << kDeadlineTagBits) | epoch's low bits: step_protocol.cuh step_deadline_ns)
+  kStepDeadline = kStepFailed + kMaxSlots,
+  kStateWords = kStepDeadline + kMaxSlots,
 };
 
 // One per feature of the sharding, in sharding feature order (device int64 words).
@@ -271,6 +274,7 @@ inline void describe_enums(AbiText& out) {
   PGAS_ABI_ENUM(StateWord, kBagClaims);
   PGAS_ABI_ENUM(StateWord, kErrRecords);
   PGAS_ABI_ENUM(StateWord, kStepFailed);
+  PGAS_ABI_ENUM(StateWord, kStepDeadline);
   PGAS_ABI_ENUM(StateWord, kStateWords);
   PGAS_ABI_ENUM(Optimizer, kSgd);
   PGAS_ABI_ENUM(Optimizer, kRowwiseAdagrad);

@@ -172,8 +172,35 @@ __device__ __forceinline__ int aborted_by(const StepParams& p, int64_t epoch) {
   return word != 0 && (word >> kAbortRankBits) == epoch ? static_cast<int>(word & ((1 << kAbortRankBits) - 1)) - 1 : -1;
 }
 
-// Spin until *slot >= value, for step `epoch`. False (and an error recorded) on
-// timeout or on an abort of this step. The abort word is checked once more
+// One deadline for every wait of a step on this rank, forward and backward: the
+// step's first wait sets it, timeout_ns from its start (state[kStepDeadline +
+// slot], the deadline in microseconds tagged with the epoch's low bits, claimed
+// by one atomicCAS), and each later wait of the step gives up at it. A stalled
+// peer so fails the step once, timeout_ns after its first wait, whichever of
+// the step's waits (release, index, outputs, gradients) it stalls.
+constexpr int kDeadlineTagBits = 13;
+constexpr unsigned long long kDeadlineTagMask = (1ull << kDeadlineTagBits) - 1;
+
+__device__ __forceinline__ uint64_t step_deadline_ns(const StepParams& p, int64_t epoch) {
+  unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kStepDeadline + epoch % p.num_slots);
+  const unsigned long long tag = static_cast<unsigned long long>(epoch) & kDeadlineTagMask;
+  unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(word);
+  while ((old & kDeadlineTagMask) != tag) {
+    const unsigned long long at_us = (global_timer_ns() + static_cast<uint64_t>(p.timeout_ns)) / 1000;
+    const unsigned long long seen = atomicCAS(word, old, (at_us << kDeadlineTagBits) | tag);
+    old = seen == old ? (at_us << kDeadlineTagBits) | tag : seen;
+  }
+  return (old >> kDeadlineTagBits) * 1000;
+}
+
+// How long this rank has waited in step `epoch` by `now` (from its first wait), in milliseconds.
+__device__ __forceinline__ int64_t waited_ms(const StepParams& p, uint64_t deadline, uint64_t now) {
+  return static_cast<int64_t>((now + static_cast<uint64_t>(p.timeout_ns) - deadline) / 1000000);
+}
+
+// Spin until *slot >= value, for step `epoch`. False (and an error recorded:
+// the stage, the peer and how long the step waited) at the step's deadline or
+// on an abort of this step. The abort word is checked once more
 // after the signal arrived: a peer that gave up on this rank's data aborts
 // first and signals after (release order), so its signal must not make stale
 // data look complete. `stage`: 0 index, 1 lookup, 2 combine, 3 backward.
@@ -181,11 +208,12 @@ __device__ __forceinline__ int aborted_by(const StepParams& p, int64_t epoch) {
 // release of an earlier step, which an abort of this one does not replace).
 __device__ __forceinline__ bool wait_epoch(const StepParams& p, const int64_t* slot, int64_t value, int64_t epoch,
                                            int stage, int peer, bool heed_abort = true) {
-  const uint64_t start = global_timer_ns();
+  const uint64_t deadline = step_deadline_ns(p, epoch);
   while (ld_acquire_sys(slot) < value) {
     if (heed_abort && aborted_by(p, epoch) >= 0) break;
-    if (global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-      record_error(p, epoch, ErrorCode::kTimeout, stage, peer);
+    const uint64_t now = global_timer_ns();
+    if (now > deadline) {
+      record_error(p, epoch, ErrorCode::kTimeout, stage, peer, waited_ms(p, deadline, now));
       return false;
     }
   }

@@ -20,7 +20,15 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from test_training import CONFIG, Case, _model, _train_cases, _types
-from test_training_errors import _bad_batch, _failed_backward, _misuse, check_failed_backward, check_misuse
+from test_training_errors import (
+    _bad_batch,
+    _failed_backward,
+    _misuse,
+    _stall,
+    check_failed_backward,
+    check_misuse,
+    check_stall,
+)
 from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_, pgas_steps
 from torchrec_pgas.types import PgasError
 from torchrec_pgas.testing import (
@@ -111,6 +119,15 @@ def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backwar
 @pytest.mark.peers
 def test_misuse_raises_clearly_on_gpus() -> None:
     check_misuse(run_distributed(_misuse, 2, "cuda"), "from rank 1")
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+def test_a_stalled_rank_fails_the_step_once_on_gpus(kind: str) -> None:
+    """W = 4 (ranks may share a GPU): the step's kernels wait for the stalled rank against one deadline, so
+    its backward raises wait_timeout_s after the step's first wait, not once per wait (index data, pooled
+    outputs, gradients: 3x before)."""
+    check_stall(run_distributed(_stall, 4, kind, "cuda"), "rank 3")
 
 
 @pytest.mark.peers

@@ -10,6 +10,11 @@ its upstream gradient is never rounded to fp16), while pgas_row_wise's output ke
 weights then differ by about one fp16 ulp, Adagrad's fp32 sums of squared gradients by about twice the gradient's
 fp16 rounding (2^-11) relative: 2e-3.
 
+Row-wise Adagrad's weight decay (L2, DECOUPLE) with the default owner update: FBGEMM 1.6's CPU kernels drop it
+for fp32 tables (its GPU kernels apply it), so stock CPU is not the reference there; those cases train against the
+same plan with ``owner_backward="reference"`` (the owner backward in torch ops, float64 sums, FBGEMM's GPU
+semantics) instead. With FBGEMM's owner backward both sides run FBGEMM's CPU kernels: compared with stock.
+
 A representative subset runs in ``make test``; the whole matrix is marked ``matrix`` (CI runs it after).
 """
 
@@ -20,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from torchrec_pgas.testing import (
@@ -52,6 +58,7 @@ class Case:
     kind: str  # PGAS_ROW_WISE, PGAS_TABLE_WISE or "mixed"
     optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD
     weight_decay: float = 0.0
+    decay_mode: WeightDecayMode = WeightDecayMode.NONE  # row-wise Adagrad's weight_decay_mode
     pooling: str = "sum"  # "sum", or "mixed": default_tables' MEAN tables
     data_type: DataType = DataType.FP32
     output_dtype: SparseType = SparseType.FP32
@@ -60,13 +67,15 @@ class Case:
     eval_grad: bool = False  # ... with grad enabled, its output dropped
     owner_backward: str = "fbgemm"  # PgasConfig.owner_backward (FBGEMM's path: bitwise equal to stock)
     max_padded_eager_ids: Optional[int] = None  # ... and its eager layout's bound (None: the device's default)
+    twin: str = "stock"  # what it trains against: "stock", or "reference" (the same plan, the owner backward's
+    # torch-ops reference: where stock's CPU kernels drop weight decay)
 
     @property
     def tolerance(self) -> float:
         """0 (bit-exact; fp16 weights too, stochastic rounding off) unless a row-wise EBC has a MEAN table
         (module docstring); the owner backward sums in its own order."""
         fp16 = self.output_dtype == SparseType.FP16 or self.data_type == DataType.FP16
-        if self.owner_backward == "pgas":  # its own sums' order: fp32 rounding, or one fp16 ulp
+        if self.owner_backward == "pgas" or self.twin == "reference":  # its own sums' order: fp32 rounding, or one fp16 ulp
             return 1e-3 if fp16 else 1e-5
         if self.pooling != "mixed" or self.kind == PGAS_TABLE_WISE:
             return 0.0
@@ -114,13 +123,16 @@ def _train_cases(rank: int, world: int, cases: List[Case], device_type: str,
     for i, case in enumerate(cases):
         model = _model(case, seed=i, min_rows=world if device_type == "cpu" else 1)
         fused: Dict[str, Any] = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3,
-                                 "weight_decay": case.weight_decay, "stochastic_rounding": False,
+                                 "weight_decay": case.weight_decay, "weight_decay_mode": case.decay_mode,
+                                 "stochastic_rounding": False,
                                  "output_dtype": case.output_dtype}
+        config = dataclasses.replace(CONFIG, owner_backward=case.owner_backward,
+                                     max_padded_eager_ids=case.max_padded_eager_ids)
+        twin = dataclasses.replace(config, owner_backward="reference") if case.twin == "reference" else None
         diffs = train_against_stock(model, _types(case, model, world), _batches(model, rank, steps),
-                                    dist.group.WORLD, rank_device(rank, device_type), fused,
-                                    dataclasses.replace(CONFIG, owner_backward=case.owner_backward,
-                                                        max_padded_eager_ids=case.max_padded_eager_ids),
-                                    loop=case.loop, eval_every=case.eval_every, eval_grad=case.eval_grad)
+                                    dist.group.WORLD, rank_device(rank, device_type), fused, config,
+                                    loop=case.loop, eval_every=case.eval_every, eval_grad=case.eval_grad,
+                                    twin_config=twin)
         out.append((repr(case), max(diffs), case.tolerance))
     return out
 
@@ -135,7 +147,8 @@ QUICK = [
     Case(PGAS_ROW_WISE),
     Case(PGAS_TABLE_WISE, pooling="mixed"),
     Case(PGAS_ROW_WISE, EmbOptimType.EXACT_SGD, pooling="mixed"),
-    Case("mixed", weight_decay=0.01, eval_every=4),
+    Case("mixed", weight_decay=0.01, decay_mode=WeightDecayMode.L2, eval_every=4),
+    Case("mixed", weight_decay=0.01, decay_mode=WeightDecayMode.DECOUPLE, owner_backward="pgas", twin="reference"),
     Case(PGAS_ROW_WISE, eval_every=3, eval_grad=True),
     Case(PGAS_ROW_WISE, loop="sparse_dist"),
     Case(PGAS_TABLE_WISE, loop="three_in_flight"),
@@ -219,14 +232,24 @@ def test_kept_ids_padded_reads_what_kept_ids_reads(kind: str) -> None:
 # GPUs (test_gpu_training.py). A mixed plan runs fp32 only: its stock table_wise tables of an EBC sit on one
 # rank, and stock TorchRec over gloo aborts on such a sharding with fp16 outputs by itself (the rank that owns
 # none receives fp32-sized data: "Received data size doesn't match expected size"), with no PGAS table in it.
-FULL = [Case(kind, opt, wd, pooling, data_type, out, loop=loop)
+FULL = [Case(kind, opt, wd, mode, pooling, data_type, out, loop=loop)
         for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE, "mixed")
-        for opt, wd in ((EmbOptimType.EXACT_SGD, 0.0), (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0),
-                        (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01), (EmbOptimType.EXACT_ADAGRAD, 0.0))
+        for opt, wd, mode in ((EmbOptimType.EXACT_SGD, 0.0, WeightDecayMode.NONE),
+                              (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0, WeightDecayMode.NONE),
+                              (EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01, WeightDecayMode.L2),
+                              (EmbOptimType.EXACT_ADAGRAD, 0.0, WeightDecayMode.NONE))
         for pooling in ("sum", "mixed")
         for data_type, out in ((DataType.FP32, SparseType.FP32), (DataType.FP16, SparseType.FP16))
         for loop in ("plain", "sparse_dist", "three_in_flight")
         if kind != "mixed" or out == SparseType.FP32]
+# The default owner update with weight decay, against its reference (module docstring).
+FULL += [Case(kind, EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01, mode, pooling, data_type, out, owner_backward="pgas",
+              twin="reference")
+         for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE, "mixed")
+         for mode in (WeightDecayMode.L2, WeightDecayMode.DECOUPLE)
+         for pooling in ("sum", "mixed")
+         for data_type, out in ((DataType.FP32, SparseType.FP32), (DataType.FP16, SparseType.FP16))
+         if kind != "mixed" or out == SparseType.FP32]
 
 
 @pytest.mark.slow
@@ -234,5 +257,6 @@ FULL = [Case(kind, opt, wd, pooling, data_type, out, loop=loop)
 @pytest.mark.timeout(1500)  # about 3 minutes at W = 3 on an idle 2-core machine
 @pytest.mark.parametrize("world", [2, 3])
 def test_training_matrix_matches_stock(world: int) -> None:
-    """Every sharding x optimizer x pooling x dtypes x loop (120 cases) at 2 and 3 ranks (CI, after make test)."""
+    """Every sharding x optimizer x pooling x dtypes x loop (120 cases), and the owner update's weight decay against
+    its reference (20), at 2 and 3 ranks (CI, after make test)."""
     _assert_equal(run_distributed(_train_cases, world, FULL, "cpu", MATRIX_STEPS))

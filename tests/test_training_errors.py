@@ -5,6 +5,7 @@ afterwards every weight and optimizer state must be bit-equal: the failed step c
 the next steps ran. CPU (shm backend) here; the GPU twins are in test_gpu_training.py.
 """
 
+import time
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -155,6 +156,48 @@ def check_failed_backward(results: List[Dict[str, Any]]) -> None:
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_a_failed_backward_holds_no_slot_of_the_other_shardings(kind: str) -> None:
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cpu"))
+
+
+STALL_TIMEOUT_S = 10.0  # PgasConfig.wait_timeout_s of the stall test: above what load adds to a step
+
+
+def _stall(rank: int, world: int, kind: str, device_type: str) -> Dict[str, Any]:
+    """The last rank trains two steps, then stops taking part (alive, asleep) while the others run step 3:
+    how long each of them took to raise, and what."""
+    # the owner update: FBGEMM's CPU backward refuses the empty shard a small table leaves a rank at W = 4
+    pgas, _, batches = _sides(rank, world, kind, device_type, wait_s=STALL_TIMEOUT_S, owner_backward="pgas")
+    for batch in batches[:2]:
+        _train(pgas, batch)
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(STALL_TIMEOUT_S + 8)  # past every peer's deadline, with room for their teardown
+        return {"stalled": True}
+    start = time.monotonic()
+    try:
+        _train(pgas, batches[2])
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        return {"elapsed": time.monotonic() - start, "error": None}
+    except PgasError as e:
+        return {"elapsed": time.monotonic() - start, "error": f"{type(e).__name__}: {e}"}
+
+
+def check_stall(results: List[Dict[str, Any]], stalled: str) -> None:
+    """Every rank but the stalled one raised within the step's one deadline plus 5 s, naming the stalled
+    rank (``stalled``: how the message names it; a peer's abort carries the first rank's reason)."""
+    *others, last = results
+    assert last == {"stalled": True}
+    for r in others:
+        assert r["error"] is not None and stalled in r["error"], r
+        assert r["elapsed"] <= STALL_TIMEOUT_S + 5, r
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+@pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
+def test_a_stalled_rank_fails_the_step_once_its_deadline_passes(kind: str) -> None:
+    """W = 4: one deadline for the step's waits (PgasConfig.wait_timeout_s from its first wait)."""
+    check_stall(run_distributed(_stall, 4, kind, "cpu"), "[3]")
 
 
 def _misuse(rank: int, world: int, device_type: str) -> Dict[str, Any]:

@@ -431,11 +431,13 @@ def train_against_stock(
     semi_sync_start: int = 2,
     eval_every: int = 0,
     eval_grad: bool = False,
+    twin_config: Optional[PgasConfig] = None,
 ) -> List[float]:
     """Train ``model`` sharded with ``types`` and with their stock twins on the same batches and upstream
     gradients (``LossModel``); after every step, the largest |pgas - stock| / max(1, |stock|) over every
     local weight shard and fused-optimizer state tensor (absolute below 1, relative above: Adagrad's sums of
-    squared gradients grow past 1). ``loop``: "plain", "three_in_flight" (stock runs "plain"),
+    squared gradients grow past 1). ``twin_config``: the twin is the same plan sharded with this config
+    instead (e.g. ``owner_backward="reference"`` where stock's CPU kernels differ from its GPU ones). ``loop``: "plain", "three_in_flight" (stock runs "plain"),
     "sparse_dist" (``TrainPipelineSparseDist``) or "semi_sync" (``TrainPipelineSemiSync`` from batch
     ``semi_sync_start``). ``eval_every``: a forward of the step's batch after every that many steps, under
     ``no_grad`` or, with ``eval_grad``, with grad enabled and its output dropped."""
@@ -443,7 +445,9 @@ def train_against_stock(
     wrapped = LossModel(model)
     sides = {
         "pgas": shard(wrapped, types, pg, device, config, fused_params, path="model."),
-        "stock": shard(wrapped, stock_types, pg, device, fused_params=fused_params, stock=True, path="model."),
+        "stock": (shard(wrapped, stock_types, pg, device, fused_params=fused_params, stock=True, path="model.")
+                  if twin_config is None else shard(wrapped, types, pg, device, twin_config, fused_params,
+                                                    path="model.")),
     }
     loops = {"pgas": loop, "stock": "plain" if loop == "three_in_flight" else loop}
     runs = {name: _train_steps(dmp, batches, loops[name], device, semi_sync_start, eval_every, eval_grad)

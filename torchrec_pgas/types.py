@@ -28,7 +28,7 @@ class PgasBackendType(Enum):
     NVSHMEM = "nvshmem"  # CUDA: NVSHMEM symmetric heap, GPU-initiated puts
 
 
-OWNER_BACKWARDS = ("fbgemm", "pgas")  # PgasConfig.owner_backward
+OWNER_BACKWARDS = ("fbgemm", "pgas", "reference")  # PgasConfig.owner_backward
 GPU_PADDED_EAGER_IDS = 1 << 24  # PgasConfig.max_padded_eager_ids' default on GPUs
 
 @dataclass(frozen=True)
@@ -68,6 +68,10 @@ class PgasConfig:
             replayed under autograd, so FBGEMM's fused backward + optimizer run,
             every optimizer and option included (the reference; slower: an extra
             lookup and a host sync a step, benchmarks/NOTES.md §40).
+            ``"reference"``: the owner backward of ``"pgas"`` in torch ops, each
+            row's terms summed in float64 (FBGEMM's GPU semantics, weight decay
+            included, on any device): slow, eager only; what the op is checked
+            against where FBGEMM's CPU kernels differ from its GPU ones.
         max_padded_eager_ids: with ``owner_backward="pgas"``, an eager step
             lays out and sorts an owner's kept ids at their capacity (world size
             × ids capacity, once per TBE), as a captured step does, without

@@ -550,7 +550,7 @@ class DeviceStep(PgasStep):
         ids fill a fixed capacity, and the failure check is a device word: the update applies nothing where a
         rank or a sibling sharding failed the step (every rank then refuses it; the error records raise at
         the next check). Only the owner update op can run so (FBGEMM's backward needs the id count)."""
-        if not self._owner_backward_applies(ticket.tbes):
+        if self.spec.config.owner_backward != "pgas" or not self._owner_backward_applies(ticket.tbes):
             gap = self._owner_backward_gap or f"owner_backward={self.spec.config.owner_backward!r}"
             raise PgasError(f"{self.kind}: a training step captured in a CUDA graph needs "
                             f"PgasConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's backward "
@@ -643,8 +643,9 @@ class DeviceStep(PgasStep):
                                           "no rank applies its gradients")
             if flag == 2:
                 return PgasTimeoutError(
-                    f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for the gradients of step "
-                    f"{epoch} from rank {src}: a peer crashed, diverged, or skipped this step's backward")
+                    f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.1f}s (the step's deadline, from its "
+                    f"first wait) for the gradients of step {epoch} from rank {src}: a peer crashed, diverged, or "
+                    "skipped this step's backward")
         return sibling
 
     def _consume_refusal(self, epoch: int) -> None:
@@ -734,11 +735,11 @@ class DeviceStep(PgasStep):
                 f"{self.kind} requires equal local batch sizes on all ranks: rank "
                 f"{a} has {b}, rank {self.rank} has {c}"
             )
-        if code == ErrorCode.TIMEOUT:
+        if code == ErrorCode.TIMEOUT:  # c: how long the step had waited, from its first wait (ms)
             stage = ("the release of its blocks", "index data", "pooled outputs", "the gradients")[a]
             return PgasTimeoutError(
-                f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.0f}s for {stage} from rank {b}: "
-                "a peer crashed, diverged, or is not running this step"
+                f"rank {self.rank} waited {c / 1000:.1f}s (the step's deadline, from its first wait) for {stage} "
+                f"from rank {b}: a peer crashed, diverged, or is not running this step"
             )
         if code == ErrorCode.PEER_ABORT:
             return PgasPeerAbortError(f"rank {a} aborted the {self.kind} step (see its error)")

@@ -32,8 +32,9 @@ forward on every rank (the failing rank aborts the step), so a failed step never
 import abc
 import bisect
 import itertools
+import time
 import warnings
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -57,6 +58,30 @@ from torchrec_pgas.types import PgasError, PgasInputError, PgasTimeoutError
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
 
 
+class StepDeadlines:
+    """One deadline for every wait of a step, forward and backward: ``timeout_s`` from the step's first wait
+    (``PgasConfig.wait_timeout_s``). A stalled peer so fails the step once, after the configured time,
+    whichever of the step's waits it stalls (csrc/step_protocol.cuh keeps the same rule on GPUs)."""
+
+    _KEPT = 16  # steps whose first wait is remembered: more than a step's slots and pipelines keep in flight
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._first_wait: Dict[int, float] = {}
+
+    def left(self, epoch: int) -> float:
+        """Seconds the next wait of step ``epoch`` may take (its first wait starts the clock)."""
+        now = time.monotonic()
+        start = self._first_wait.setdefault(epoch, now)
+        for old in [e for e in self._first_wait if e <= epoch - self._KEPT]:
+            del self._first_wait[old]
+        return max(0.0, start + self.timeout_s - now)
+
+    def waited(self, epoch: int) -> float:
+        """Seconds since step ``epoch``'s first wait."""
+        return time.monotonic() - self._first_wait.get(epoch, time.monotonic())
+
+
 class HostStep(PgasStep):
     """What both host shardings share: checks of the local input, of what peers wrote, and the waits."""
 
@@ -64,6 +89,21 @@ class HostStep(PgasStep):
         super().__init__(spec, env, device, block_dim_sum)
         self._hash_sizes = torch.tensor(spec.hash_sizes, dtype=torch.int64, device=device)
         self._warned: set = set()
+        self._deadlines = StepDeadlines(spec.config.wait_timeout_s)
+
+    def _wait(self, signal: Callable[[int], int], peers: Sequence[int], value: int, epoch: int, what: str) -> None:
+        """Wait until ``signal(peer)`` of every peer reaches ``value``, within step ``epoch``'s deadline; a
+        timeout names the peers still missing and how long the step has waited."""
+        slots = [signal(peer) for peer in peers]
+        try:
+            self.rt.wait(self.pad, slots, value, self._deadlines.left(epoch), what, step=epoch)
+        except PgasTimeoutError as e:
+            words = self.pad.words[PAD_HEADER_WORDS:].tolist()
+            missing = [peer for peer, slot in zip(peers, slots) if words[slot] < value]
+            raise PgasTimeoutError(
+                f"rank {self.rank} waited {self._deadlines.waited(epoch):.1f}s (step {epoch}'s deadline, "
+                f"wait_timeout_s={self._deadlines.timeout_s:g} from its first wait) for {what} from rank(s) "
+                f"{missing}: a peer crashed, diverged, or is not running this step") from e
 
     def _order(self) -> List[int]:
         """Remote peers first (their bytes travel), this rank last."""
@@ -82,9 +122,8 @@ class HostStep(PgasStep):
         lay = self.layout
         if epoch > lay.num_slots:
             try:
-                self.rt.wait(self.pad, [lay.release_signal(d) for d in range(self.world_size)],
-                             epoch - lay.num_slots, self.spec.config.wait_timeout_s,
-                             "the release of this rank's blocks", step=epoch)
+                self._wait(lay.release_signal, range(self.world_size), epoch - lay.num_slots, epoch,
+                           "the release of this rank's blocks")
             except PgasError as err:  # a peer gave the step up (its abort wakes this wait) or died
                 raise self._give_up(err, epoch)
         self.issued = epoch
@@ -148,8 +187,7 @@ class HostStep(PgasStep):
         """Wait for ``src``'s index block of ``epoch``; its (offset, batch, nnz) once the header checks out
         (it decides what is read, so it is checked like any address)."""
         lay = self.layout
-        self.rt.wait(self.pad, [lay.index_signal(src)], epoch, self.spec.config.wait_timeout_s,
-                     f"index data from rank {src}")
+        self._wait(lay.index_signal, [src], epoch, epoch, "index data")
         block = lay.index_block(epoch % lay.num_slots, src)
         h_epoch, h_batch, nnz, _ = self.buf.view(torch.int64, block + lay.header_off, 4).tolist()
         self.rt.check()
@@ -161,8 +199,7 @@ class HostStep(PgasStep):
     def _await_outputs(self, epoch: int, what: str) -> None:
         """Wait until every owner has written this rank's output block of ``epoch``."""
         lay = self.layout
-        self.rt.wait(self.pad, [lay.output_signal(s) for s in range(self.world_size)], epoch,
-                     self.spec.config.wait_timeout_s, what)
+        self._wait(lay.output_signal, range(self.world_size), epoch, epoch, what)
 
     def _received(self, src: int, src_block: int, keys: Sequence[str], key_rows: Sequence[int], nnz: int,
                   batch: int, epoch: int) -> KeyedJaggedTensor:
@@ -250,16 +287,8 @@ class HostStep(PgasStep):
             self.release(epoch)
 
     def _await_gradients(self, epoch: int) -> None:
-        lay, timeout = self.layout, self.spec.config.wait_timeout_s
-        slots = [lay.grad_signal(s) for s in range(self.world_size)]
-        try:
-            self.rt.wait(self.pad, slots, 2 * epoch, timeout, f"the gradients of step {epoch}", step=epoch)
-        except PgasTimeoutError as e:
-            words = self.pad.words[PAD_HEADER_WORDS:].tolist()
-            missing = [s for s, slot in enumerate(slots) if words[slot] < 2 * epoch]
-            raise PgasTimeoutError(
-                f"rank {self.rank} waited {timeout:.0f}s for the gradients of step {epoch} from rank(s) {missing}: "
-                "a peer crashed, diverged, or skipped this step's backward") from e
+        self._wait(self.layout.grad_signal, range(self.world_size), 2 * epoch, epoch,
+                   f"the gradients of step {epoch} (or it skipped the backward)")
 
     @abc.abstractmethod
     def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:

@@ -517,7 +517,8 @@ class PgasStep(abc.ABC):
         TBEs × W × ids capacity, are within ``PgasConfig.max_padded_eager_ids`` (by default none on CPUs)."""
         positions = len(ticket.tbes) * self.world_size * self.layout.ids_capacity  # each TBE sorts the capacity
         return (positions <= self.spec.config.padded_eager_ids(self.device.type) and not self._op_refused_capacity
-                and self._owner_backward_applies(ticket.tbes) and op_available())
+                and self.spec.config.owner_backward == "pgas" and self._owner_backward_applies(ticket.tbes)
+                and op_available())
 
     @property
     def backward_graph_stats(self) -> BackwardGraphStats:
@@ -620,7 +621,8 @@ class PgasStep(abc.ABC):
         if kjt.values().numel() == 0:
             return  # no row to update
         if self._owner_backward_applies(ticket.tbes):
-            owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters)
+            owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters,
+                           reference=self.spec.config.owner_backward == "reference")
             sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             profiling.mark("owner_backward")
             return
@@ -631,15 +633,16 @@ class PgasStep(abc.ABC):
         profiling.mark("owner_backward")
 
     def _owner_backward_applies(self, tbes: Sequence[nn.Module]) -> bool:
-        """Whether ``PgasConfig.owner_backward == "pgas"`` covers every TBE of this sharding; the first time
-        it does not, a warning says why (FBGEMM's replay serves the sharding then)."""
-        if self.spec.config.owner_backward != "pgas":
+        """Whether the owner backward (``PgasConfig.owner_backward`` "pgas" or "reference") covers every TBE of
+        this sharding; the first time it does not, a warning says why (FBGEMM's replay serves the sharding then)."""
+        if self.spec.config.owner_backward not in ("pgas", "reference"):
             return False
         if self._owner_backward_gap is None:
             reasons = [r for r in map(unsupported_update, tbes) if r is not None]
             self._owner_backward_gap = "; ".join(reasons)
             if reasons:
-                warnings.warn(f"{self.kind}: owner_backward='pgas' does not cover {self._owner_backward_gap}: "
+                warnings.warn(f"{self.kind}: owner_backward={self.spec.config.owner_backward!r} does not cover "
+                              f"{self._owner_backward_gap}: "
                               "FBGEMM's fused backward applies this sharding's gradients "
                               "(PgasConfig(owner_backward='fbgemm') chooses it without this warning)")
         return not self._owner_backward_gap
