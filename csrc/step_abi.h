@@ -87,7 +87,10 @@ enum StateWord : int64_t {
   // + slot: the deadline of every wait of the step in that slot, set by its first wait
   // ((microseconds << kDeadlineTagBits) | epoch's low bits: step_protocol.cuh step_deadline_ns)
   kStepDeadline = kStepFailed + kMaxSlots,
-  kStateWords = kStepDeadline + kMaxSlots,
+  // the address of the deadline words this sharding's waits use: 0 for its own; the first PGAS sharding's of
+  // its module, whose stages run before this one's on the stream (one deadline a step of the model)
+  kDeadlineAt = kStepDeadline + kMaxSlots,
+  kStateWords = kDeadlineAt + 1,
 };
 
 // One per feature of the sharding, in sharding feature order (device int64 words).
@@ -275,6 +278,7 @@ inline void describe_enums(AbiText& out) {
   PGAS_ABI_ENUM(StateWord, kErrRecords);
   PGAS_ABI_ENUM(StateWord, kStepFailed);
   PGAS_ABI_ENUM(StateWord, kStepDeadline);
+  PGAS_ABI_ENUM(StateWord, kDeadlineAt);
   PGAS_ABI_ENUM(StateWord, kStateWords);
   PGAS_ABI_ENUM(Optimizer, kSgd);
   PGAS_ABI_ENUM(Optimizer, kRowwiseAdagrad);

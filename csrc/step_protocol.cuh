@@ -172,17 +172,22 @@ __device__ __forceinline__ int aborted_by(const StepParams& p, int64_t epoch) {
   return word != 0 && (word >> kAbortRankBits) == epoch ? static_cast<int>(word & ((1 << kAbortRankBits) - 1)) - 1 : -1;
 }
 
-// One deadline for every wait of a step on this rank, forward and backward: the
-// step's first wait sets it, timeout_ns from its start (state[kStepDeadline +
-// slot], the deadline in microseconds tagged with the epoch's low bits, claimed
-// by one atomicCAS), and each later wait of the step gives up at it. A stalled
-// peer so fails the step once, timeout_ns after its first wait, whichever of
-// the step's waits (release, index, outputs, gradients) it stalls.
+// One deadline for every wait of a step of the model on this rank, forward and
+// backward: the step's first wait sets it, timeout_ns from its start (a word a
+// slot: the deadline in microseconds tagged with the epoch's low bits, claimed
+// by one atomicCAS), and each later wait of the step gives up at it. The words
+// are the first PGAS sharding's of the module (state[kDeadlineAt]; 0: this
+// sharding's own, state[kStepDeadline]): the shardings' stages run one after
+// another on the stream, and their epochs advance together. A stalled peer so
+// fails the step once, timeout_ns after its first wait, whichever of the
+// step's waits (release, index, outputs, gradients; of any sharding) it stalls.
 constexpr int kDeadlineTagBits = 13;
 constexpr unsigned long long kDeadlineTagMask = (1ull << kDeadlineTagBits) - 1;
 
 __device__ __forceinline__ uint64_t step_deadline_ns(const StepParams& p, int64_t epoch) {
-  unsigned long long* word = reinterpret_cast<unsigned long long*>(p.state + kStepDeadline + epoch % p.num_slots);
+  int64_t* words = reinterpret_cast<int64_t*>(p.state[kDeadlineAt]);
+  if (words == nullptr) words = p.state + kStepDeadline;
+  unsigned long long* word = reinterpret_cast<unsigned long long*>(words + epoch % p.num_slots);
   const unsigned long long tag = static_cast<unsigned long long>(epoch) & kDeadlineTagMask;
   unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(word);
   while ((old & kDeadlineTagMask) != tag) {

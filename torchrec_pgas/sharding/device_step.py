@@ -251,6 +251,16 @@ class DeviceStep(PgasStep):
         self._graphs_failed = False
         self._graph_captures = 0
         self._graph_replays = 0
+        self._deadline_owner: Optional[torch.Tensor] = None  # the state whose deadline words the waits use
+
+    def join_module(self, steps: Sequence[PgasStep]) -> None:
+        """Also wait against the module's first sharding's deadline words (csrc/step_protocol.cuh: one
+        deadline a step of the model, whichever sharding's wait it is)."""
+        super().join_module(steps)
+        leader = steps[0] if steps else self
+        if leader is not self and isinstance(leader, DeviceStep) and leader.device == self.device:
+            self._deadline_owner = leader._state  # kept alive while this sharding's kernels read its words
+            self._state[StateWord.DEADLINE_AT] = leader._state.data_ptr() + 8 * int(StateWord.STEP_DEADLINE)
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""

@@ -105,6 +105,13 @@ class HostStep(PgasStep):
                 f"wait_timeout_s={self._deadlines.timeout_s:g} from its first wait) for {what} from rank(s) "
                 f"{missing}: a peer crashed, diverged, or is not running this step") from e
 
+    def join_module(self, steps: Sequence[PgasStep]) -> None:
+        """Also share the module's first sharding's deadlines: one deadline a step of the model."""
+        super().join_module(steps)
+        leader = steps[0] if steps else self
+        if isinstance(leader, HostStep):
+            self._deadlines = leader._deadlines
+
     def _order(self) -> List[int]:
         """Remote peers first (their bytes travel), this rank last."""
         return [(self.rank + 1 + k) % self.world_size for k in range(self.world_size)]
