@@ -24,9 +24,11 @@ from test_training_errors import (
     _bad_batch,
     _failed_backward,
     _misuse,
+    _refusals,
     _stall,
     check_failed_backward,
     check_misuse,
+    check_refusals,
     check_stall,
 )
 from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_, pgas_steps
@@ -119,6 +121,14 @@ def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backwar
 @pytest.mark.peers
 def test_misuse_raises_clearly_on_gpus() -> None:
     check_misuse(run_distributed(_misuse, 2, "cuda"), "from rank 1")
+
+
+@pytest.mark.peers
+def test_a_refused_step_in_a_mixed_plan_on_gpus() -> None:
+    """The CPU twin's refusal matrix at W = 2 (three mixed plans x a bad id in a row-wise or a table-wise
+    feature, a batch over capacity; a dropped backward): the device path gives the step up on every rank, and
+    the next steps train as stock does without it."""
+    check_refusals(run_distributed(_refusals, 2, "cuda"))
 
 
 @pytest.mark.peers

@@ -269,9 +269,13 @@ MIXED_PLANS = {
                     ("table_wise@-1", "pgas_row_wise", "pgas_table_wise@0", "row_wise")),
 }
 # The bad batch: an id past its table in a pgas_row_wise feature, in a pgas_table_wise one, or a batch above
-# max_local_batch_size (every sharding refuses it).
+# max_local_batch_size (every sharding refuses it); or a failed backward: the last rank drops the step's loss
+# (every sharding's backward on the other ranks times out). Not in a plan with stock shardings: their
+# backward's collectives would wait for the rank that dropped it (gloo's timeout, not ours).
 REFUSALS = ("id-rw", "id-tw", "capacity")
+CASES = [(plan, what) for plan in MIXED_PLANS for what in REFUSALS] + [("rw-tw-rw-tw", "backward")]
 REFUSED_STEP, STEPS_AFTER = 3, 5
+BACKWARD_TIMEOUT_S = 4.0
 
 
 def _mixed_types(plan: str, world: int) -> Dict[str, str]:
@@ -295,27 +299,35 @@ def _refused(batch: TrainBatch, types: Dict[str, str], what: str) -> TrainBatch:
     return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
 
 
-def _refusal(rank: int, world: int, plan: str, what: str) -> Dict[str, Any]:
+def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> Dict[str, Any]:
     """The default owner update (row-wise Adagrad) against stock on the same batches; the last rank's step
     REFUSED_STEP is bad, every rank skips it (stock never sees it), STEPS_AFTER steps follow. The largest
     |pgas - stock| / max(1, |stock|) over every weight and optimizer state after each step, and the errors."""
     model = default_model(all_sum=True, min_rows=world)
     types = _mixed_types(plan, world)
     fused = {**FUSED, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-3}
-    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=60)
+    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=BACKWARD_TIMEOUT_S if what == "backward" else 60)
     wrapped = LossModel(model)
-    pgas = shard(wrapped, types, dist.group.WORLD, torch.device("cpu"), config, fused, path="model.")
-    stock = shard(wrapped, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, torch.device("cpu"),
-                  fused_params=fused, stock=True, path="model.")
+    dev = rank_device(rank, device_type)
+    pgas = shard(wrapped, types, dist.group.WORLD, dev, config, fused, path="model.")
+    stock = shard(wrapped, {k: stock_twin(v) for k, v in types.items()}, dist.group.WORLD, dev, fused_params=fused,
+                  stock=True, path="model.")
     gen = seeded(11 + rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
     errors, diffs = [], []
     for i in range(REFUSED_STEP + 1 + STEPS_AFTER):
-        batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True))
+        batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)).to(dev)
         try:
-            _train(pgas, _refused(batch, types, what) if i == REFUSED_STEP and rank == world - 1 else batch)
+            if what == "backward" and i == REFUSED_STEP and rank == world - 1:
+                pgas(batch)  # the forward ran; its backward never does (the loss is dropped)
+            elif i == REFUSED_STEP and rank == world - 1:
+                _train(pgas, _refused(batch, types, what))
+            else:
+                _train(pgas, batch)
         except PgasError as e:
             errors.append((i, type(e).__name__))
+        if what == "backward" and i == REFUSED_STEP:
+            dist.barrier()  # the last rank waits out the others' deadline before its next step
         if i != REFUSED_STEP:
             _train(stock, batch)
         got, ref = local_state(pgas), local_state(stock)
@@ -324,8 +336,8 @@ def _refusal(rank: int, world: int, plan: str, what: str) -> Dict[str, Any]:
     return {"errors": errors, "diffs": diffs}
 
 
-def _refusals(rank: int, world: int) -> Dict[Tuple[str, str], Dict[str, Any]]:
-    return {(plan, what): _refusal(rank, world, plan, what) for plan in MIXED_PLANS for what in REFUSALS}
+def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str, str], Dict[str, Any]]:
+    return {(plan, what): _refusal(rank, world, plan, what, device_type) for plan, what in CASES}
 
 
 def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None:
@@ -334,15 +346,20 @@ def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None
     world = len(results)
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
-            own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError"}[case[1]]
-            assert r["errors"] == [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")], (rank, case, r)
+            if case[1] == "backward":  # the others' backward times out; the last rank raised nothing
+                want = [] if rank == world - 1 else [(REFUSED_STEP, "PgasTimeoutError")]
+            else:
+                own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError"}[case[1]]
+                want = [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")]
+            assert r["errors"] == want, (rank, case, r)
             assert max(r["diffs"]) <= 1e-5, (rank, case, r["diffs"])
 
 
 def test_a_refused_step_in_a_mixed_plan_leaves_the_next_steps_equal_to_stock() -> None:
     """A pgas_table_wise sharding next to pgas_row_wise and stock ones in one EBC: a step refused by any of
     them (a bad id in a row-wise or a table-wise feature, a batch over capacity) is consumed by every PGAS
-    sharding of the EBC on every rank, and the steps after it train as stock does without it."""
+    sharding of the EBC on every rank, and the steps after it train as stock does without it; so does a step
+    whose backward one rank dropped (every sharding's backward times out elsewhere and applies nothing)."""
     check_refusals(run_distributed(_refusals, 2))
 
 
