@@ -1,10 +1,10 @@
 // The owner backward's update: one step of FBGEMM's exact optimizers (EXACT_SGD,
 // EXACT_ROWWISE_ADAGRAD, ADAM) applied by an owner to the rows of its TBE that
 // its sources' gradients touch, in the TBE's own weight and optimizer-state
-// storage. One algorithm, written once (walk_chunk): owner_update.cu runs it
-// with a warp per chunk of sorted ids, owner_update_host.cpp with a CPU thread
-// per chunk (the CPU path, the same code); torchrec_pgas/sharding/owner_backward.py
-// is its torch-ops reference.
+// storage. One algorithm in two phases, written once (walk_chunk, finish_run):
+// owner_update.cu runs them with a warp per chunk of sorted ids,
+// owner_update_host.cpp with a CPU thread per chunk (the CPU path, the same
+// code); torchrec_pgas/sharding/owner_backward.py is its torch-ops reference.
 //
 // Inputs, n kept ids of one TBE (the owner's rebuild of the ids stock hands
 // its TBE, PgasStep.kept_ids: feature-major, then source, then sample), in
