@@ -168,7 +168,7 @@ def fit(results: Dict[str, Any], name: str, base: Optional[HardwareProfile] = No
     if len(owners) > 1:  # one backward per backend cannot price two implementations
         raise ValueError(f"training runs of different owner backwards: {sorted(owners)}")
     optimizers = ", ".join(sorted({str(r.get("optimizer")) for r in trained}))
-    owner = "".join(f", {OWNER_BACKWARD[o]} owner backward" for o in owners)
+    owner = "".join(f", {OWNER_BACKWARD.get(o, o)} owner backward" for o in owners)
     backward = f"; backward: {len(trained)} training rows, {optimizers}{owner}, k_wire the forward's" if trained else ""
     source = (f"python -m torchrec_pgas.planner.calibrate on benchmarks.embedding results "
               f"(presets {', '.join(meta['presets'])}; commit {meta['commit']}; {meta['date']}{backward})")
@@ -187,7 +187,7 @@ def _with_backward(base: HardwareProfile, fitted: HardwareProfile, name: str, me
                     fitted.get(key, "eager"), k_wire=base.get(key[:-len(BWD)], "eager").k_wire)
     if not any(k.endswith(BWD) for per_backend in fitted.coefficients.values() for k in per_backend):
         raise ValueError("--base: the results have no training rows to fit a backward on")
-    owners = "".join(f"{OWNER_BACKWARD[o]} owner backward; " for o in sorted(owners_of(rows)))
+    owners = "".join(f"{OWNER_BACKWARD.get(o, o)} owner backward; " for o in sorted(owners_of(rows)))
     source = (f"{base.source}; backward (replacing any above) from benchmarks.embedding --mode train at "
               f"{meta['world_size']}x {meta['device']} ({owners}commit {meta['commit']}; {meta['date']}), k_wire this "
               f"profile's forward")
