@@ -474,7 +474,9 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
   const int64_t lo = chunk * size, hi = lo + size < used ? lo + size : used;
   if (lo >= hi) return;
-  if (lo > 0 && key_at(p, lo - 1) == key_at(p, hi - 1)) return sum_interior_chunk<Lanes, grad_t>(p, chunk, lo, hi, lanes);
+  if (lo > 0 && key_at(p, lo - 1) == key_at(p, hi - 1)) {  // no run starts here
+    return sum_interior_chunk<Lanes, grad_t>(p, chunk, lo, hi, lanes);
+  }
   const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
   OpenRun<kColumns> run;
   run.table = -1;

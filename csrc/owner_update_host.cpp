@@ -145,11 +145,12 @@ void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
   p.partial_stride = 2 * max_dim + 1;
   std::vector<float> partials(static_cast<size_t>(chunks * p.partial_stride));
   p.partials = partials.data();
+  using Lanes = HostLanes;
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) walk_chunk<HostLanes, weight_t, grad_t, kOptimizer>(p, c, size, used, HostLanes{});
+    for (int64_t c = lo; c < hi; ++c) walk_chunk<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{});
   });
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) finish_run<HostLanes, weight_t, grad_t, kOptimizer>(p, c, size, used, HostLanes{});
+    for (int64_t c = lo; c < hi; ++c) finish_run<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{});
   });
 }
 

@@ -20,10 +20,12 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
     WeightDecayMode,
 )
+from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torch.distributed as dist
 
+from torchrec_pgas import pooling_capacity_from_constraints
 from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
 from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.testing import (
@@ -385,14 +387,12 @@ def test_owner_backward_follows_learning_rate_changes() -> None:
         assert to_stock <= 1e-5 and to_unchanged > 1e-3, (to_stock, to_unchanged)
 
 
+@pytest.mark.stacks
 def test_pooling_capacity_sizes_each_tables_features() -> None:
     """The capacity sums each feature's ids per bag: its table's ``pooling_capacity`` (from the plan's pooling
     factors), else ``avg_pooling_capacity``."""
-    from torchrec.distributed.planner.types import ParameterConstraints
-
-    from torchrec_pgas import pooling_capacity_from_constraints
-
-    constraints = {"a": ParameterConstraints(pooling_factors=[1.0]), "b": ParameterConstraints(pooling_factors=[3.0, 7.5])}
+    constraints = {"a": ParameterConstraints(pooling_factors=[1.0]),
+                   "b": ParameterConstraints(pooling_factors=[3.0, 7.5])}
     capacity = pooling_capacity_from_constraints(constraints, headroom=1.2)
     assert capacity == pytest.approx({"a": 1.2, "b": 9.0})
     config = PgasConfig(max_local_batch_size=100, avg_pooling_capacity=32, pooling_capacity=capacity)

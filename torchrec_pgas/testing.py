@@ -437,7 +437,8 @@ def train_against_stock(
     gradients (``LossModel``); after every step, the largest |pgas - stock| / max(1, |stock|) over every
     local weight shard and fused-optimizer state tensor (absolute below 1, relative above: Adagrad's sums of
     squared gradients grow past 1). ``twin_config``: the twin is the same plan sharded with this config
-    instead (e.g. ``owner_backward="reference"`` where stock's CPU kernels differ from its GPU ones). ``loop``: "plain", "three_in_flight" (stock runs "plain"),
+    instead (e.g. ``owner_backward="reference"`` where stock's CPU kernels differ from its GPU ones).
+    ``loop``: "plain", "three_in_flight" (stock runs "plain"),
     "sparse_dist" (``TrainPipelineSparseDist``) or "semi_sync" (``TrainPipelineSemiSync`` from batch
     ``semi_sync_start``). ``eval_every``: a forward of the step's batch after every that many steps, under
     ``no_grad`` or, with ``eval_grad``, with grad enabled and its output dropped."""

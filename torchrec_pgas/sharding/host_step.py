@@ -294,8 +294,7 @@ class HostStep(PgasStep):
             self.release(epoch)
 
     def _await_gradients(self, epoch: int) -> None:
-        self._wait(self.layout.grad_signal, range(self.world_size), 2 * epoch, epoch,
-                   f"the gradients of step {epoch} (or it skipped the backward)")
+        self._wait(self.layout.grad_signal, range(self.world_size), 2 * epoch, epoch, f"the gradients of step {epoch}")
 
     @abc.abstractmethod
     def gradient_blocks(self, grad: torch.Tensor, ticket: StepTicket) -> Iterator[Tuple[int, torch.Tensor]]:
