@@ -5,8 +5,11 @@ afterwards every weight and optimizer state must be bit-equal: the failed step c
 the next steps ran. CPU (shm backend) here; the GPU twins are in test_gpu_training.py.
 """
 
+import contextlib
+import itertools
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
+from unittest import mock
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from torchrec_pgas.testing import (
     spread_tables,
     stock_twin,
 )
+from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError
 
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
@@ -269,13 +273,31 @@ MIXED_PLANS = {
                     ("table_wise@-1", "pgas_row_wise", "pgas_table_wise@0", "row_wise")),
 }
 # The bad batch: an id past its table in a pgas_row_wise feature, in a pgas_table_wise one, or a batch above
-# max_local_batch_size (every sharding refuses it); or a failed backward: the last rank drops the step's loss
-# (every sharding's backward on the other ranks times out). Not in a plan with stock shardings: their
-# backward's collectives would wait for the rank that dropped it (gloo's timeout, not ours).
+# max_local_batch_size (every sharding refuses it). Or a failed backward: the last rank drops the step's loss
+# (every sharding's backward on the other ranks times out), or its gradient exchange fails after its first
+# put (an OOM, a lost mapping: it aborts the step, the others raise the abort). Those two not in a plan with
+# stock shardings: their backward's collectives would wait for the failed rank (gloo's timeout, not ours).
 REFUSALS = ("id-rw", "id-tw", "capacity")
-CASES = [(plan, what) for plan in MIXED_PLANS for what in REFUSALS] + [("rw-tw-rw-tw", "backward")]
+BACKWARD_FAULTS = ("backward", "exchange")
+CASES = [(plan, what) for plan in MIXED_PLANS for what in REFUSALS] + [("rw-tw-rw-tw", f) for f in BACKWARD_FAULTS]
 REFUSED_STEP, STEPS_AFTER = 3, 5
 BACKWARD_TIMEOUT_S = 4.0
+
+
+@contextlib.contextmanager
+def _exchange_failing_after(puts: int) -> Iterator[None]:
+    """The runtime's one-sided put raises once ``puts`` more have landed: a rank whose gradient exchange
+    fails part way (the shm backend's puts; the fused kernels' are not reachable from Python)."""
+    real, calls = PgasRuntime.put, itertools.count()
+
+    def put(rt: PgasRuntime, *args: Any) -> None:
+        if next(calls) >= puts:
+            time.sleep(0.5)  # a slow failure: peers would long have used what was signalled before it
+            raise RuntimeError("injected fault: a put of the gradient exchange failed")
+        real(rt, *args)
+
+    with mock.patch.object(PgasRuntime, "put", put):
+        yield
 
 
 def _mixed_types(plan: str, world: int) -> Dict[str, str]:
@@ -306,7 +328,8 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
     model = default_model(all_sum=True, min_rows=world)
     types = _mixed_types(plan, world)
     fused = {**FUSED, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-3}
-    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=BACKWARD_TIMEOUT_S if what == "backward" else 60)
+    config = PgasConfig(max_local_batch_size=16,
+                        wait_timeout_s=BACKWARD_TIMEOUT_S if what in BACKWARD_FAULTS else 60)
     wrapped = LossModel(model)
     dev = rank_device(rank, device_type)
     pgas = shard(wrapped, types, dist.group.WORLD, dev, config, fused, path="model.")
@@ -320,6 +343,10 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
         try:
             if what == "backward" and i == REFUSED_STEP and rank == world - 1:
                 pgas(batch)  # the forward ran; its backward never does (the loss is dropped)
+            elif what == "exchange" and i == REFUSED_STEP and rank == world - 1:
+                loss, _ = pgas(batch)
+                with _exchange_failing_after(1):
+                    loss.backward()
             elif i == REFUSED_STEP and rank == world - 1:
                 _train(pgas, _refused(batch, types, what))
             else:
@@ -337,7 +364,9 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
 
 
 def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str, str], Dict[str, Any]]:
-    return {(plan, what): _refusal(rank, world, plan, what, device_type) for plan, what in CASES}
+    """Every case; on GPUs not the failed exchange, whose puts are the fused kernels'."""
+    return {(plan, what): _refusal(rank, world, plan, what, device_type) for plan, what in CASES
+            if device_type == "cpu" or what != "exchange"}
 
 
 def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None:
@@ -348,6 +377,8 @@ def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None
         for case, r in per_case.items():
             if case[1] == "backward":  # the others' backward times out; the last rank raised nothing
                 want = [] if rank == world - 1 else [(REFUSED_STEP, "PgasTimeoutError")]
+            elif case[1] == "exchange":  # the last rank's own failure; the others' the abort it sent
+                want = [(REFUSED_STEP, "PgasError" if rank == world - 1 else "PgasPeerAbortError")]
             else:
                 own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError"}[case[1]]
                 want = [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")]
@@ -359,7 +390,8 @@ def test_a_refused_step_in_a_mixed_plan_leaves_the_next_steps_equal_to_stock() -
     """A pgas_table_wise sharding next to pgas_row_wise and stock ones in one EBC: a step refused by any of
     them (a bad id in a row-wise or a table-wise feature, a batch over capacity) is consumed by every PGAS
     sharding of the EBC on every rank, and the steps after it train as stock does without it; so does a step
-    whose backward one rank dropped (every sharding's backward times out elsewhere and applies nothing)."""
+    whose backward one rank dropped (every sharding's backward times out elsewhere and applies nothing), or
+    whose gradient exchange failed on one rank after its first put (it aborts the step; nothing applied)."""
     check_refusals(run_distributed(_refusals, 2))
 
 

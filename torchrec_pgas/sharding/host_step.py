@@ -270,14 +270,7 @@ class HostStep(PgasStep):
         lay, epoch = self.layout, ticket.epoch
         slot = epoch % lay.num_slots
         try:
-            for dest, rows in self.gradient_blocks(grad, ticket):
-                if rows.dtype != self.spec.out_dtype or rows.numel() * rows.element_size() > lay.output_block_bytes:
-                    raise PgasError(f"{self.kind}: step {epoch}'s gradient for rank {dest} is {tuple(rows.shape)} "
-                                    f"{rows.dtype}, not within a {lay.output_block_bytes}-byte "
-                                    f"{self.spec.out_dtype} gradient block")
-                if rows.numel():
-                    self.rt.put(self.buf, dest, lay.grad_block(slot, self.rank), rows)
-                self.rt.signal(self.pad, dest, lay.grad_signal(self.rank), 2 * epoch)
+            self._send_gradients(ticket, grad, slot)
             self._await_gradients(epoch)
             profiling.mark("grad_exchange")
             rows, block_features, columns, batches = self.owner_view(ticket)
@@ -292,6 +285,25 @@ class HostStep(PgasStep):
             self.replay(ticket, kjt, self.kept_grads(slot, rows, columns, self.spec.out_dtype))
         finally:
             self.release(epoch)
+
+    def _send_gradients(self, ticket: StepTicket, grad: torch.Tensor, slot: int) -> None:
+        """Put this rank's gradient rows into every owner's gradient block, then signal the owners: only once
+        every put has landed, so that an owner never applies a step this rank failed to send whole. A failure
+        here aborts the step on every peer (they raise ``PgasPeerAbortError``, nothing is applied anywhere)."""
+        lay, epoch = self.layout, ticket.epoch
+        try:
+            for dest, rows in self.gradient_blocks(grad, ticket):
+                if rows.dtype != self.spec.out_dtype or rows.numel() * rows.element_size() > lay.output_block_bytes:
+                    raise PgasError(f"{self.kind}: step {epoch}'s gradient for rank {dest} is {tuple(rows.shape)} "
+                                    f"{rows.dtype}, not within a {lay.output_block_bytes}-byte "
+                                    f"{self.spec.out_dtype} gradient block")
+                if rows.numel():
+                    self.rt.put(self.buf, dest, lay.grad_block(slot, self.rank), rows)
+        except Exception as e:  # noqa: BLE001 - any failure (an OOM too) gives the step up on every rank
+            raise self.fail(PgasError(f"{self.kind} backward of step {epoch} failed on rank {self.rank} "
+                                      f"before its gradients were sent: {e}"), epoch) from e
+        for dest in self._order():
+            self.rt.signal(self.pad, dest, lay.grad_signal(self.rank), 2 * epoch)
 
     def _await_gradients(self, epoch: int) -> None:
         self._wait(self.layout.grad_signal, range(self.world_size), 2 * epoch, epoch, f"the gradients of step {epoch}")

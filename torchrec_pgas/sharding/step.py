@@ -39,7 +39,14 @@ from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, 
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.step_abi import KeptBagsConfig, as_tensor, build
-from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
+from torchrec_pgas.types import (
+    PgasCapacityError,
+    PgasConfig,
+    PgasError,
+    PgasInputError,
+    PgasPeerAbortError,
+    PgasTimeoutError,
+)
 
 PoolFn = Callable[[KeyedJaggedTensor], torch.Tensor]
 
@@ -421,14 +428,20 @@ class PgasStep(abc.ABC):
         self._awaiting_backward.discard(ticket.epoch)
         try:
             self.run_backward(ticket, grad.contiguous())
-        except PgasError:
+        except Exception as err:
             # The exception ends the whole backward: the other shardings' backwards of this step will not
             # run either, so their counters go back too, their records of the step are consumed (this
             # error stands for the step; a record left behind would raise later on this rank alone) and
             # their slots are released now, not when the step's graph is freed: a kept loss, or this
-            # exception's traceback until a garbage collection, holds it past the slot's next use.
+            # exception's traceback until a garbage collection, holds it past the slot's next use. A
+            # failure of this rank's own (not a peer's abort or silence) aborts their step on the peers
+            # too, which may wait in them first.
+            local = not isinstance(err, (PgasPeerAbortError, PgasTimeoutError))
             _undo_iterations(ticket)
             for other, t in self.siblings_awaiting(ticket.epoch):
+                if local:
+                    other.fail(PgasError(f"{other.kind}: sharding {self.kind} failed step {ticket.epoch}'s "
+                                         f"backward: {err}"), ticket.epoch)
                 other.step_failure(ticket.epoch)
                 _undo_iterations(t)
                 other.abandon_backward(ticket.epoch)
