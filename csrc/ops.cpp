@@ -65,11 +65,14 @@ OwnerKeys owner_keys_meta(const at::Tensor& ids, const c10::optional<at::Tensor>
                           const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
                           const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
 KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                       const c10::optional<at::Tensor>& whole, const at::Tensor& config);
+                       const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                       bool weighted);
 KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                        const c10::optional<at::Tensor>& whole, const at::Tensor& config);
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                        bool weighted);
 KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                        const c10::optional<at::Tensor>& whole, const at::Tensor& config);
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                        bool weighted);
 OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
 OwnerKeys sort_owner_keys_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
                                int64_t key_limit);
@@ -153,9 +156,11 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   // The bags an owner kept of a step, read from its buffer (owner_keys.h): buffer, the owner's (uint8);
   // slot_base, one int64 (the slot's first index block, bytes; a device word for a captured step); batches,
   // each source's (int64); whole, one bool or none (false: no bag keeps ids); config: the bytes of a
-  // KeptBagsConfig (CPU uint8). Returns (lengths, first_id, first_weight: empty when unweighted), int64.
-  m.def("kept_bags(Tensor buffer, Tensor slot_base, Tensor batches, Tensor? whole, Tensor config) -> "
-        "(Tensor, Tensor, Tensor)");
+  // KeptBagsConfig (CPU uint8); num_bags and weighted: the config's bag count and whether it has weights, as
+  // the output shapes (what a Meta impl and fake tensors see, who cannot read the config's bytes). Returns
+  // (lengths, first_id, first_weight: empty when unweighted), int64.
+  m.def("kept_bags(Tensor buffer, Tensor slot_base, Tensor batches, Tensor? whole, Tensor config, int num_bags, "
+        "bool weighted) -> (Tensor, Tensor, Tensor)");
   // The owner update's inputs (owner_keys.h): one TBE's kept ids as row keys, bags and per-sample weights at
   // `capacity` positions (a captured step's fixed capacity, or an eager step's id count), padded with
   // key_limit, from the owner's buffer or a KJT's values (ids: as int32 or int64 ids, weights: as fp32) and

@@ -133,10 +133,11 @@ OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>
 }
 
 KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                        const c10::optional<at::Tensor>& whole, const at::Tensor& config) {
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                        bool weighted) {
   const c10::cuda::CUDAGuard guard(buffer.device());
   KeptBags out;
-  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, out);
+  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, num_bags, weighted, out);
   const int64_t n = std::get<0>(out).numel();
   if (n > 0) {
     kept_bags_kernel<<<grid_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, n);

@@ -170,7 +170,8 @@ using KeptBags = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // lengths, fi
 
 // Host side of kept_bags: the inputs checked, naming the bad one, the outputs allocated into `out`.
 KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, KeptBags& out);
+                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                                bool weighted, KeptBags& out);
 
 // Host side (owner_keys_host.cpp): the inputs checked, naming the bad one, and the parameters built; `out`
 // receives the outputs.

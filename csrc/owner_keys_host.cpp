@@ -58,10 +58,9 @@ KeptBagsConfig checked_bags_config(const at::Tensor& config) {
 }
 
 // The kept bags' outputs, uninitialised: every bag is written.
-KeptBags empty_kept_bags(const at::Tensor& buffer, const KeptBagsConfig& c) {
-  const int64_t n = c.num_features * c.world * c.rows;
+KeptBags empty_kept_bags(const at::Tensor& buffer, int64_t num_bags, bool weighted) {
   const auto opts = buffer.options().dtype(at::kLong);
-  return {at::empty({n}, opts), at::empty({n}, opts), at::empty({c.weights_off >= 0 ? n : 0}, opts)};
+  return {at::empty({num_bags}, opts), at::empty({num_bags}, opts), at::empty({weighted ? num_bags : 0}, opts)};
 }
 
 // The outputs, uninitialised: every position is written.
@@ -122,8 +121,13 @@ OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at:
 }
 
 KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, KeptBags& out) {
+                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                                bool weighted, KeptBags& out) {
   const KeptBagsConfig c = checked_bags_config(config);
+  PGAS_CHECK(num_bags == c.num_features * c.world * c.rows && weighted == (c.weights_off >= 0),
+             "kept_bags: num_bags %lld, weighted %d are not the config's %lld bags, weighted %d",
+             static_cast<long long>(num_bags), static_cast<int>(weighted),
+             static_cast<long long>(c.num_features * c.world * c.rows), static_cast<int>(c.weights_off >= 0));
   const at::Device device = buffer.device();
   PGAS_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous() &&
                  reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 8 == 0,
@@ -137,7 +141,7 @@ KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot
   PGAS_CHECK(!whole.has_value() || (whole->scalar_type() == at::kBool && whole->numel() == 1 &&
                                      whole->device() == device),
              "kept_bags: whole must be one bool on the buffer's device");
-  out = empty_kept_bags(buffer, c);
+  out = empty_kept_bags(buffer, num_bags, weighted);
   return KeptBagsParams{
       buffer.data_ptr<uint8_t>(), buffer.numel(), slot_base.data_ptr<int64_t>(),  // one element: contiguous
       batches.data_ptr<int64_t>(), whole.has_value() ? whole->data_ptr<bool>() : nullptr, c,
@@ -162,9 +166,10 @@ void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at:
 
 // CPU implementations (the same algorithm as owner_keys.cu).
 KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                       const c10::optional<at::Tensor>& whole, const at::Tensor& config) {
+                       const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                       bool weighted) {
   KeptBags out;
-  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, out);
+  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, num_bags, weighted, out);
   for (int64_t i = 0; i < std::get<0>(out).numel(); ++i) write_kept_bag(p, i);
   return out;
 }
@@ -201,8 +206,8 @@ OwnerKeys owner_keys_meta(const at::Tensor&, const c10::optional<at::Tensor>& we
 }
 
 KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor&, const at::Tensor&,
-                        const c10::optional<at::Tensor>&, const at::Tensor& config) {
-  return empty_kept_bags(buffer, checked_bags_config(config));
+                        const c10::optional<at::Tensor>&, const at::Tensor&, int64_t num_bags, bool weighted) {
+  return empty_kept_bags(buffer, num_bags, weighted);
 }
 
 OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t) {

@@ -97,14 +97,14 @@ def test_owner_keys_meta_impls() -> None:
 @needs_ext
 def test_kept_bags_meta_impl() -> None:
     """The kept bags on meta tensors: a bag per held feature, source and row; no weights' starts unweighted
-    (the config stays a host tensor, read for the sizes, as combine_partials' is)."""
+    (sizes from the op's num_bags and weighted: the config is not read, as a fake tensor's cannot be)."""
     meta = torch.device("meta")
     config = build(KeptBagsConfig, index_block_bytes=4096, lengths_off=64, offsets_off=256, ids_off=512,
                    weights_off=-1, id_bytes=4, max_batch=8, features_per_block=5, first_feature=1,
                    num_features=3, world=2, rows=6)
     lengths, first_id, first_weight = torch.ops.torchrec_pgas.kept_bags(
         torch.empty(8192, dtype=torch.uint8, device=meta), torch.empty(1, dtype=torch.int64, device=meta),
-        torch.empty(2, dtype=torch.int64, device=meta), None, as_tensor(config))
+        torch.empty(2, dtype=torch.int64, device=meta), None, as_tensor(config), 36, False)
     assert (lengths.shape, first_id.shape, first_weight.shape) == ((36,), (36,), (0,))
     assert lengths.dtype == first_id.dtype == torch.int64 and lengths.device.type == "meta"
 

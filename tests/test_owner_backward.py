@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from torchrec_pgas import pooling_capacity_from_constraints
 from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
-from torchrec_pgas.sharding.step import PgasStep
+from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
+from torchrec_pgas.sharding.owner_apply import OwnerApply
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -259,9 +260,9 @@ def test_a_row_of_100k_ids_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precis
 
 
 def _counting_owner_paths(counts: Dict[str, int]) -> Callable[[], None]:
-    """Count the owner updates applied at capacity (``PgasStep.update_at_capacity``) and the owner rebuilds at
-    the id count (``PgasStep.kept_ids``) of this process into ``counts``; returns the undo."""
-    at_capacity, at_count = PgasStep.update_at_capacity, PgasStep.kept_ids
+    """Count the owner updates applied at capacity (``OwnerApply.update_at_capacity``) and the owner rebuilds at
+    the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``; returns the undo."""
+    at_capacity, at_count = OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids
 
     def capacity(*args: Any, **kwargs: Any) -> bool:
         taken = at_capacity(*args, **kwargs)
@@ -272,10 +273,10 @@ def _counting_owner_paths(counts: Dict[str, int]) -> Callable[[], None]:
         counts["count"] += 1
         return at_count(*args, **kwargs)
 
-    PgasStep.update_at_capacity, PgasStep.kept_ids = capacity, count  # type: ignore[method-assign]
+    OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = capacity, count  # type: ignore[method-assign]
 
     def undo() -> None:
-        PgasStep.update_at_capacity, PgasStep.kept_ids = at_capacity, at_count  # type: ignore[method-assign]
+        OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = at_capacity, at_count  # type: ignore[method-assign]
     return undo
 
 

@@ -523,7 +523,8 @@ def test_kept_bags_reads_each_bags_length_and_starts_from_its_sources_block(
     dev = torch.device(device)
     lengths, first_id, first_weight = torch.ops.torchrec_pgas.kept_bags(
         buf.to(dev), torch.tensor([slot_base], device=dev), torch.tensor(batches, device=dev),
-        None if whole is None else torch.tensor([whole], device=dev), as_tensor(build(KeptBagsConfig, **config)))
+        None if whole is None else torch.tensor([whole], device=dev), as_tensor(build(KeptBagsConfig, **config)),
+        2 * 2 * 6, weighted)
     want = _kept_bags_by_the_rule(buf, slot_base, batches, whole, config)
     assert lengths.tolist() == want[0] and first_id.tolist() == want[1]
     assert first_weight.tolist() == (want[2] if weighted else [])
@@ -544,15 +545,21 @@ def test_kept_bags_refuses_a_config_that_names_no_block(change: dict, message: s
     with pytest.raises(RuntimeError, match=message):
         torch.ops.torchrec_pgas.kept_bags(torch.zeros(9216, dtype=torch.uint8), torch.tensor([1024]),
                                           torch.tensor([8] * min(max(fields["world"], 1), 2)), None,
-                                          as_tensor(build(KeptBagsConfig, **fields)))
+                                          as_tensor(build(KeptBagsConfig, **fields)), 0, False)
 
 
-def test_kept_bags_refuses_a_buffer_off_its_words() -> None:
+def test_kept_bags_refuses_a_buffer_off_its_words_and_sizes_not_its_configs() -> None:
     config = as_tensor(build(KeptBagsConfig, **BAGS_LAYOUT, weights_off=-1, id_bytes=4, first_feature=0,
                              num_features=3, rows=8))
     with pytest.raises(RuntimeError, match="starting on 8 bytes"):
         torch.ops.torchrec_pgas.kept_bags(torch.zeros(9217, dtype=torch.uint8)[1:], torch.tensor([1024]),
-                                          torch.tensor([8, 8]), None, config)
+                                          torch.tensor([8, 8]), None, config, 48, False)
+    with pytest.raises(RuntimeError, match="num_bags 47, weighted 0 are not the config's 48 bags, weighted 0"):
+        torch.ops.torchrec_pgas.kept_bags(torch.zeros(9216, dtype=torch.uint8), torch.tensor([1024]),
+                                          torch.tensor([8, 8]), None, config, 47, False)
+    with pytest.raises(RuntimeError, match="weighted 1 are not the config's 48 bags, weighted 0"):
+        torch.ops.torchrec_pgas.kept_bags(torch.zeros(9216, dtype=torch.uint8), torch.tensor([1024]),
+                                          torch.tensor([8, 8]), None, config, 48, True)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -583,3 +590,30 @@ def test_op_refuses_inputs_that_would_address_outside_the_tables(change: dict, m
     with pytest.raises(RuntimeError, match=message):
         _run(args)
     assert not weights.any()  # nothing written
+
+
+def _opcheck_cases(dev: torch.device) -> dict:
+    """Each op of the owner backward on small valid inputs (those above), by name."""
+    kept = _kept_buffer(dev, [1, 2, 3, 0, 2, 2], [0, 5, 10, 20, 30, 49])
+    update = _on(dev, _op_args(weights=[torch.zeros(10, 4)], momentum1=[], momentum2=[]))
+    bags_config = dict(BAGS_LAYOUT, weights_off=2048, id_bytes=4, first_feature=1, num_features=2, rows=6)
+    keys = torch.tensor([5, 3, 9, 3, 1], device=dev)
+    return {
+        "kept_bags": ((_bags_buffer(torch.Generator().manual_seed(1)).to(dev), torch.tensor([1024], device=dev),
+                       torch.tensor([8, 5], device=dev), torch.tensor([True], device=dev),
+                       as_tensor(build(KeptBagsConfig, **bags_config)), 2 * 2 * 6, True), {}),
+        "owner_keys": ((), dict(kept, capacity=9)),
+        "sort_owner_keys": ((keys, torch.arange(5, dtype=torch.int32, device=dev), torch.rand(5, device=dev), 7),
+                            {}),
+        "owner_update": ((), update),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["kept_bags", "owner_keys", "sort_owner_keys", "owner_update"])
+def test_the_owner_backwards_ops_pass_opcheck(device: str, name: str) -> None:
+    """The dispatcher's view of each op (its schema's mutations and aliasing, its Meta impl, its use under
+    torch.compile's fake tensors) matches what the kernel does: torch.library.opcheck. The ops that wait on
+    peers (index_dist ... await_grads) cannot run alone, so they are not checked."""
+    args, kwargs = _opcheck_cases(torch.device(device))[name]
+    torch.library.opcheck(getattr(torch.ops.torchrec_pgas, name).default, args, kwargs)

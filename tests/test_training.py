@@ -41,8 +41,8 @@ from torchrec_pgas.testing import (
     train_against_stock,
 )
 from torchrec_pgas.sharding.owner_backward import op_available
-from torchrec_pgas.sharding import step as step_module
-from torchrec_pgas.sharding.step import PgasStep
+from torchrec_pgas.sharding import kept_ids as kept_ids_module
+from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.step_abi import OwnerKeysConfig, as_tensor, build
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
@@ -176,23 +176,23 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
     bags and weights, then padding (key past every table, bag -1) and nothing else. Returns how many owner
     rebuilds were checked."""
     checked: List[int] = []
-    exact = PgasStep.kept_ids
+    exact = ReceivedBlocks.kept_ids
     key_limit = 2 ** 40  # past any id of the test's tables
 
-    def both(step: PgasStep, epoch: int, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
+    def both(received: ReceivedBlocks, epoch: int, rows: int, block_features: Tuple[int, int, int], batches: torch.Tensor,
              whole: Any = None) -> Any:
-        kjt = exact(step, epoch, rows, block_features, batches, whole)
-        step_module.op_available = lambda: False  # the same bags read by torch ops (a pure-Python install)
+        kjt = exact(received, epoch, rows, block_features, batches, whole)
+        kept_ids_module.op_available = lambda: False  # the same bags read by torch ops (a pure-Python install)
         try:
-            by_torch = exact(step, epoch, rows, block_features, batches, whole)
+            by_torch = exact(received, epoch, rows, block_features, batches, whole)
         finally:
-            step_module.op_available = op_available
+            kept_ids_module.op_available = op_available
         assert torch.equal(kjt.offsets(), by_torch.offsets()) and torch.equal(kjt.values(), by_torch.values())
         assert (kjt.weights_or_none() is None) == (by_torch.weights_or_none() is None)
         assert kjt.weights_or_none() is None or torch.equal(kjt.weights(), by_torch.weights())
-        lay = step.layout
+        lay = received.layout
         slot_base = torch.tensor(lay.index_block(epoch % lay.num_slots, 0))
-        padded = step.kept_ids_padded(slot_base, rows, block_features, batches, torch.tensor(True))
+        padded = received.kept_ids_padded(slot_base, rows, block_features, batches, torch.tensor(True))
         n, lengths, nbags = kjt.values().numel(), kjt.lengths(), kjt.lengths().numel()
         assert padded.capacity == world * lay.ids_capacity >= n and padded.stride == kjt.stride()
         assert torch.equal(padded.bags.offsets, kjt.offsets())
@@ -208,7 +208,7 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
         checked.append(n)
         return kjt
 
-    PgasStep.kept_ids = both  # type: ignore[method-assign]
+    ReceivedBlocks.kept_ids = both  # type: ignore[method-assign]
     try:
         case = Case(kind, pooling="mixed")
         model = _model(case, seed=1, min_rows=world)
@@ -216,7 +216,7 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
         train_against_stock(model, _types(case, model, world), _batches(model, rank, 4), dist.group.WORLD,
                             rank_device(rank, "cpu"), fused, dataclasses.replace(CONFIG, owner_backward="fbgemm"))
     finally:  # FBGEMM's owner backward: every eager step reads the kept ids (the owner update's may not)
-        PgasStep.kept_ids = exact  # type: ignore[method-assign]
+        ReceivedBlocks.kept_ids = exact  # type: ignore[method-assign]
     return len(checked)
 
 

@@ -5,11 +5,8 @@ afterwards every weight and optimizer state must be bit-equal: the failed step c
 the next steps ran. CPU (shm backend) here; the GPU twins are in test_gpu_training.py.
 """
 
-import contextlib
-import itertools
 import time
-from typing import Any, Dict, Iterator, List, Tuple
-from unittest import mock
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -23,6 +20,7 @@ from torchrec_pgas.testing import (
     all_tables,
     default_model,
     default_tables,
+    failing_puts,
     local_state,
     random_kjt,
     rank_device,
@@ -32,7 +30,6 @@ from torchrec_pgas.testing import (
     spread_tables,
     stock_twin,
 )
-from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError
 
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
@@ -284,22 +281,6 @@ REFUSED_STEP, STEPS_AFTER = 3, 5
 BACKWARD_TIMEOUT_S = 4.0
 
 
-@contextlib.contextmanager
-def _exchange_failing_after(puts: int) -> Iterator[None]:
-    """The runtime's one-sided put raises once ``puts`` more have landed: a rank whose gradient exchange
-    fails part way (the shm backend's puts; the fused kernels' are not reachable from Python)."""
-    real, calls = PgasRuntime.put, itertools.count()
-
-    def put(rt: PgasRuntime, *args: Any) -> None:
-        if next(calls) >= puts:
-            time.sleep(0.5)  # a slow failure: peers would long have used what was signalled before it
-            raise RuntimeError("injected fault: a put of the gradient exchange failed")
-        real(rt, *args)
-
-    with mock.patch.object(PgasRuntime, "put", put):
-        yield
-
-
 def _mixed_types(plan: str, world: int) -> Dict[str, str]:
     types = {}
     for prefix, kinds in zip("tw", MIXED_PLANS[plan]):
@@ -345,7 +326,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
                 pgas(batch)  # the forward ran; its backward never does (the loss is dropped)
             elif what == "exchange" and i == REFUSED_STEP and rank == world - 1:
                 loss, _ = pgas(batch)
-                with _exchange_failing_after(1):
+                with failing_puts(after=1):
                     loss.backward()
             elif i == REFUSED_STEP and rank == world - 1:
                 _train(pgas, _refused(batch, types, what))

@@ -22,6 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.device_step import DeviceStep
+from torchrec_pgas.sharding.group import StepGroup
 from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
 from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_params
 from torchrec_pgas.sharding.step import PgasStep
@@ -127,6 +128,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=qcomm_codecs_registry,
             sharded_module_order_overwrite=sharded_module_order_overwrite,
         )
+        self._group = StepGroup()
 
     def shard(
         self,
@@ -136,7 +138,9 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> PgasShardedEmbeddingBagCollection:
-        return PgasShardedEmbeddingBagCollection(
+        """Stock's sharded EBC with the PGAS types; its PGAS shardings join this sharder's group (the model's:
+        ``torchrec_pgas.sharding.group``)."""
+        sharded = PgasShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
@@ -146,6 +150,8 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
         )
+        self._group.join(pgas_steps(sharded))
+        return sharded
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         if sharding_type in PGAS_SHARDING_TYPES:

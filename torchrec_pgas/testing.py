@@ -14,12 +14,15 @@ not bit-exact (stock RW vs unsharded differs by ~1e-8 too). fp32 outputs must
 agree within ``atol=1e-5, rtol=1e-5``.
 """
 
+import contextlib
 import copy
 import dataclasses
 import datetime
+import itertools
 import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,7 @@ from torchrec.streamable import Pipelineable
 from torchrec_pgas.bootstrap import shutdown
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
 from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
+from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
 
@@ -363,6 +367,23 @@ def local_state(dmp: nn.Module, clone: bool = True) -> Dict[str, torch.Tensor]:
             for i, shard_ in enumerate(st.local_shards() if isinstance(st, ShardedTensor) else []):
                 out[f"{param}/{key}#{i}"] = shard_.tensor.detach()
     return {k: v.clone() for k, v in out.items()} if clone else out
+
+
+@contextlib.contextmanager
+def failing_puts(after: int) -> Iterator[None]:
+    """The runtime's one-sided put raises (after half a second) once ``after`` more puts have landed: a rank
+    whose gradient exchange fails part way, slowly enough that peers would have used whatever it signalled
+    before (the shm backend's puts; the fused kernels' are not reachable from Python)."""
+    real, calls = PgasRuntime.put, itertools.count()
+
+    def put(rt: PgasRuntime, *args: Any) -> None:
+        if next(calls) >= after:
+            time.sleep(0.5)
+            raise RuntimeError("injected fault: a put of the gradient exchange failed")
+        real(rt, *args)
+
+    with mock.patch.object(PgasRuntime, "put", put):
+        yield
 
 
 def _three_in_flight(dmp: nn.Module, batches: Sequence[TrainBatch], device: torch.device) -> Iterator[None]:

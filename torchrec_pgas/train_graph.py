@@ -15,13 +15,9 @@ from typing import Any, Callable, List, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.sharding.capture import CapturedStep, recording_captured_steps
 from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
-from torchrec_pgas.sharding.step import (
-    CapturedStep,
-    advance_tbe_iterations,
-    recording_captured_steps,
-    sync_tbe_iterations,
-)
+from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
 from torchrec_pgas.types import PgasError
 
 

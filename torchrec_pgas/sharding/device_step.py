@@ -44,18 +44,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import divisor_magic
 from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
-from torchrec_pgas.sharding.step import (
-    BackwardGraphStats,
-    PgasStep,
-    PoolFn,
-    StepSpec,
-    StepTicket,
-    advance_tbe_iterations,
-    gradient_divisor,
-    record_captured_backward,
-    record_captured_step,
-    sync_tbe_iterations,
-)
+from torchrec_pgas.sharding.capture import record_captured_backward, record_captured_step
+from torchrec_pgas.sharding.step import BackwardGraphStats, PgasStep, StepSpec, gradient_divisor
+from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
+from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
 from torchrec_pgas.step_abi import (
     ERROR_RECORD_WORDS,
     BoundsMode,
@@ -411,7 +403,7 @@ class DeviceStep(PgasStep):
         f_lo, f_hi = self.lookup_features
         # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
         rows = lay.max_batch if self._owners.variable_batch else batch
-        if f_hi > f_lo and rows > 0 and not gave_up and self.updates_at_capacity(ticket):
+        if f_hi > f_lo and rows > 0 and not gave_up and self.owner_apply.at_capacity(ticket):
             # The update is launched before the sources' flags are read and applies nothing unless ``whole``:
             # the host waits for the exchange only, not for the update.
             exchanged = torch.cuda.current_stream(self.device).record_event()
@@ -441,13 +433,13 @@ class DeviceStep(PgasStep):
         if self._graph_storage is not None and self._graph_storage != [storage_key(t) for t in ticket.tbes]:
             self._backward_graphs.clear()  # they write through the old addresses: never again, even if they return
             self._graph_storage = None  # until a launched update at capacity builds what a capture reads
-        if not (epoch == self.looked_up and not self._awaiting_backward and epoch not in self._gave_up
+        if not (epoch == self.looked_up and not self.backwards.pending() and epoch not in self._gave_up
                 and self._graph_storage is not None
-                and self.lookup_features[1] > self.lookup_features[0] and self.updates_at_capacity(ticket)
+                and self.lookup_features[1] > self.lookup_features[0] and self.owner_apply.at_capacity(ticket)
                 and (self._owners.variable_batch or ticket.batch > 0)):  # the launched path's rows > 0
             return False
         return all(isinstance(o, DeviceStep) and o.looked_up == epoch and epoch not in o._gave_up
-                   for o, _ in self.siblings_awaiting(epoch))
+                   for o, _ in self.group.siblings_awaiting(self, epoch))
 
     def _replay_backward(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
         """The eager backward as one graph replay, which copies the sources' flags to the host and records an
@@ -455,7 +447,7 @@ class DeviceStep(PgasStep):
         only, and raises as it does. False, with nothing run, where the capture failed (the launched path
         serves)."""
         epoch, lay = ticket.epoch, self.layout
-        siblings = tuple(o for o, _ in self.siblings_awaiting(epoch) if isinstance(o, DeviceStep))
+        siblings = tuple(o for o, _ in self.group.siblings_awaiting(self, epoch) if isinstance(o, DeviceStep))
         slot = epoch % lay.num_slots
         key = (ticket.batch, slot, gradient_divisor(self.world_size), tuple(sorted(id(o) for o in siblings)))
         graph = self._backward_graphs.pop(key, None)  # re-inserted last: the dict's order is least recent first
@@ -522,11 +514,12 @@ class DeviceStep(PgasStep):
         """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
         f_lo, f_hi = self.lookup_features
         batches = self._kept_batches(slot)
-        kjt = self.kept_ids(ticket.epoch, rows, (f_lo, f_hi - f_lo, self.layout.num_features), batches, whole)
+        kjt = self.received.kept_ids(ticket.epoch, rows, (f_lo, f_hi - f_lo, self.layout.num_features), batches, whole)
         profiling.mark("kept_ids")
         self._raise_backward_problem(ticket.epoch, None)  # after the sync
         if f_hi > f_lo:
-            self.replay(ticket, kjt, self.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype))
+            grads = self.received.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype)
+            self.owner_apply.replay(ticket, kjt, grads)
 
     def _raise_backward_problem(self, epoch: int, ready: Optional[torch.cuda.Event]) -> None:
         """Raise why step ``epoch``'s gradients must not be applied, if they must not, once ``ready`` (an event
@@ -534,7 +527,7 @@ class DeviceStep(PgasStep):
         in (their combines ran before), and the sources' flags on the host."""
         if ready is not None:
             ready.synchronize()
-        problem = self._backward_problem(epoch, self.failed_sibling(epoch))
+        problem = self._backward_problem(epoch, self.group.failed_sibling(self, epoch))
         if problem is not None:
             try:
                 raise problem
@@ -545,14 +538,14 @@ class DeviceStep(PgasStep):
                      iterations: Optional[Sequence[Optional[int]]]) -> bool:
         """``update_at_capacity`` of the features this rank holds, their sources' batches read on the device."""
         f_lo, f_hi = self.lookup_features
-        return self.update_at_capacity(ticket, slot, rows, (f_lo, f_hi - f_lo, self.layout.num_features),
-                                       self._held_columns(), self._kept_batches(slot), whole, iterations)
+        return self.owner_apply.update_at_capacity(ticket, slot, rows, (f_lo, f_hi - f_lo, self.layout.num_features),
+                                                   self._held_columns(), self._kept_batches(slot), whole, iterations)
 
     def _kept_batches(self, slot: Union[int, torch.Tensor]) -> torch.Tensor:
         """Each source's batch from its index block's header in ``slot`` (an int, or a device tensor), on the
         device."""
         words = self._batch_words[slot] if isinstance(slot, int) else self._batch_words.index_select(0, slot.view(1))
-        return self._buffer_as(torch.int64)[words.view(-1)]
+        return self.received.buffer_as(torch.int64)[words.view(-1)]
 
     def _captured_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The backward under CUDA-graph capture: the same stages as :meth:`_exchange_and_apply` with nothing
@@ -560,17 +553,17 @@ class DeviceStep(PgasStep):
         ids fill a fixed capacity, and the failure check is a device word: the update applies nothing where a
         rank or a sibling sharding failed the step (every rank then refuses it; the error records raise at
         the next check). Only the owner update op can run so (FBGEMM's backward needs the id count)."""
-        if self.spec.config.owner_backward != "pgas" or not self._owner_backward_applies(ticket.tbes):
-            gap = self._owner_backward_gap or f"owner_backward={self.spec.config.owner_backward!r}"
+        if self.spec.config.owner_backward != "pgas" or not self.owner_apply.covers(ticket.tbes):
+            gap = self.owner_apply.gap or f"owner_backward={self.spec.config.owner_backward!r}"
             raise PgasError(f"{self.kind}: a training step captured in a CUDA graph needs "
                             f"PgasConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's backward "
                             "reads the step's id count on the host")
         if ticket.epoch in self._gave_up:
             raise self._gave_up.pop(ticket.epoch)
-        if ticket.epoch != self.looked_up or self._awaiting_backward:  # the kernels take the last lookup's epoch
+        if ticket.epoch != self.looked_up or self.backwards.pending():  # the kernels take the last lookup's epoch
             raise PgasError(f"{self.kind}: a captured training step must run each sharding's forward once, then "
                             f"its backward (step {ticket.epoch}'s backward after lookup {self.looked_up})")
-        siblings = tuple(o for o, _ in self.siblings_awaiting(ticket.epoch) if isinstance(o, DeviceStep))
+        siblings = tuple(o for o, _ in self.group.siblings_awaiting(self, ticket.epoch) if isinstance(o, DeviceStep))
         whole = self._exchange_kernels(grad, ticket.batch, siblings)
         self._update_kernels(ticket, self._state[StateWord.CTR_LOOKUP] % self.layout.num_slots, whole)
         torch.ops.torchrec_pgas.release_sources(*self._state_args(), 0)
@@ -623,7 +616,7 @@ class DeviceStep(PgasStep):
         not run (a device-recorded bad id is recorded on its rank only): this rank's grad dist then gives
         up, so every peer refuses this sharding's step too. Device words, no sync; True where a sibling gave
         the step up on the host."""
-        siblings = [other for other, _ in self.siblings_awaiting(epoch) if isinstance(other, DeviceStep)]
+        siblings = [other for other, _ in self.group.siblings_awaiting(self, epoch) if isinstance(other, DeviceStep)]
         if not siblings:
             return False
         failed = torch.stack([o.failed_word(epoch) for o in siblings]).eq(epoch).any()
@@ -720,7 +713,7 @@ class DeviceStep(PgasStep):
         that waits for its backward keeps its record: the backward raises it."""
         records = sorted(r for r in self._status.tolist() if r[1] != ErrorCode.NONE)
         for epoch, *_ in records:
-            if epoch in self._awaiting_backward:
+            if self.backwards.awaits(epoch):
                 continue
             record = self._status[epoch % self.layout.num_slots]
             values = record.tolist()

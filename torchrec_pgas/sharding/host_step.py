@@ -43,15 +43,9 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
-from torchrec_pgas.sharding.step import (
-    PgasStep,
-    PoolFn,
-    StepSpec,
-    StepTicket,
-    advance_tbe_iterations,
-    gradient_divisor,
-    sync_tbe_iterations,
-)
+from torchrec_pgas.sharding.step import PgasStep, StepSpec, gradient_divisor
+from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
+from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
 from torchrec_pgas.types import PgasError, PgasInputError, PgasTimeoutError
 
@@ -275,14 +269,14 @@ class HostStep(PgasStep):
             profiling.mark("grad_exchange")
             rows, block_features, columns, batches = self.owner_view(ticket)
             # the host path raised any failure of the step before its backward: the step is whole here
-            if (block_features[1] and rows > 0 and self.updates_at_capacity(ticket)
-                    and self.update_at_capacity(ticket, slot, rows, block_features, columns, batches,
-                                                torch.ones((), dtype=torch.bool), ticket.tbe_iters)):
+            if (block_features[1] and rows > 0 and self.owner_apply.at_capacity(ticket)
+                    and self.owner_apply.update_at_capacity(ticket, slot, rows, block_features, columns, batches,
+                                                            torch.ones((), dtype=torch.bool), ticket.tbe_iters)):
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                 return
-            kjt = self.kept_ids(epoch, rows, block_features, batches)
+            kjt = self.received.kept_ids(epoch, rows, block_features, batches)
             profiling.mark("kept_ids")
-            self.replay(ticket, kjt, self.kept_grads(slot, rows, columns, self.spec.out_dtype))
+            self.owner_apply.replay(ticket, kjt, self.received.kept_grads(slot, rows, columns, self.spec.out_dtype))
         finally:
             self.release(epoch)
 

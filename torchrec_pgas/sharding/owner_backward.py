@@ -28,7 +28,7 @@ import ctypes
 import functools
 import itertools
 import weakref
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -49,8 +49,27 @@ from torchrec_pgas.step_abi import (
     build,
 )
 
-if TYPE_CHECKING:
-    from torchrec_pgas.sharding.step import PaddedIds
+class KeptBags(NamedTuple):
+    """The bags an owner kept of a step (feature-major, then source, then sample): id counts, their offsets,
+    and where each bag's ids and per-sample weights start, as elements of the owner's buffer."""
+
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    first_id: torch.Tensor
+    first_weight: Optional[torch.Tensor]
+
+
+class PaddedIds(NamedTuple):
+    """The ids an owner kept of a step as a captured step reads them (``ReceivedBlocks.kept_ids_padded``): the
+    kept bags (their offsets computed on the device) and the owner's buffer as ids and as fp32 weights, which
+    the ``owner_keys`` op lays out at a fixed capacity; ``stride``: bags per feature."""
+
+    bags: KeptBags
+    ids: torch.Tensor
+    weights: Optional[torch.Tensor]
+    capacity: int
+    stride: int
+
 
 SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM)
 # FBGEMM's weight_decay_mode values the row-wise Adagrad update knows: none, L2 (into the gradient's
@@ -339,7 +358,7 @@ def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
         _HYPER_WRITTEN[tbe] = written
 
 
-def padded_owner_backward(tbes: Sequence[nn.Module], kept: "PaddedIds", grads: torch.Tensor, apply: torch.Tensor,
+def padded_owner_backward(tbes: Sequence[nn.Module], kept: PaddedIds, grads: torch.Tensor, apply: torch.Tensor,
                           iterations: Optional[Sequence[Optional[int]]]) -> bool:
     """The owner backward without the id count on the host: each TBE's kept ids laid out at a fixed capacity by
     the ``owner_keys`` op (padding keys past every table after its own ids, which the update never walks), and

@@ -1,0 +1,81 @@
+"""The PGAS shardings of one model: what one's failed backward must tell the others.
+
+An exception in one sharding's backward ends the model's whole backward, so the model's other PGAS shardings
+whose backward of that step had not run never will: they give the step up too (``PgasStep.backward``). Which
+shardings belong together is the model's business, not the process's: two models trained in one process,
+their steps interleaved, share epochs but not backwards. The group is the sharder's
+(``PgasEmbeddingBagCollectionSharder``: DMP shards every module of a model through the one sharder it is
+given), so it spans a model's EBCs; give each model its own sharder.
+"""
+
+import weakref
+from typing import Iterable, List, Optional, Protocol, Tuple
+
+from torchrec_pgas.sharding.tbe_counters import undo_tbe_iterations
+from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
+from torchrec_pgas.types import PgasError, PgasPeerAbortError, PgasTimeoutError
+
+
+class GroupMember(Protocol):
+    """What a group needs of a sharding's step (``PgasStep``)."""
+
+    kind: str
+    group: "StepGroup"
+    backwards: AwaitedBackwards
+
+    def fail(self, err: PgasError, epoch: int) -> PgasError: ...
+
+    def step_failure(self, epoch: int) -> Optional[PgasError]: ...
+
+    def abandon_backward(self, epoch: int) -> None: ...
+
+
+class StepGroup:
+    """The PGAS steps of one model (weakly held: a group never keeps a sharded module alive)."""
+
+    def __init__(self) -> None:
+        self._steps: "weakref.WeakSet[GroupMember]" = weakref.WeakSet()
+
+    def join(self, steps: Iterable[GroupMember]) -> None:
+        """Make ``steps`` members of this group, leaving the group each was in."""
+        for step in steps:
+            step.group._steps.discard(step)
+            step.group = self
+            self._steps.add(step)
+
+    def siblings_awaiting(self, step: GroupMember, epoch: int) -> List[Tuple[GroupMember, StepTicket]]:
+        """The group's other steps whose step ``epoch`` still awaits its backward, with that step's ticket (the
+        shardings of one model run each forward once, so their epochs agree)."""
+        pairs = [(other, other.backwards.ticket(epoch)) for other in list(self._steps) if other is not step]
+        return [(other, ticket) for other, ticket in pairs if ticket is not None]
+
+    def failed_sibling(self, step: GroupMember, epoch: int) -> Optional[PgasError]:
+        """The error of step ``epoch`` of another sharding of the model whose backward of that step has not run
+        yet, if that step failed: then no sharding of the model may apply the step. Every rank records a failed
+        step (the failing rank its error, the others the abort), so every rank refuses alike. The failed step's
+        TBE counters go back as its own backward would put them."""
+        first: Optional[PgasError] = None
+        for other, ticket in self.siblings_awaiting(step, epoch):
+            err = other.step_failure(epoch)  # consumed in every sibling: none raises it again later
+            if err is not None:
+                undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+                first = first or err
+        return first
+
+    def give_up_backward(self, step: GroupMember, ticket: StepTicket, err: Exception) -> None:
+        """``step``'s backward of ``ticket``'s step raised ``err``, which ends the model's whole backward: the
+        other shardings' backwards of that step will not run either. Every sharding's counters go back, the
+        siblings' records of the step are consumed (``err`` stands for the step; a record left behind would
+        raise later on this rank alone) and their slots are released now, not when the step's graph is freed
+        (a kept loss, or this exception's traceback until a garbage collection, holds it past the slot's next
+        use). A failure of this rank's own (not a peer's abort or silence) aborts their step on the peers too,
+        which may wait in them first."""
+        local = not isinstance(err, (PgasPeerAbortError, PgasTimeoutError))
+        undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+        for other, t in self.siblings_awaiting(step, ticket.epoch):
+            if local:
+                other.fail(PgasError(f"{other.kind}: sharding {step.kind} failed step {ticket.epoch}'s "
+                                     f"backward: {err}"), ticket.epoch)
+            other.step_failure(ticket.epoch)
+            undo_tbe_iterations(t.tbes, t.tbe_iters)
+            other.abandon_backward(ticket.epoch)

@@ -1,0 +1,64 @@
+"""The TBEs' iteration counters across PGAS steps. FBGEMM's forward adds one to a TBE's counter (optimizers past
+EXACT_ADAGRAD count forwards and read it, e.g. Adam's bias correction) and its backward reads it. A PGAS step
+runs stock's forward on no TBE, so it moves the counters as that forward would (``advance_tbe_iterations``),
+sets the device copy once its owner update ran (``sync_tbe_iterations``), puts them back for a failed step
+(``undo_tbe_iterations``), and gives a replayed FBGEMM backward the counter its forward saw
+(``iterations_before_forward``). A counter is None for a TBE that does not count."""
+
+import contextlib
+from typing import Iterator, List, Optional, Sequence
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+
+
+@contextlib.contextmanager
+def iterations_before_forward(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> Iterator[None]:
+    """The TBEs' iteration counters as they were before stock's forward of the replayed step (FBGEMM's
+    forward adds one and hands it to the optimizer, e.g. Adam's bias correction), restored after."""
+    saved = []
+    for tbe, it in zip(tbes, iters):
+        if it is not None:
+            saved.append((tbe, int(tbe.iter_cpu)))
+            tbe.iter_cpu.fill_(it - 1)
+            tbe.iter.fill_(it - 1)
+    try:
+        yield
+    finally:
+        for tbe, it in saved:
+            tbe.iter_cpu.fill_(it)
+            tbe.iter.fill_(it)
+
+
+def advance_tbe_iterations(tbes: Sequence[nn.Module]) -> List[Optional[int]]:
+    """What stock's forward does to each TBE's iteration counter (the optimizers past EXACT_ADAGRAD count
+    forwards, ``no_grad`` ones too), done on the host copy only; the replay sets the device copy."""
+    out: List[Optional[int]] = []
+    for tbe in tbes:
+        if not _counts_iterations(tbe):
+            out.append(None)
+            continue
+        if int(tbe.iter_cpu) == 0:  # a loaded checkpoint's count, once (as FBGEMM's forward does)
+            tbe.iter_cpu.fill_(int(tbe.iter.cpu()))
+        out.append(int(tbe.iter_cpu.add_(1)))
+    return out
+
+
+def sync_tbe_iterations(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> None:
+    """Each counting TBE's device counter as a replayed FBGEMM step leaves it (checkpoints carry it), after an
+    owner update that did not run FBGEMM's (``iters``: the step's, None for a TBE that does not count)."""
+    for tbe, it in zip(tbes, iters):
+        if it is not None:
+            tbe.iter.fill_(int(tbe.iter_cpu))
+
+
+def _counts_iterations(tbe: nn.Module) -> bool:
+    return hasattr(tbe, "iter_cpu") and getattr(tbe, "optimizer", None) not in (
+        EmbOptimType.NONE, EmbOptimType.EXACT_SGD, EmbOptimType.LARS_SGD, EmbOptimType.EXACT_ADAGRAD)
+
+
+def undo_tbe_iterations(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> None:
+    """A failed step's counters back to before its forward, unless a later forward moved them."""
+    for tbe, it in zip(tbes, iters):
+        if it is not None and int(tbe.iter_cpu) == it:
+            tbe.iter_cpu.fill_(it - 1)
