@@ -86,7 +86,7 @@ from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.testing import fill_embeddings_, local_state
-from torchrec_pgas.types import OWNER_BACKWARDS
+from torchrec_pgas.types import OwnerBackward, PgasTrainingConfig
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
@@ -643,7 +643,7 @@ def single_gpu_reference(preset: str, w: Workload, args: argparse.Namespace,
 def layout_ab(pgas: DistributedModelParallel, inference: DistributedModelParallel, stock: DistributedModelParallel,
               inputs: List[KeyedJaggedTensor], args: argparse.Namespace, device: torch.device) -> Dict[str, float]:
     """What a no-grad forward pays for training support: the PGAS forward with the training layout (``pgas``)
-    and with ``PgasConfig(training=False)`` (``inference``), timed in alternating blocks of ``AB_BLOCK``
+    and with ``PgasConfig(training=None)`` (``inference``), timed in alternating blocks of ``AB_BLOCK``
     steps, so that the drift of host-bound steps between two sweeps (±15-50% on s004) falls on both alike."""
     for x in inputs:
         torch.testing.assert_close(inference(x).values(), stock(x).values(), atol=ATOL, rtol=RTOL)
@@ -885,19 +885,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-single-gpu", action="store_true", help="skip the 1-GPU TBE reference")
     parser.add_argument("--comm-timeline", action="store_true", help="trace one PGAS step's remote bytes (GPU)")
     parser.add_argument("--inference-only", action="store_true",
-                        help="PgasConfig(training=False): two slots, no gradient region (the forwards are no-grad)")
+                        help="PgasConfig(training=None): two slots, no gradient region (the forwards are no-grad)")
     parser.add_argument("--layout-ab", action="store_true",
-                        help="also time the PGAS forward with PgasConfig(training=False), in alternating blocks "
+                        help="also time the PGAS forward with PgasConfig(training=None), in alternating blocks "
                              "with the training layout's (what a no-grad forward pays for training support)")
     parser.add_argument("--mode", default="forward", choices=["forward", "train"],
                         help="train: the training step too, after the forward (module docstring)")
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(OPTIMIZERS),
                         help="--mode train: the tables' fused optimizer (adam: GPUs only, as FBGEMM's CPU TBE)")
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
-    parser.add_argument("--owner-backward", default=PgasConfig.owner_backward, choices=list(OWNER_BACKWARDS),
-                        help="--mode train: PgasConfig.owner_backward (who applies the owner's gradients)")
+    parser.add_argument("--owner-backward", default=OwnerBackward.PGAS.value, choices=[o.value for o in OwnerBackward],
+                        help="--mode train: PgasTrainingConfig.owner_backward (who applies the owner's gradients)")
     parser.add_argument("--launched-backward", action="store_true",
-                        help="--mode train --owner-backward pgas: PgasConfig(eager_backward_graphs=False), the "
+                        help="--mode train --owner-backward pgas: PgasTrainingConfig(eager_backward_graphs=False), the "
                              "eager backward's kernels launched one by one, not replayed as CUDA graphs (its A/B)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                         help="--mode train: each side's host time a step (p50 over STEPS calls, recorded as "
@@ -970,11 +970,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         for key, same in itertools.groupby(workloads, key=group):
             ws = list(same)
             config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
-                                training=not args.inference_only, owner_backward=args.owner_backward,
-                                eager_backward_graphs=not args.launched_backward)
+                                training=None if args.inference_only else PgasTrainingConfig(
+                                    owner_backward=args.owner_backward,
+                                    eager_backward_graphs=not args.launched_backward))
             stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)
             pgas = shard_ebc(ws[0], True, args.pair, config, device, fused_params)
-            inference = (shard_ebc(ws[0], True, args.pair, dataclasses.replace(config, training=False), device,
+            inference = (shard_ebc(ws[0], True, args.pair, dataclasses.replace(config, training=None), device,
                                    fused_params) if args.layout_ab else None)
             for w in ws:
                 progress.set_postfix_str(f"{w.preset}/{w.name}")

@@ -71,7 +71,7 @@ COLUMNS = {"eager": ("stock_p50_ms", "pgas_p50_ms"), "graph": (None, "pgas_graph
 TRAIN_COLUMNS = ("stock_train_p50_ms", "pgas_train_p50_ms")
 # What ``validate`` checks: the forward per timing mode, and the eager training step.
 VALIDATED_MODES = ("eager", "graph", "train")
-# A training run's --owner-backward (PgasConfig.owner_backward), as the profile's source names it.
+# A training run's --owner-backward (PgasTrainingConfig.owner_backward), as the profile's source names it.
 OWNER_BACKWARD = {"fbgemm": "FBGEMM", "pgas": "PGAS"}
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torchrec_pgas import check_errors
 from torchrec_pgas.placement import rank_placement
 from torchrec_pgas.testing import LossModel, TrainBatch, default_model, random_kjt, seeded, shard
-from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
+from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig, PgasTrainingConfig
 
 
 def main() -> None:
@@ -25,7 +25,8 @@ def main() -> None:
     model = default_model()
     types = {c.name: PGAS_ROW_WISE for e in (model.ebc, model.webc) for c in e.embedding_bag_configs()}
     config = PgasConfig(max_local_batch_size=8, wait_timeout_s=float(os.environ.get("SANITIZER_WAIT_S", "120")),
-                        owner_backward=os.environ.get("SANITIZER_OWNER_BACKWARD", "pgas"))
+                        training=PgasTrainingConfig(
+                            owner_backward=os.environ.get("SANITIZER_OWNER_BACKWARD", "pgas")))
     pgas = shard(LossModel(model), types, dist.group.WORLD, dev, config, {"learning_rate": 0.05}, path="model.")
     gen = seeded(rank)
     for step in range(6):

@@ -26,19 +26,19 @@ from torchrec_pgas.testing import (
     shard,
     stock_twin,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE, PgasConfig
+from torchrec_pgas.types import PGAS_ROW_WISE, OwnerBackward, PgasConfig, PgasTrainingConfig
 
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
 CPU = torch.device("cpu")
 
 
-def _dmp(stock: bool, owner_backward: str = PgasConfig.owner_backward) -> Any:
+def _dmp(stock: bool, owner_backward: str = OwnerBackward.PGAS) -> Any:
     """SUM tables of at least 3 rows (FBGEMM's CPU TBE backward refuses a shard of zero rows)."""
     model = default_model(all_sum=True, min_rows=3)
     types = all_tables(model, PGAS_ROW_WISE)
     if stock:
         types = {k: stock_twin(v) for k, v in types.items()}
-    config = PgasConfig(max_local_batch_size=8, owner_backward=owner_backward)
+    config = PgasConfig(max_local_batch_size=8, training=PgasTrainingConfig(owner_backward=owner_backward))
     return shard(LossModel(model), types, dist.group.WORLD, CPU, config, FUSED, stock=stock, path="model.")
 
 

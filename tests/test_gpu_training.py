@@ -7,7 +7,6 @@ rank, and changes nothing. World size ``PGAS_TEST_WORLD`` (ranks share a GPU whe
 ``PGAS_TEST_REPORT=<dir>``: each case's worst |pgas - stock| goes to ``<dir>/training_diffs.json``.
 """
 
-import dataclasses
 import json
 import os
 from typing import Any, Dict, List, Sequence, Tuple
@@ -42,6 +41,7 @@ from torchrec_pgas.testing import (
     run_distributed,
     seeded,
     shard,
+    with_training,
 )
 
 pytestmark = pytest.mark.gpu
@@ -162,7 +162,7 @@ def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, Lis
     fused = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
     wrapped = LossModel(model)
     sides = [shard(wrapped, _types(case, model, world), dist.group.WORLD, device,
-                   dataclasses.replace(CONFIG, owner_backward="pgas", eager_backward_graphs=graphs), fused,
+                   with_training(CONFIG, owner_backward="pgas", eager_backward_graphs=graphs), fused,
                    path="model.") for graphs in (True, False)]
     gen = seeded(17 + rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
@@ -227,7 +227,7 @@ def _graphed_and_eager(rank: int, world: int, kind: str, optimizer: EmbOptimType
     fused = {"optimizer": optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
     wrapped = LossModel(model)
     graphed, eager = (shard(wrapped, _types(case, model, world), dist.group.WORLD, device,
-                            dataclasses.replace(CONFIG, owner_backward="pgas", eager_backward_graphs=graphs), fused,
+                            with_training(CONFIG, owner_backward="pgas", eager_backward_graphs=graphs), fused,
                             path="model.") for graphs in (True, False))  # the twin launches its eager backwards
     batches = [b.to(device) for b in _fixed_shape_batches(model, rank, steps)]
     static = _fixed_shape_batches(model, rank, 1)[0].to(device)  # the buffers the graph reads

@@ -5,7 +5,6 @@ then every weight and optimizer state compared. fp32 within rtol 1e-5 (the sums'
 trains with SGD and the Adagrads only, ignores row-wise Adagrad's weight decay and rounds fp16 SGD
 stochastically, so those cases (and Adam) are compared on GPUs."""
 
-import dataclasses
 import itertools
 import warnings
 from typing import Any, Callable, Dict, List, Tuple
@@ -26,9 +25,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import torch.distributed as dist
 
 from torchrec_pgas import pooling_capacity_from_constraints
-from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_apply import OwnerApply
+from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -43,8 +42,16 @@ from torchrec_pgas.testing import (
     spread_tables,
     stock_twin,
     train_against_stock,
+    with_training,
 )
-from torchrec_pgas.types import GPU_PADDED_EAGER_IDS, PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
+from torchrec_pgas.types import (
+    GPU_PADDED_EAGER_IDS,
+    PGAS_ROW_WISE,
+    PGAS_TABLE_WISE,
+    OwnerBackward,
+    PgasConfig,
+    PgasTrainingConfig,
+)
 
 TABLES = [(50, 8), (37, 16), (5, 4)]  # (rows, dim); a table of 5 rows takes the hot ids
 FEATURE_TABLES = [0, 1, 1, 2]  # table 1 is shared by features 1 and 2
@@ -286,15 +293,15 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
     Each step lays the kept ids out at their capacity (as GPU eager and captured steps do) where the extension
     is built (the GPUs' default bound, set here: a CPU's reads the count), except with ``max_padded_eager_ids=0``
     (the ``count`` case), where it reads their count."""
-    base = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas",
-                      max_padded_eager_ids=GPU_PADDED_EAGER_IDS)
+    base = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60,
+                      training=PgasTrainingConfig(owner_backward="pgas", max_padded_eager_ids=GPU_PADDED_EAGER_IDS))
     out = []
     for kind in (PGAS_ROW_WISE, PGAS_TABLE_WISE):
         for opt, dtype, path in ((EmbOptimType.EXACT_SGD, "fp32", "capacity"),
                                  (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "capacity"),
                                  (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "count"),
                                  (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp16", "capacity")):
-            config = dataclasses.replace(base, max_padded_eager_ids=0) if path == "count" else base
+            config = with_training(base, max_padded_eager_ids=0) if path == "count" else base
             model = default_model(seed=5, min_rows=world)
             if dtype == "fp16":
                 for ebc in (model.ebc, model.webc):
@@ -336,20 +343,24 @@ def test_training_with_owner_backward_matches_stock() -> None:
 
 
 def test_owner_backward_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="owner_backward"):
-        PgasConfig(owner_backward="fused")
+    with pytest.raises(ValueError, match=r"must be one of \['pgas', 'fbgemm', 'reference'\], got 'fused'"):
+        PgasTrainingConfig(owner_backward="fused")
     with pytest.raises(ValueError, match="max_padded_eager_ids must be >= 0, got -1"):
-        PgasConfig(owner_backward="pgas", max_padded_eager_ids=-1)
+        PgasTrainingConfig(owner_backward="pgas", max_padded_eager_ids=-1)
+    with pytest.raises(ValueError, match="takes a PgasTrainingConfig, or None for inference-only shardings; got False"):
+        PgasConfig(training=False)  # type: ignore[arg-type]
+    assert PgasTrainingConfig(owner_backward="fbgemm").owner_backward is OwnerBackward.FBGEMM
 
 
 def test_the_defaults_are_the_owner_update_at_capacity_on_gpus_only() -> None:
     """The owner update applies by default; its eager step sorts at capacity on GPUs (no host sync to save on a
     CPU, where sorting the unused capacity only costs), and a set bound holds on either."""
-    assert PgasConfig().owner_backward == "pgas"
-    assert PgasConfig().padded_eager_ids("cuda") == GPU_PADDED_EAGER_IDS == 1 << 24
-    assert PgasConfig().padded_eager_ids("cpu") == 0
-    assert PgasConfig(max_padded_eager_ids=5).padded_eager_ids("cpu") == 5
-    assert PgasConfig(max_padded_eager_ids=0).padded_eager_ids("cuda") == 0
+    training = PgasConfig().training
+    assert training is not None and training.owner_backward is OwnerBackward.PGAS
+    assert training.padded_eager_ids("cuda") == GPU_PADDED_EAGER_IDS == 1 << 24
+    assert training.padded_eager_ids("cpu") == 0
+    assert PgasTrainingConfig(max_padded_eager_ids=5).padded_eager_ids("cpu") == 5
+    assert PgasTrainingConfig(max_padded_eager_ids=0).padded_eager_ids("cuda") == 0
 
 
 def _learning_rate_change(rank: int, world: int) -> Tuple[float, float]:
@@ -358,7 +369,7 @@ def _learning_rate_change(rank: int, world: int) -> Tuple[float, float]:
     |pgas - pgas without the change|) over every weight and optimizer state."""
     model = LossModel(default_model(seed=9, min_rows=world))
     types = spread_tables(model.model, world)
-    config = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60, owner_backward="pgas")
+    config = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60)
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-3}
     pg, device = dist.group.WORLD, rank_device(rank, "cpu")
     sides = [shard(model, types, pg, device, config, fused, path="model."),

@@ -39,6 +39,7 @@ from torchrec_pgas.testing import (
     seeded,
     spread_tables,
     train_against_stock,
+    with_training,
 )
 from torchrec_pgas.sharding.owner_backward import op_available
 from torchrec_pgas.sharding import kept_ids as kept_ids_module
@@ -127,9 +128,9 @@ def _train_cases(rank: int, world: int, cases: List[Case], device_type: str,
                                  "weight_decay": case.weight_decay, "weight_decay_mode": case.decay_mode,
                                  "stochastic_rounding": False,
                                  "output_dtype": case.output_dtype}
-        config = dataclasses.replace(CONFIG, owner_backward=case.owner_backward,
-                                     max_padded_eager_ids=case.max_padded_eager_ids)
-        twin = dataclasses.replace(config, owner_backward="reference") if case.twin == "reference" else None
+        config = with_training(CONFIG, owner_backward=case.owner_backward,
+                               max_padded_eager_ids=case.max_padded_eager_ids)
+        twin = with_training(config, owner_backward="reference") if case.twin == "reference" else None
         diffs = train_against_stock(model, _types(case, model, world), _batches(model, rank, steps),
                                     dist.group.WORLD, rank_device(rank, device_type), fused, config,
                                     loop=case.loop, eval_every=case.eval_every, eval_grad=case.eval_grad,
@@ -214,7 +215,7 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
         model = _model(case, seed=1, min_rows=world)
         fused = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
         train_against_stock(model, _types(case, model, world), _batches(model, rank, 4), dist.group.WORLD,
-                            rank_device(rank, "cpu"), fused, dataclasses.replace(CONFIG, owner_backward="fbgemm"))
+                            rank_device(rank, "cpu"), fused, with_training(CONFIG, owner_backward="fbgemm"))
     finally:  # FBGEMM's owner backward: every eager step reads the kept ids (the owner update's may not)
         ReceivedBlocks.kept_ids = exact  # type: ignore[method-assign]
     return len(checked)

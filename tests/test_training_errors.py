@@ -30,7 +30,7 @@ from torchrec_pgas.testing import (
     spread_tables,
     stock_twin,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError, PgasTrainingConfig
 
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
 
@@ -43,8 +43,8 @@ def _sides(rank: int, world: int, kind: str, device_type: str, wait_s: float = 6
     model = default_model(all_sum=True)
     types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
     dev = rank_device(rank, device_type)
-    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=wait_s, owner_backward=owner_backward,
-                        eager_backward_graphs=graphs)
+    config = PgasConfig(max_local_batch_size=16, wait_timeout_s=wait_s,
+                        training=PgasTrainingConfig(owner_backward=owner_backward, eager_backward_graphs=graphs))
     wrapped = LossModel(model)
     pgas = shard(wrapped, types, dist.group.WORLD, dev, config, FUSED, path="model.")
     if owner_backward == "pgas":

@@ -20,6 +20,7 @@ from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
     PGAS_TABLE_WISE,
+    OwnerBackward,
     PgasBackendType,
     PgasCapacityError,
     PgasConfig,
@@ -27,11 +28,13 @@ from torchrec_pgas.types import (
     PgasInputError,
     PgasPeerAbortError,
     PgasTimeoutError,
+    PgasTrainingConfig,
     pooling_capacity_from_constraints,
 )
 
 __all__ = [
     "CapturedTrainStep",
+    "OwnerBackward",
     "PGAS_ROW_WISE",
     "PGAS_TABLE_WISE",
     "PgasBackendType",
@@ -45,6 +48,7 @@ __all__ = [
     "PgasShardedEmbeddingBagCollection",
     "PgasStep",
     "PgasTimeoutError",
+    "PgasTrainingConfig",
     "StepSpec",
     "check_errors",
     "copy_kjt_",

@@ -26,7 +26,7 @@ scan across tiles.
 blocks stay until its backward has consumed them, and TorchRec's train
 pipelines keep up to three steps in flight (``TrainPipelineSemiSync``: batch
 i+2's input dist and i+1's lookup before i's backward); an inference-only
-layout (``PgasConfig.training=False``) has two and no gradient region. The
+layout (``PgasConfig(training=None)``) has two and no gradient region. The
 signal pad holds four epoch slots per peer (index, output, gradient, release:
 ``step_abi.SignalGroup``); peers store the epoch there after the block is
 complete, and an owner releases a requester's blocks of a step once its lookup

@@ -47,7 +47,7 @@ from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_
 from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasTrainingConfig
 
 ATOL: float = 1e-5
 RTOL: float = 1e-5
@@ -367,6 +367,11 @@ def local_state(dmp: nn.Module, clone: bool = True) -> Dict[str, torch.Tensor]:
             for i, shard_ in enumerate(st.local_shards() if isinstance(st, ShardedTensor) else []):
                 out[f"{param}/{key}#{i}"] = shard_.tensor.detach()
     return {k: v.clone() for k, v in out.items()} if clone else out
+
+
+def with_training(config: PgasConfig, **fields: Any) -> PgasConfig:
+    """``config`` with its training config's ``fields`` replaced (the default training config where it has none)."""
+    return dataclasses.replace(config, training=dataclasses.replace(config.training or PgasTrainingConfig(), **fields))
 
 
 @contextlib.contextmanager

@@ -28,69 +28,82 @@ class PgasBackendType(Enum):
     NVSHMEM = "nvshmem"  # CUDA: NVSHMEM symmetric heap, GPU-initiated puts
 
 
-OWNER_BACKWARDS = ("fbgemm", "pgas", "reference")  # PgasConfig.owner_backward
-GPU_PADDED_EAGER_IDS = 1 << 24  # PgasConfig.max_padded_eager_ids' default on GPUs
+GPU_PADDED_EAGER_IDS = 1 << 24  # PgasTrainingConfig.max_padded_eager_ids' default on GPUs
+
+
+class OwnerBackward(str, Enum):
+    """Who applies the gradients an owner receives to its rows (``PgasTrainingConfig.owner_backward``)."""
+
+    PGAS = "pgas"
+    """Our owner update: SGD, row-wise Adagrad and Adam, deterministic, the only one a training step captured
+    in a CUDA graph can run; FBGEMM's backward serves a sharding whose optimizer or options it does not cover
+    (a warning names why, once)."""
+    FBGEMM = "fbgemm"
+    """FBGEMM's fused backward and optimizer, as in stock TorchRec: every optimizer and option; slower (a host
+    sync and a second lookup a step)."""
+    REFERENCE = "reference"
+    """The owner update's algorithm in torch ops with float64 sums (FBGEMM's GPU semantics on any device):
+    slow, eager only; a reference for tests."""
+
+
+@dataclass(frozen=True)
+class PgasTrainingConfig:
+    """How a PGAS sharding trains.
+
+    Args:
+        owner_backward: who applies an owner's gradients (``OwnerBackward``, or its value as a string).
+        max_padded_eager_ids: with the owner update, an eager step sorts an owner's kept ids at their fixed
+            capacity (world size × ids capacity a TBE), without reading their count on the host, while those
+            positions number at most this; past it, it reads the count (a host sync) and sorts only the ids.
+            Scratch memory grows with it (~40-50 bytes a position). None: 2^24 on GPUs, 0 on CPUs (where the
+            count costs no sync).
+        eager_backward_graphs: on GPUs, replay an eager backward's kernels as one CUDA graph, kept per batch
+            size and buffer slot (up to 12 a sharding, in a memory pool shared by every sharding on the GPU).
+            False: launch them one by one.
+    """
+
+    owner_backward: OwnerBackward = OwnerBackward.PGAS
+    max_padded_eager_ids: Optional[int] = None
+    eager_backward_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "owner_backward", OwnerBackward(self.owner_backward))
+        except ValueError:
+            raise ValueError(f"PgasTrainingConfig.owner_backward must be one of "
+                             f"{[o.value for o in OwnerBackward]}, got {self.owner_backward!r}") from None
+        if self.max_padded_eager_ids is not None and self.max_padded_eager_ids < 0:
+            raise ValueError(f"PgasTrainingConfig.max_padded_eager_ids must be >= 0, got {self.max_padded_eager_ids}")
+
+    def padded_eager_ids(self, device_type: str) -> int:
+        """``max_padded_eager_ids`` for a sharding on ``device_type`` ("cuda" or "cpu"), its default resolved."""
+        if self.max_padded_eager_ids is not None:
+            return self.max_padded_eager_ids
+        return GPU_PADDED_EAGER_IDS if device_type == "cuda" else 0
+
 
 @dataclass(frozen=True)
 class PgasConfig:
-    """Sizing knobs for the symmetric buffers of one PGAS sharding.
+    """What a user decides for the PGAS shardings of one sharder: the buffers' sizes, how long a rank waits
+    for its peers, and whether and how they train.
 
-    The buffers are allocated once, collectively, when the module is sharded, so
-    they are sized for a maximum step; a larger step raises before anything is
-    written.
+    The buffers are allocated once, collectively, when the module is sharded, so they are sized for a
+    maximum step; a larger step raises before anything is written.
 
     Args:
         max_local_batch_size: largest local batch (KJT stride) a rank may feed.
-        max_ids_per_rank: most ids (KJT values) one rank may feed one sharding
-            in one step. ``None`` means ``max_local_batch_size`` times the sum
-            over the sharding's features of their table's ids per bag
+        max_ids_per_rank: most ids (KJT values) one rank may feed one sharding in one step. None:
+            ``max_local_batch_size`` times the sum over the sharding's features of their table's ids per bag
             (``pooling_capacity``, else ``avg_pooling_capacity``).
-        avg_pooling_capacity: the mean ids per bag that the default capacity
-            covers, for tables ``pooling_capacity`` does not name.
-        pooling_capacity: per table name, the mean ids per bag (over a step's
-            batch) its features' capacity covers: the plan's pooling factors
-            with headroom (``pooling_capacity_from_constraints``), e.g. 1 for a
-            one-hot feature, whose buffers, kept ids and sort then hold 1/32 of
-            the default's positions. A mapping or (name, ids) pairs.
-        wait_timeout_s: how long a rank waits for a peer's signal before it
-            raises (a peer that crashed or diverged must not hang the job).
-        training: keep what a backward needs: gradient blocks and a third
-            buffer slot, so that a step's ids stay until its backward (TorchRec's
-            train pipelines keep up to three steps in flight). ``False`` for
-            inference-only shardings: less memory, and a backward raises.
-        owner_backward: who applies an owner's gradients. ``"pgas"`` (the
-            default): the owner backward of ``sharding/owner_backward.py``
-            (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM; no replayed lookup: one
-            sort of the kept ids by row, then one fused pass, deterministic),
-            with FBGEMM's path where a TBE's optimizer or options are not covered
-            (a warning names why, once per sharding); the path a training step
-            captured in a CUDA graph takes. ``"fbgemm"``: the stock lookup
-            replayed under autograd, so FBGEMM's fused backward + optimizer run,
-            every optimizer and option included (the reference; slower: an extra
-            lookup and a host sync a step, benchmarks/NOTES.md §40).
-            ``"reference"``: the owner backward of ``"pgas"`` in torch ops, each
-            row's terms summed in float64 (FBGEMM's GPU semantics, weight decay
-            included, on any device): slow, eager only; what the op is checked
-            against where FBGEMM's CPU kernels differ from its GPU ones.
-        max_padded_eager_ids: with ``owner_backward="pgas"``, an eager step
-            lays out and sorts an owner's kept ids at their capacity (world size
-            × ids capacity, once per TBE), as a captured step does, without
-            reading their count on the host, while those positions number at
-            most this. Past it, sorting the unused capacity would cost more than
-            reading the count, and the step reads it. Its scratch memory scales
-            with the capacity: ~40-50 bytes a position of one TBE (the keys,
-            bags and weights, and their sort). 0: always read the count. None
-            (the default): 2^24 on GPUs, 0 on CPUs, where reading the count
-            costs no sync and sorting the unused capacity would only add work.
-        eager_backward_graphs: on GPUs, an eager backward through the owner
-            update at capacity replays its kernels as one CUDA graph (captured
-            at its first step of each batch size and buffer slot: one replay
-            instead of ~25 launches; the host still waits for the exchange
-            only), where the step follows its own forward (no lookup of a later
-            step between them). Each sharding keeps up to 12 graphs. The graphs of
-            every sharding on a GPU share one memory pool, which holds the
-            largest capture's scratch (``max_padded_eager_ids``' estimate) for
-            the process's life, apart from the caching allocator's memory.
+        avg_pooling_capacity: the mean ids per bag that the default capacity covers, for tables
+            ``pooling_capacity`` does not name.
+        pooling_capacity: per table name, the mean ids per bag (over a step's batch) its features' capacity
+            covers: the plan's pooling factors with headroom (``pooling_capacity_from_constraints``), e.g. 1 for
+            a one-hot feature. A mapping or (name, ids) pairs.
+        wait_timeout_s: how long a step's waits for its peers may take in all, from its first wait, before
+            the step raises (a peer that crashed or diverged must not hang the job).
+        training: how the shardings train (``PgasTrainingConfig``); None for inference-only shardings: less
+            memory (no gradient blocks, two buffer slots instead of three), and a backward raises.
     """
 
     max_local_batch_size: int = 4096
@@ -98,10 +111,7 @@ class PgasConfig:
     avg_pooling_capacity: int = 32
     pooling_capacity: Union[Mapping[str, float], Tuple[Tuple[str, float], ...]] = ()
     wait_timeout_s: float = 120.0
-    training: bool = True
-    owner_backward: str = "pgas"
-    max_padded_eager_ids: Optional[int] = None
-    eager_backward_graphs: bool = True
+    training: Optional[PgasTrainingConfig] = PgasTrainingConfig()
 
     def __post_init__(self) -> None:
         if self.max_local_batch_size <= 0:
@@ -123,16 +133,9 @@ class PgasConfig:
         object.__setattr__(self, "pooling_capacity", pairs)  # hashable, as a frozen config must be
         if self.wait_timeout_s <= 0:
             raise ValueError(f"PgasConfig.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
-        if self.max_padded_eager_ids is not None and self.max_padded_eager_ids < 0:
-            raise ValueError(f"PgasConfig.max_padded_eager_ids must be >= 0, got {self.max_padded_eager_ids}")
-        if self.owner_backward not in OWNER_BACKWARDS:
-            raise ValueError(f"PgasConfig.owner_backward must be one of {OWNER_BACKWARDS}, got {self.owner_backward!r}")
-
-    def padded_eager_ids(self, device_type: str) -> int:
-        """``max_padded_eager_ids`` for a sharding on ``device_type`` ("cuda" or "cpu"), its default resolved."""
-        if self.max_padded_eager_ids is not None:
-            return self.max_padded_eager_ids
-        return GPU_PADDED_EAGER_IDS if device_type == "cuda" else 0
+        if self.training is not None and not isinstance(self.training, PgasTrainingConfig):
+            raise ValueError(f"PgasConfig.training takes a PgasTrainingConfig, or None for inference-only "
+                             f"shardings; got {self.training!r}")
 
     def ids_per_bag(self, table: str) -> float:
         """The mean ids per bag the capacity covers for ``table``'s features."""

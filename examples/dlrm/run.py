@@ -48,6 +48,7 @@ from examples.dlrm.data import SyntheticCriteo, table_rows
 from torchrec_pgas import (
     PgasConfig,
     PgasEmbeddingBagCollectionSharder,
+    PgasTrainingConfig,
     check_errors,
     pooling_capacity_from_constraints,
     shutdown,
@@ -117,7 +118,7 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int, tra
     types = types or {t: PGAS_ROW_WISE if sharding == "pgas" else ShardingType.ROW_WISE.value for t in names}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
     if PGAS_ROW_WISE in types.values():  # inference only: no slot or buffer kept for a backward
-        config = PgasConfig(max_local_batch_size=batch, training=train,
+        config = PgasConfig(max_local_batch_size=batch, training=PgasTrainingConfig() if train else None,
                             pooling_capacity=pooling_capacity_from_constraints(table_constraints(model)))
         sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)
     plan = construct_module_sharding_plan(

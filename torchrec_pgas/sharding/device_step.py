@@ -18,14 +18,14 @@ kept ids at the one host sync (the id count FBGEMM's backward needs, which
 brings the step's error record and the sources' flags along) and replays the
 stock lookup under autograd.
 
-The owner update op (``owner_backward="pgas"``, the default) needs no id count: the owner lays its ids out at a fixed
+The owner update op (``OwnerBackward.PGAS``, the default) needs no id count: the owner lays its ids out at a fixed
 capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a device word
 says the step failed on some rank. An eager step launches it before reading the flags
 (``PgasStep.update_at_capacity``: the host waits for the exchange, not for the update;
-``PgasConfig.max_padded_eager_ids`` bounds the capacity it sorts), and under CUDA-graph capture
+``PgasTrainingConfig.max_padded_eager_ids`` bounds the capacity it sorts), and under CUDA-graph capture
 (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its kernels take each replay's
 epoch from the device. Those kernels also serve eager steps that follow their own forward
-(``PgasConfig.eager_backward_graphs``): captured once per batch size and slot as one graph, which copies the
+(``PgasTrainingConfig.eager_backward_graphs``): captured once per batch size and slot as one graph, which copies the
 flags to the host and records an event between the exchange and the update (the host waits for that event).
 """
 
@@ -60,7 +60,7 @@ from torchrec_pgas.step_abi import (
     as_words,
     build,
 )
-from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
+from torchrec_pgas.types import OwnerBackward, PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
 # FBGEMM 1.6's training TBE cannot hold bf16 weights (its cache_precision check).
 WEIGHT_DTYPES = {torch.float32: WeightDtype.F32, torch.float16: WeightDtype.F16}
@@ -410,7 +410,7 @@ class DeviceStep(PgasStep):
             if self._update_held(ticket, slot, rows, whole, ticket.tbe_iters):
                 self._raise_backward_problem(epoch, exchanged)
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
-                if self.spec.config.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words now exist
+                if self.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words
                     self._graph_storage = [storage_key(t) for t in ticket.tbes]
                 return
         self._count_and_apply(ticket, slot, rows, whole)
@@ -423,12 +423,12 @@ class DeviceStep(PgasStep):
 
     def _replays_backward(self, ticket: StepTicket) -> bool:
         """Whether this eager backward replays CUDA graphs of the backward's kernels (``_exchange_kernels``,
-        ``_update_kernels``): ``PgasConfig.eager_backward_graphs`` (and no capture failed here), the capacity
+        ``_update_kernels``): ``PgasTrainingConfig.eager_backward_graphs`` (and no capture failed here), the capacity
         path (``updates_at_capacity``) taken since the TBEs' storage last moved (it builds what a capture reads),
         and a step whose kernels may take the device's epoch: it follows its own forward in this sharding and
         in every sibling awaiting it, and no sharding gave it up on the host."""
         epoch = ticket.epoch
-        if not self.spec.config.eager_backward_graphs or self._graphs_failed:
+        if not self.owner_apply.training.eager_backward_graphs or self._graphs_failed:
             return False
         if self._graph_storage is not None and self._graph_storage != [storage_key(t) for t in ticket.tbes]:
             self._backward_graphs.clear()  # they write through the old addresses: never again, even if they return
@@ -553,11 +553,12 @@ class DeviceStep(PgasStep):
         ids fill a fixed capacity, and the failure check is a device word: the update applies nothing where a
         rank or a sibling sharding failed the step (every rank then refuses it; the error records raise at
         the next check). Only the owner update op can run so (FBGEMM's backward needs the id count)."""
-        if self.spec.config.owner_backward != "pgas" or not self.owner_apply.covers(ticket.tbes):
-            gap = self.owner_apply.gap or f"owner_backward={self.spec.config.owner_backward!r}"
+        owner_backward = self.owner_apply.training.owner_backward
+        if owner_backward != OwnerBackward.PGAS or not self.owner_apply.covers(ticket.tbes):
+            gap = self.owner_apply.gap or f"owner_backward={owner_backward.value!r}"
             raise PgasError(f"{self.kind}: a training step captured in a CUDA graph needs "
-                            f"PgasConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's backward "
-                            "reads the step's id count on the host")
+                            f"PgasTrainingConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's "
+                            "backward reads the step's id count on the host")
         if ticket.epoch in self._gave_up:
             raise self._gave_up.pop(ticket.epoch)
         if ticket.epoch != self.looked_up or self.backwards.pending():  # the kernels take the last lookup's epoch

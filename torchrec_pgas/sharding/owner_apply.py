@@ -15,17 +15,17 @@ from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, 
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.sharding.tbe_counters import iterations_before_forward, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import StepTicket
-from torchrec_pgas.types import PgasConfig
+from torchrec_pgas.types import OwnerBackward, PgasTrainingConfig
 
 
 class OwnerApply:
     """One sharding's choice and run of its owner backward (``kind``: the sharding's, for warnings;
     ``slot_bases``: each buffer slot's first byte, where the update at capacity reads a slot from)."""
 
-    def __init__(self, kind: str, config: PgasConfig, received: ReceivedBlocks, device: torch.device,
+    def __init__(self, kind: str, training: PgasTrainingConfig, received: ReceivedBlocks, device: torch.device,
                  out_dtype: torch.dtype, slot_bases: torch.Tensor) -> None:
         self.kind = kind
-        self.config = config
+        self.training = training
         self.received = received
         self.device = device
         self.out_dtype = out_dtype
@@ -36,22 +36,22 @@ class OwnerApply:
     def at_capacity(self, ticket: StepTicket) -> bool:
         """Whether an eager step's owner update lays the kept ids out at their fixed capacity, as a captured one
         does, rather than at their count, which the host must read: the op applies every TBE
-        (``owner_backward="pgas"``, the extension built, and it has not refused one), and the positions sorted,
-        TBEs × W × ids capacity, are within ``PgasConfig.max_padded_eager_ids`` (by default none on CPUs)."""
+        (``OwnerBackward.PGAS``, the extension built, and it has not refused one), and the positions sorted, TBEs ×
+        W × ids capacity, are within ``PgasTrainingConfig.max_padded_eager_ids`` (by default none on CPUs)."""
         # each TBE sorts the capacity
         positions = len(ticket.tbes) * self.received.world_size * self.received.layout.ids_capacity
-        return (positions <= self.config.padded_eager_ids(self.device.type) and not self._op_refused
-                and self.config.owner_backward == "pgas" and self.covers(ticket.tbes)
+        return (positions <= self.training.padded_eager_ids(self.device.type) and not self._op_refused
+                and self.training.owner_backward == OwnerBackward.PGAS and self.covers(ticket.tbes)
                 and op_available())
 
     def update_at_capacity(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
                            block_features: Tuple[int, int, int], columns: Tuple[int, int, int],
                            batches: torch.Tensor, whole: torch.Tensor,
                            iterations: Optional[Sequence[Optional[int]]]) -> bool:
-        """The owner update op over the ids kept in ``slot`` (an int, or the device's slot under capture) at their
-        fixed capacity (``ReceivedBlocks.kept_ids_padded``, ``kept_grads``' arguments), applied only where the device word
-        ``whole`` is true: nothing read on the host. False, with nothing applied, where the op does not take
-        some TBE."""
+        """The owner update op over the ids kept in ``slot`` (an int, or the device's slot under capture) at
+        their fixed capacity (``ReceivedBlocks.kept_ids_padded``, ``kept_grads``' arguments), applied only where
+        the device word ``whole`` is true: nothing read on the host. False, with nothing applied, where the op does
+        not take some TBE."""
         bases = self._slot_bases
         base = bases[slot:slot + 1] if isinstance(slot, int) else bases.index_select(0, slot.view(1))  # int: a view
         kept = self.received.kept_ids_padded(base, rows, block_features, batches, whole)
@@ -64,18 +64,17 @@ class OwnerApply:
     def replay(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
         """Stock's lookup of the kept ids under autograd, then its backward with the received gradients:
         FBGEMM's fused backward + optimizer update the weights and optimizer state in place (or, where
-        ``PgasConfig.owner_backward == "pgas"`` covers the TBEs, ``owner_backward`` does, without the lookup).
+        the owner update covers the TBEs, ``owner_backward`` does, without the lookup).
 
         Why a replay and not FBGEMM's backward op called directly: that op's signature differs per optimizer
         and per FBGEMM release (state tensors, hyper-parameters, the lookup's saved metadata), and the TBE
-        module builds those arguments itself. The replay costs one more pooled lookup of the owner's rows (measured
-        at about the forward's own lookup: benchmarks/NOTES.md §29) and follows every optimizer FBGEMM ships, bit
-        for bit."""
+        module builds those arguments itself. The replay costs one more pooled lookup of the owner's rows (about
+        the forward's own lookup) and follows every optimizer FBGEMM ships, bit for bit."""
         if kjt.values().numel() == 0:
             return  # no row to update
         if self.covers(ticket.tbes):
             owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters,
-                           reference=self.config.owner_backward == "reference")
+                           reference=self.training.owner_backward == OwnerBackward.REFERENCE)
             sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             profiling.mark("owner_backward")
             return
@@ -86,15 +85,15 @@ class OwnerApply:
         profiling.mark("owner_backward")
 
     def covers(self, tbes: Sequence[nn.Module]) -> bool:
-        """Whether the owner backward (``PgasConfig.owner_backward`` "pgas" or "reference") covers every TBE of
-        this sharding; the first time it does not, a warning says why (FBGEMM's replay serves the sharding then)."""
-        if self.config.owner_backward not in ("pgas", "reference"):
+        """Whether the owner update (``OwnerBackward.PGAS`` or ``REFERENCE``) covers every TBE of this sharding;
+        the first time it does not, a warning says why (FBGEMM's replay serves the sharding then)."""
+        if self.training.owner_backward == OwnerBackward.FBGEMM:
             return False
         if self.gap is None:
             reasons = [r for r in map(unsupported_update, tbes) if r is not None]
             self.gap = "; ".join(reasons)
             if reasons:
-                warnings.warn(f"{self.kind}: owner_backward={self.config.owner_backward!r} does not cover "
+                warnings.warn(f"{self.kind}: owner_backward={self.training.owner_backward.value!r} does not cover "
                               f"{self.gap}: FBGEMM's fused backward applies this sharding's gradients "
-                              "(PgasConfig(owner_backward='fbgemm') chooses it without this warning)")
+                              "(PgasTrainingConfig(owner_backward='fbgemm') chooses it without this warning)")
         return not self.gap

@@ -37,11 +37,12 @@ from torchrec_pgas.sharding.group import StepGroup
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_apply import OwnerApply
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, NoBackward, PoolFn, StepBackward, StepTicket
-from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError
+from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError, PgasTrainingConfig
 
 
 class BackwardGraphStats(NamedTuple):
-    """How a sharding's eager backwards replayed CUDA graphs (``PgasConfig.eager_backward_graphs``, GPUs only)."""
+    """How a sharding's eager backwards replayed CUDA graphs (``PgasTrainingConfig.eager_backward_graphs``, GPUs
+    only)."""
 
     kept: int  # graphs kept: one per batch size, buffer slot and set of siblings, a bounded number
     captured: int  # graphs captured so far: more than ``kept`` where graphs were dropped and captured again
@@ -100,7 +101,7 @@ class PgasStep(abc.ABC):
             dim_sum=block_dim_sum,
             weighted=spec.weighted,
             id_bytes=id_bytes_for(spec.shard_rows),
-            trainable=spec.config.training,
+            trainable=spec.config.training is not None,
         )
         self.rt = init_runtime(env.process_group, device=device, heap_hint=self.layout.nbytes)
         self.rank = self.rt.rank
@@ -113,7 +114,8 @@ class PgasStep(abc.ABC):
         # each slot's first byte, beside the buffer: what the owner update at capacity reads its slot from
         slot_bases = torch.tensor([self.layout.index_block(s, 0) for s in range(self.layout.num_slots)],
                                   dtype=torch.int64, device=self.buf.local.device)
-        self.owner_apply = OwnerApply(self.kind, spec.config, self.received, device, spec.out_dtype, slot_bases)
+        self.owner_apply = OwnerApply(self.kind, spec.config.training or PgasTrainingConfig(), self.received, device,
+                                      spec.out_dtype, slot_bases)
         self.issued = 0  # index dists issued (epochs are 1-based)
         self.looked_up = 0  # lookups completed
         self._input_order: Optional[List[int]] = None
@@ -223,7 +225,7 @@ class PgasStep(abc.ABC):
 
     def trains(self) -> bool:
         """Whether the step being looked up will have a backward: grad is enabled and the layout keeps
-        what a backward needs (``PgasConfig.training``)."""
+        what a backward needs (``PgasConfig.training`` is set)."""
         return torch.is_grad_enabled() and self.layout.trainable
 
     def forward_output(self, out: torch.Tensor, ticket: Optional[StepTicket]) -> torch.Tensor:

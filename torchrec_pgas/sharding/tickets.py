@@ -60,8 +60,8 @@ class NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        raise PgasError(f"{ctx.kind} was sharded with PgasConfig(training=False), which keeps no gradient "
-                        "buffers: shard it with training=True (the default) to train through it")
+        raise PgasError(f"{ctx.kind} was sharded with PgasConfig(training=None), which keeps no gradient "
+                        "buffers: shard it with a PgasTrainingConfig (the default) to train through it")
 
 
 class AwaitedBackwards:
