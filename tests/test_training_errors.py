@@ -28,6 +28,7 @@ from torchrec_pgas.testing import (
     seeded,
     shard,
     spread_tables,
+    state_difference,
     stock_twin,
 )
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError, PgasTrainingConfig
@@ -338,9 +339,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
             dist.barrier()  # the last rank waits out the others' deadline before its next step
         if i != REFUSED_STEP:
             _train(stock, batch)
-        got, ref = local_state(pgas), local_state(stock)
-        diffs.append(max(float(((got[k].double() - ref[k].double()).abs() / ref[k].double().abs().clamp(min=1)).max())
-                         for k in ref if ref[k].numel()))
+        diffs.append(state_difference(pgas, stock))
     return {"errors": errors, "diffs": diffs}
 
 

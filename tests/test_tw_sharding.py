@@ -198,7 +198,7 @@ def test_feature_owners_must_match_the_ranks_and_the_lookup_range() -> None:
     """The kernels index peer buffers by owner: inconsistent owners are refused before any launch."""
     from types import SimpleNamespace
 
-    from torchrec_pgas.sharding.device_step import FeatureOwners
+    from torchrec_pgas.sharding.device.features import FeatureOwners
     from torchrec_pgas.sharding.stages import pooled_output_dtype
 
     FeatureOwners([0, 0, 0], 3, [0, 1, 0], (0, 3), False).check(world=3, rank=2)  # row-wise

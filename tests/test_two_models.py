@@ -19,11 +19,11 @@ from torchrec_pgas.testing import (
     TrainBatch,
     default_model,
     failing_puts,
-    local_state,
     random_kjt,
     run_distributed,
     seeded,
     shard,
+    state_difference,
     stock_twin,
 )
 from torchrec_pgas.types import PgasConfig, PgasError
@@ -46,12 +46,6 @@ def _pair(rank: int, seed: int) -> Tuple[Any, Any]:
     stock = shard(model, {k: stock_twin(v) for k, v in TYPES.items()}, dist.group.WORLD, dev, fused_params=FUSED,
                   stock=True, path="model.")
     return pgas, stock
-
-
-def _diff(pgas: Any, stock: Any) -> float:
-    got, ref = local_state(pgas), local_state(stock)
-    return max(float(((got[k].double() - ref[k].double()).abs() / ref[k].double().abs().clamp(min=1)).max())
-               for k in ref if ref[k].numel())
 
 
 def _interleaved(rank: int, world: int, order: str) -> Dict[str, Any]:
@@ -79,7 +73,7 @@ def _interleaved(rank: int, world: int, order: str) -> Dict[str, Any]:
         for stock, batch in ((stock_a, batch_a), (stock_b, batch_b)):
             if not (failing and stock is stock_a):
                 stock(batch)[0].backward()
-        diffs.append((_diff(a, stock_a), _diff(b, stock_b)))
+        diffs.append((state_difference(a, stock_a), state_difference(b, stock_b)))
     return {"errors": errors, "diffs": diffs}
 
 

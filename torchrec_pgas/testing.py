@@ -484,12 +484,18 @@ def train_against_stock(
         for run in runs.values():
             next(run)
         check_errors(sides["pgas"])
-        got, ref = local_state(sides["pgas"]), local_state(sides["stock"])
-        if got.keys() != ref.keys():
-            raise AssertionError(f"state names differ: {sorted(got.keys() ^ ref.keys())}")
-        diffs.append(max((float(((got[k].double() - ref[k].double()).abs() / ref[k].double().abs().clamp(min=1)).max())
-                          for k in ref if ref[k].numel()), default=0.0))
+        diffs.append(state_difference(sides["pgas"], sides["stock"]))
     return diffs
+
+
+def state_difference(dmp: nn.Module, reference: nn.Module) -> float:
+    """The largest |dmp - reference| / max(1, |reference|) over every local weight shard and fused-optimizer
+    state (``local_state``); the two must hold the same states."""
+    got, ref = local_state(dmp), local_state(reference)
+    if got.keys() != ref.keys():
+        raise AssertionError(f"state names differ: {sorted(got.keys() ^ ref.keys())}")
+    return max((float(((got[k].double() - ref[k].double()).abs() / ref[k].double().abs().clamp(min=1)).max())
+                for k in ref if ref[k].numel()), default=0.0)
 
 
 # ---- multi-process launcher ------------------------------------------------------

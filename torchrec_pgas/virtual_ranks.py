@@ -22,7 +22,13 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec_pgas.layout import StepLayout, id_bytes_for
 from torchrec_pgas.nvshmem_backend import load_extension
 from torchrec_pgas.runtime import PAD_HEADER_WORDS
-from torchrec_pgas.sharding.device_step import BOUNDS_MODES, FeatureOwners, bind_weights, column_features, feature_descs
+from torchrec_pgas.sharding.device.features import (
+    BOUNDS_MODES,
+    FeatureOwners,
+    bind_weights,
+    column_features,
+    feature_descs,
+)
 from torchrec_pgas.step_abi import ERROR_RECORD_WORDS, FeatureDesc, StateWord, as_tensor, as_words
 from torchrec_pgas.types import PgasError
 

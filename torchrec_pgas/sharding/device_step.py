@@ -18,167 +18,52 @@ kept ids at the one host sync (the id count FBGEMM's backward needs, which
 brings the step's error record and the sources' flags along) and replays the
 stock lookup under autograd.
 
-The owner update op (``OwnerBackward.PGAS``, the default) needs no id count: the owner lays its ids out at a fixed
-capacity (``PgasStep.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a device word
-says the step failed on some rank. An eager step launches it before reading the flags
-(``PgasStep.update_at_capacity``: the host waits for the exchange, not for the update;
+The owner update op (``OwnerBackward.PGAS``, the default) needs no id count: the owner lays its ids out at a
+fixed capacity (``ReceivedBlocks.kept_ids_padded``, the ``owner_keys`` op) and the op applies nothing where a
+device word says the step failed on some rank. An eager step launches it before reading the flags
+(``OwnerApply.update_at_capacity``: the host waits for the exchange, not for the update;
 ``PgasTrainingConfig.max_padded_eager_ids`` bounds the capacity it sorts), and under CUDA-graph capture
 (``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its kernels take each replay's
 epoch from the device. Those kernels also serve eager steps that follow their own forward
-(``PgasTrainingConfig.eager_backward_graphs``): captured once per batch size and slot as one graph, which copies the
-flags to the host and records an event between the exchange and the update (the host waits for that event).
+(``PgasTrainingConfig.eager_backward_graphs``, ``device/backward_graphs.py``): captured once per batch size and
+slot as one graph, which copies the flags to the host and records an event between the exchange and the update
+(the host waits for that event). The kernels' feature table is ``device/features.py``, their error records
+``device/errors.py``.
 """
 
-import itertools
 import warnings
-from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
-from torchrec_pgas.layout import divisor_magic
-from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
 from torchrec_pgas.sharding.capture import record_captured_backward, record_captured_step
+from torchrec_pgas.sharding.device.backward_graphs import (
+    FLAGS_UNSET,
+    BackwardGraph,
+    BackwardGraphCache,
+    device_graphs,
+)
+from torchrec_pgas.sharding.device.errors import ErrorRecords
+from torchrec_pgas.sharding.device.features import (
+    BOUNDS_MODES,
+    WEIGHT_DTYPES,
+    FeatureOwners,
+    bind_weights,
+    column_features,
+    feature_descs,
+    per_feature,
+)
+from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
 from torchrec_pgas.sharding.step import BackwardGraphStats, PgasStep, StepSpec, gradient_divisor
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
-from torchrec_pgas.step_abi import (
-    ERROR_RECORD_WORDS,
-    BoundsMode,
-    ErrorCode,
-    FeatureDesc,
-    PoolingMode,
-    StateWord,
-    WeightDtype,
-    as_tensor,
-    as_words,
-    build,
-)
-from torchrec_pgas.types import OwnerBackward, PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
-
-# FBGEMM 1.6's training TBE cannot hold bf16 weights (its cache_precision check).
-WEIGHT_DTYPES = {torch.float32: WeightDtype.F32, torch.float16: WeightDtype.F16}
-BOUNDS_MODES = {BoundsCheckMode.FATAL: BoundsMode.FATAL, BoundsCheckMode.WARNING: BoundsMode.WARNING,
-                BoundsCheckMode.IGNORE: BoundsMode.IGNORE}
-
-
-@dataclass(frozen=True)
-class FeatureOwners:
-    """Where the rows of each feature's table live, as the kernels see them.
-
-    Row block k (of ``shard_rows[f]`` rows) of feature f's table is on rank
-    ``base[f] + k``, for ``count`` blocks; this rank's lookup serves features
-    ``lookup[0]..lookup[1]-1``. ``pooling`` says who applies MEAN, per feature.
-    """
-
-    base: List[int]
-    count: int
-    pooling: List[PoolingMode]
-    lookup: Tuple[int, int]
-    variable_batch: bool
-
-    @classmethod
-    def row_wise(cls, world: int, feature_is_mean: Sequence[bool]) -> "FeatureOwners":
-        """Block k of every table on rank k; every rank serves every feature; MEAN on the requester."""
-        return cls(base=[0] * len(feature_is_mean), count=world,
-                   pooling=[PoolingMode.MEAN_BY_REQUESTER if m else PoolingMode.SUM for m in feature_is_mean],
-                   lookup=(0, len(feature_is_mean)), variable_batch=False)
-
-    @classmethod
-    def table_wise(cls, features_per_rank: Sequence[int], rank: int,
-                   feature_is_mean: Sequence[bool]) -> "FeatureOwners":
-        """Rank d owns the next ``features_per_rank[d]`` features' whole tables; MEAN on the owner (the TBE's
-        arithmetic); each source's batch from its header."""
-        first = list(itertools.accumulate([0, *features_per_rank]))
-        return cls(base=[d for d, n in enumerate(features_per_rank) for _ in range(n)], count=1,
-                   pooling=[PoolingMode.MEAN_BY_OWNER if m else PoolingMode.SUM for m in feature_is_mean],
-                   lookup=(first[rank], first[rank + 1]), variable_batch=True)
-
-    def check(self, world: int, rank: int) -> None:
-        """The kernels index peer buffers by owner: every block must land on a rank, and this rank's
-        lookup must serve exactly the features whose rows it holds."""
-        num = len(self.base)
-        bad = [f for f, b in enumerate(self.base) if not (0 <= b and b + self.count <= world)]
-        held = [f for f, b in enumerate(self.base) if b <= rank < b + self.count]
-        if bad or len(self.pooling) != num or held != list(range(*self.lookup)):
-            raise PgasError(
-                f"inconsistent feature owners for rank {rank} of {world}: blocks of features {bad} outside "
-                f"the ranks, rows of features {held} held here, lookup range {self.lookup}"
-            )
-
-
-def feature_descs(shard_rows: Sequence[int], hash_sizes: Sequence[int], dims: Sequence[int],
-                  owners: FeatureOwners) -> List[FeatureDesc]:
-    """The kernels' feature table, each feature reading its own KJT feature, with no weights bound yet
-    (``bind_weights``)."""
-    out_cols = itertools.accumulate([0, *dims[:-1]])
-    descs = []
-    for f, (block, n, dim, col, pooling, base) in enumerate(
-            zip(shard_rows, hash_sizes, dims, out_cols, owners.pooling, owners.base)):
-        magic, shift = divisor_magic(block, n)
-        descs.append(build(FeatureDesc, weights=0, local_rows=0, block=block, hash_size=n, dim=dim, out_col=col,
-                           weight_dtype=WeightDtype.F32, pooling=pooling, block_magic=magic, block_shift=shift,
-                           owner_base=base, owner_count=owners.count, input_feature=f))
-    return descs
-
-
-def bind_weights(desc: FeatureDesc, weights: torch.Tensor) -> None:
-    """Point a feature at this rank's ``[local_rows, dim]`` row-major shard (kept alive by the caller)."""
-    desc.weights, desc.local_rows, desc.weight_dtype = weights.data_ptr(), weights.size(0), WEIGHT_DTYPES[weights.dtype]
-
-
-def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The feature of every 4-column vector of the ``[B, sum(dims)]`` output (the combine's map)."""
-    return torch.tensor([f for f, d in enumerate(dims) for _ in range(d // 4)], dtype=torch.int32, device=device)
-
-
-# The graphs one sharding keeps of its eager backward (batch sizes × slots × sibling sets), least recently
-# replayed dropped first.
-MAX_BACKWARD_GRAPHS = 12
-
-
-class _DeviceGraphs:
-    """What the eager backwards' graphs of every sharding on one device share: one memory pool, so the pool
-    holds the scratch of one capture at a time rather than a sharding's each, and the event after the last
-    replay, which the next replay's stream waits on. Replays one after another never overlap, so their
-    scratch may alias: the one rule that makes sharing the pool safe, kept across streams."""
-
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-        self.done = torch.cuda.Event()  # recorded again after each replay: no event a step
-        self.replays = 0
-
-    def after_last(self, stream: torch.cuda.Stream) -> None:
-        if self.replays:
-            stream.wait_event(self.done)
-
-    def replayed(self, stream: torch.cuda.Stream) -> None:
-        self.done.record(stream)
-        self.replays += 1
-
-
-_DEVICE_GRAPHS: Dict[torch.device, _DeviceGraphs] = {}
-# The pinned flags a backward graph copies into, kept for the process once captured: the caching host allocator
-# remembers the capture's stream for the block, and freeing the block while another capture runs on that stream
-# would record its event into that capture.
-_CAPTURED_FLAGS: List[torch.Tensor] = []
-_FLAGS_UNSET = -1  # what the host writes into the pinned flags before a replay: no source flag is negative
-
-
-class _BackwardGraph(NamedTuple):
-    """An eager backward's kernels as one CUDA graph (``DeviceStep._replay_backward``)."""
-
-    graph: torch.cuda.CUDAGraph  # grad_dist, await_grads, the flags to pinned memory, ``exchanged``, the update
-    exchanged: torch.cuda.Event  # recorded inside the graph once the flags are on the host (external)
-    grad: torch.Tensor  # the static gradient the exchange reads: [batch, dim_sum], the output dtype
-    whole: torch.Tensor  # the exchange's verdict that the update reads, in the graph's pool
-    siblings: Tuple["DeviceStep", ...]  # whose device words the exchange reads (held: their ids are the key)
+from torchrec_pgas.step_abi import FeatureDesc, StateWord, as_tensor, as_words
+from torchrec_pgas.types import OwnerBackward, PgasError, PgasPeerAbortError, PgasTimeoutError
 
 
 class DeviceStep(PgasStep):
@@ -212,7 +97,7 @@ class DeviceStep(PgasStep):
         self._col_feature = column_features(spec.dims, device)
         self._state = torch.zeros(StateWord.STATE_WORDS, dtype=torch.int64, device=device)
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=device)
-        self._status = torch.zeros(lay.num_slots, ERROR_RECORD_WORDS, dtype=torch.int64).pin_memory()
+        self._errors = ErrorRecords(self.kind, self.rank, lay.num_slots, spec.bounds_check_mode, self.bad_id_message)
         self._grad_flags = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
         self._grad_flags_host = torch.zeros(self.world_size + 1, dtype=torch.int64).pin_memory()
         # [slot, source]: the int64 word of the buffer that holds the source's batch (its index block's header)
@@ -231,18 +116,8 @@ class DeviceStep(PgasStep):
         # Recorded after each combine, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
         self._trace: Optional[torch.Tensor] = None
-        # Steps this rank gave up (bad input seen on the host): the error to raise for each, in place of the
-        # record its kernels leave (a peer abort by this rank).
-        self._gave_up: Dict[int, PgasError] = {}
         self._grad_sent = 0  # the last step whose gradient (or give-up) grad_dist sent
-        # Eager backwards replayed as CUDA graphs (_replay_backward), by (batch, slot, gradient divisor, siblings'
-        # ids), for the TBEs' storage of the last eager update at capacity (which built what a capture reads: the
-        # TBEs' layouts and hyper-parameter words); None before one.
-        self._backward_graphs: Dict[Tuple[int, int, float, Tuple[int, ...]], _BackwardGraph] = {}
-        self._graph_storage: Optional[List[Tuple[int, ...]]] = None
-        self._graphs_failed = False
-        self._graph_captures = 0
-        self._graph_replays = 0
+        self._graphs = BackwardGraphCache()  # eager backwards replayed as CUDA graphs (_replay_backward)
         self._deadline_owner: Optional[torch.Tensor] = None  # the state whose deadline words the waits use
 
     def join_module(self, steps: Sequence[PgasStep]) -> None:
@@ -267,7 +142,7 @@ class DeviceStep(PgasStep):
     def _state_args(self) -> Tuple[torch.Tensor, ...]:
         """What every stage op takes after its own inputs: the buffers, peers, features and device state."""
         return (self.buf.local, self.pad.words, self._peers, self._features, self._state, self._bag_div,
-                self._status, self._config)
+                self._errors.status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         self.raise_recorded()  # a finished step's error: this step has not started, nothing to abort
@@ -307,7 +182,7 @@ class DeviceStep(PgasStep):
         weights = torch.zeros(0, device=dev) if self.layout.weighted else None
         torch.ops.torchrec_pgas.index_dist(empty, torch.zeros(1, dtype=torch.int64, device=dev), weights,
                                            *self._state_args(), 0, True)
-        self._gave_up[epoch] = err
+        self._errors.gave_up[epoch] = err
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -318,7 +193,7 @@ class DeviceStep(PgasStep):
         key = [t.weights_dev.data_ptr() for t in tbes]
         if key == self._tbe_key:
             return
-        weights = [w for t in tbes for w in _per_feature(t)]
+        weights = [w for t in tbes for w in per_feature(t)]
         out_dtypes = {SparseType.from_int(t.output_dtype).as_dtype() for t in tbes}
         f_lo, f_hi = self.lookup_features
         if len(weights) != f_hi - f_lo or not out_dtypes <= {self.spec.out_dtype}:
@@ -339,7 +214,7 @@ class DeviceStep(PgasStep):
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
         epoch = self.next_lookup_epoch()
         trains = self.trains()
-        batch = 0 if epoch in self._gave_up else kjt.stride()
+        batch = 0 if epoch in self._errors.gave_up else kjt.stride()
         ops = torch.ops.torchrec_pgas
         # The lookup may start before the kernel ahead of it on the stream has
         # completed (csrc/pgas_common.cuh: launch_after_exit) only if an index dist
@@ -390,7 +265,7 @@ class DeviceStep(PgasStep):
         ops, lay, epoch = torch.ops.torchrec_pgas, self.layout, ticket.epoch
         slot = epoch % lay.num_slots
         args = self._state_args()
-        gave_up = epoch in self._gave_up  # its batch may not fit the buffers: it sends nothing, says so
+        gave_up = epoch in self._errors.gave_up  # its batch may not fit the buffers: it sends nothing, says so
         batch = 0 if gave_up else ticket.batch
         sibling_gave_up = self._adopt_sibling_failures(epoch)
         ops.grad_dist(self._sent_gradient(grad, batch), *args, epoch, batch, gradient_divisor(self.world_size),
@@ -411,7 +286,7 @@ class DeviceStep(PgasStep):
                 self._raise_backward_problem(epoch, exchanged)
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                 if self.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words
-                    self._graph_storage = [storage_key(t) for t in ticket.tbes]
+                    self._graphs.built_for([storage_key(t) for t in ticket.tbes])
                 return
         self._count_and_apply(ticket, slot, rows, whole)
 
@@ -419,26 +294,23 @@ class DeviceStep(PgasStep):
     def backward_graph_stats(self) -> BackwardGraphStats:
         """The graphs of its eager backward this sharding keeps (at most ``MAX_BACKWARD_GRAPHS``), has
         captured, and replayed."""
-        return BackwardGraphStats(len(self._backward_graphs), self._graph_captures, self._graph_replays)
+        return self._graphs.stats
 
     def _replays_backward(self, ticket: StepTicket) -> bool:
         """Whether this eager backward replays CUDA graphs of the backward's kernels (``_exchange_kernels``,
         ``_update_kernels``): ``PgasTrainingConfig.eager_backward_graphs`` (and no capture failed here), the capacity
-        path (``updates_at_capacity``) taken since the TBEs' storage last moved (it builds what a capture reads),
+        path (``OwnerApply.at_capacity``) taken since the TBEs' storage last moved (it builds what a capture reads),
         and a step whose kernels may take the device's epoch: it follows its own forward in this sharding and
         in every sibling awaiting it, and no sharding gave it up on the host."""
         epoch = ticket.epoch
-        if not self.owner_apply.training.eager_backward_graphs or self._graphs_failed:
+        if not self.owner_apply.training.eager_backward_graphs or self._graphs.failed:
             return False
-        if self._graph_storage is not None and self._graph_storage != [storage_key(t) for t in ticket.tbes]:
-            self._backward_graphs.clear()  # they write through the old addresses: never again, even if they return
-            self._graph_storage = None  # until a launched update at capacity builds what a capture reads
-        if not (epoch == self.looked_up and not self.backwards.pending() and epoch not in self._gave_up
-                and self._graph_storage is not None
+        if not (self._graphs.serves([storage_key(t) for t in ticket.tbes])
+                and epoch == self.looked_up and not self.backwards.pending() and epoch not in self._errors.gave_up
                 and self.lookup_features[1] > self.lookup_features[0] and self.owner_apply.at_capacity(ticket)
                 and (self._owners.variable_batch or ticket.batch > 0)):  # the launched path's rows > 0
             return False
-        return all(isinstance(o, DeviceStep) and o.looked_up == epoch and epoch not in o._gave_up
+        return all(isinstance(o, DeviceStep) and o.looked_up == epoch and epoch not in o._errors.gave_up
                    for o, _ in self.group.siblings_awaiting(self, epoch))
 
     def _replay_backward(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
@@ -450,25 +322,21 @@ class DeviceStep(PgasStep):
         siblings = tuple(o for o, _ in self.group.siblings_awaiting(self, epoch) if isinstance(o, DeviceStep))
         slot = epoch % lay.num_slots
         key = (ticket.batch, slot, gradient_divisor(self.world_size), tuple(sorted(id(o) for o in siblings)))
-        graph = self._backward_graphs.pop(key, None)  # re-inserted last: the dict's order is least recent first
+        graph = self._graphs.take(key) or self._capture_backward(ticket, grad, siblings, slot)
         if graph is None:
-            graph = self._capture_backward(ticket, grad, siblings, slot)
-            if graph is None:
-                return False
-            if len(self._backward_graphs) >= MAX_BACKWARD_GRAPHS:
-                self._backward_graphs.pop(next(iter(self._backward_graphs)))
-        self._backward_graphs[key] = graph
-        stream, shared = torch.cuda.current_stream(self.device), _DEVICE_GRAPHS[self.device]
+            return False
+        self._graphs.keep(key, graph)
+        stream, shared = torch.cuda.current_stream(self.device), device_graphs(self.device)
         shared.after_last(stream)
         for tbe, iteration in zip(ticket.tbes, ticket.tbe_iters):
             write_hyper(tbe, iteration)
         graph.grad.copy_(grad[:ticket.batch])
-        self._grad_flags_host.fill_(_FLAGS_UNSET)  # every earlier write into them was waited for
+        self._grad_flags_host.fill_(FLAGS_UNSET)  # every earlier write into them was waited for
         graph.graph.replay()
         self._grad_sent = epoch
         shared.replayed(stream)
         profiling.mark("owner_update")
-        self._graph_replays += 1
+        self._graphs.replays += 1
         self._await_replayed_flags(graph.exchanged, stream)
         self._raise_backward_problem(epoch, None)
         sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
@@ -479,20 +347,20 @@ class DeviceStep(PgasStep):
         graph, which each launch arms (the CUDA docs imply it rather than promise it; the drivers we ran do). Where
         a flag still holds the host's fill, the event did not wait: the stream's sync does, the update included."""
         exchanged.synchronize()
-        if min(self._grad_flags_host.tolist()) == _FLAGS_UNSET:
+        if min(self._grad_flags_host.tolist()) == FLAGS_UNSET:
             warnings.warn(f"{self.kind}: the backward graph's event returned before its flags copy ran; waiting for "
                           "the stream instead (the update too)")
             stream.synchronize()
 
     def _capture_backward(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple["DeviceStep", ...],
-                          slot: int) -> Optional["_BackwardGraph"]:
+                          slot: int) -> Optional[BackwardGraph]:
         """The backward's graph for this step's batch, slot and siblings, reading the gradient from a static
-        buffer, in the device's pool (``_DeviceGraphs``). A capture runs nothing: where ours
+        buffer, in the device's pool (``DeviceGraphs``). A capture runs nothing: where ours
         refuses (a ``PgasError`` inside a valid capture), graphs are off for this sharding (a warning says why),
         and None. A CUDA error that breaks the capture propagates: the allocator and stream are then not ours
         to fall back on."""
         static = self._sent_gradient(grad, ticket.batch).clone()
-        pool = _DEVICE_GRAPHS.setdefault(self.device, _DeviceGraphs()).pool
+        pool = device_graphs(self.device).pool
         graph, exchanged = torch.cuda.CUDAGraph(), torch.cuda.Event(external=True)
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -501,14 +369,12 @@ class DeviceStep(PgasStep):
                 exchanged.record()
                 self._update_kernels(ticket, slot, whole)
         except PgasError as e:  # nothing ran: the launched path takes this step and the next ones
-            self._graphs_failed = True
+            self._graphs.failed = True
             warnings.warn(f"{self.kind}: eager backwards are launched, not replayed as CUDA graphs: the capture "
                           f"failed ({e})")
             return None
-        if self._graph_captures == 0:
-            _CAPTURED_FLAGS.append(self._grad_flags_host)
-        self._graph_captures += 1
-        return _BackwardGraph(graph, exchanged, static, whole, siblings)
+        self._graphs.captured(self._grad_flags_host)
+        return BackwardGraph(graph, exchanged, static, whole, siblings)
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
         """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
@@ -559,8 +425,8 @@ class DeviceStep(PgasStep):
             raise PgasError(f"{self.kind}: a training step captured in a CUDA graph needs "
                             f"PgasTrainingConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's "
                             "backward reads the step's id count on the host")
-        if ticket.epoch in self._gave_up:
-            raise self._gave_up.pop(ticket.epoch)
+        if ticket.epoch in self._errors.gave_up:
+            raise self._errors.gave_up.pop(ticket.epoch)
         if ticket.epoch != self.looked_up or self.backwards.pending():  # the kernels take the last lookup's epoch
             raise PgasError(f"{self.kind}: a captured training step must run each sharding's forward once, then "
                             f"its backward (step {ticket.epoch}'s backward after lookup {self.looked_up})")
@@ -623,7 +489,7 @@ class DeviceStep(PgasStep):
         failed = torch.stack([o.failed_word(epoch) for o in siblings]).eq(epoch).any()
         word = self.failed_word(epoch)
         word.copy_(torch.where(failed, epoch, word))
-        return any(epoch in o._gave_up for o in siblings)
+        return any(epoch in o._errors.gave_up for o in siblings)
 
     def failed_word(self, epoch: int) -> torch.Tensor:
         """The device word that holds the epoch of the last failed step in ``epoch``'s slot."""
@@ -634,13 +500,10 @@ class DeviceStep(PgasStep):
         failure, a peer's, or ``sibling`` (the step's failure in another sharding of the model)."""
         flags = self._grad_flags_host.tolist()
         if flags[self.world_size]:  # this rank's step failed: its record (or what it gave up for) says why
-            record = self._status[epoch % self.layout.num_slots]
-            err = self._recorded_error(record.tolist()) if int(record[0]) == epoch else None
-            record.zero_()
-            err = self._gave_up.pop(epoch, err)
+            err = self._errors.own_failure(epoch)
             return err or sibling or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
         if any(flag in (1, 2) for flag in flags[:self.world_size]):
-            self._consume_refusal(epoch)
+            self._errors.consume_refusal(epoch)
         for src, flag in enumerate(flags[:self.world_size]):
             if flag == 1:
                 return PgasPeerAbortError(f"rank {src} gave up on step {epoch} of {self.kind} (see its error): "
@@ -652,23 +515,8 @@ class DeviceStep(PgasStep):
                     "skipped this step's backward")
         return sibling
 
-    def _consume_refusal(self, epoch: int) -> None:
-        """Clear the refusal a graph's ``await_grads`` published for step ``epoch`` (a source gave up or timed out;
-        csrc/grad_exchange.cu ``publish_refusal``): the backward raises it, the next forward must not again."""
-        record = self._status[epoch % self.layout.num_slots]
-        if int(record[0]) == epoch and int(record[1]) in (ErrorCode.PEER_ABORT, ErrorCode.TIMEOUT):
-            record.zero_()
-
     def step_failure(self, epoch: int) -> Optional[PgasError]:
-        record = self._status[epoch % self.layout.num_slots]
-        epoch_of, code = record.tolist()[:2]
-        failed = epoch_of == epoch and code not in (ErrorCode.NONE, ErrorCode.BAD_ID_WARN)
-        if not failed and epoch not in self._gave_up:
-            return None
-        err = self._gave_up.pop(epoch, None) or self._recorded_error(record.tolist())
-        if failed:
-            record.zero_()
-        return err
+        return self._errors.step_failure(epoch)
 
     def release(self, epoch: int) -> None:
         stream = self._await_slot(epoch)
@@ -703,7 +551,7 @@ class DeviceStep(PgasStep):
     def _set_trace(self, on: bool) -> None:
         """Launch the kernels' comm-timeline builds (or not) from the next step on."""
         self._config.copy_(as_tensor(self.layout.config(**self._config_args, trace=on)))
-        self._backward_graphs.clear()  # their kernels were captured with the config as it was
+        self._graphs.clear()  # their kernels were captured with the config as it was
 
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
@@ -712,45 +560,4 @@ class DeviceStep(PgasStep):
     def raise_recorded(self) -> None:
         """Raise (or warn about) the error records of finished steps, the earliest first; no sync. A step
         that waits for its backward keeps its record: the backward raises it."""
-        records = sorted(r for r in self._status.tolist() if r[1] != ErrorCode.NONE)
-        for epoch, *_ in records:
-            if self.backwards.awaits(epoch):
-                continue
-            record = self._status[epoch % self.layout.num_slots]
-            values = record.tolist()
-            record.zero_()
-            err = self._gave_up.pop(epoch, None) or self._recorded_error(values)
-            if err is not None:
-                raise err
-
-    def _recorded_error(self, record: Sequence[int]) -> Optional[PgasError]:
-        """The error an ErrorRecord (epoch, code, a, b, c) reports; a WARNING-mode bad id warns instead."""
-        _, code, a, b, c = record
-        if code == ErrorCode.NONE:
-            return None
-        if code == ErrorCode.BAD_ID_WARN:
-            if self.spec.bounds_check_mode == BoundsCheckMode.WARNING:
-                warnings.warn(self.bad_id_message(a, b) + "; such ids read row 0 (BoundsCheckMode.WARNING)")
-            return None
-        if code == ErrorCode.BAD_ID:
-            return PgasInputError(self.bad_id_message(a, b))
-        if code == ErrorCode.BATCH_MISMATCH:
-            return PgasInputError(
-                f"{self.kind} requires equal local batch sizes on all ranks: rank "
-                f"{a} has {b}, rank {self.rank} has {c}"
-            )
-        if code == ErrorCode.TIMEOUT:  # c: how long the step had waited, from its first wait (ms)
-            stage = ("the release of its blocks", "index data", "pooled outputs", "the gradients")[a]
-            return PgasTimeoutError(
-                f"rank {self.rank} waited {c / 1000:.1f}s (the step's deadline, from its first wait) for {stage} "
-                f"from rank {b}: a peer crashed, diverged, or is not running this step"
-            )
-        if code == ErrorCode.PEER_ABORT:
-            return PgasPeerAbortError(f"rank {a} aborted the {self.kind} step (see its error)")
-        return PgasError(f"{self.kind}: corrupt data from rank {a} (kind {b})")
-
-
-def _per_feature(tbe: nn.Module) -> List[torch.Tensor]:
-    """A TBE's weight views ``[local_rows, dim]``, one per feature it serves."""
-    tables = tbe.split_embedding_weights()
-    return [tables[t] for t in tbe.feature_table_map]
+        self._errors.raise_finished(self.backwards.awaits)

@@ -308,7 +308,7 @@ class HostStep(PgasStep):
 
     @abc.abstractmethod
     def owner_view(self, ticket: StepTicket) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int], torch.Tensor]:
-        """How this owner reads its kept ids and gradients (``PgasStep.kept_ids``, ``kept_grads``): rows per
+        """How this owner reads its kept ids and gradients (``ReceivedBlocks.kept_ids``, ``kept_grads``): rows per
         source, the held features in an index block, the gradient columns, the sources' batches."""
 
 

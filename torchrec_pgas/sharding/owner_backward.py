@@ -1,7 +1,7 @@
-"""The owner's fused backward + optimizer in the TBE's own storage (``PgasConfig(owner_backward="pgas")``).
+"""The owner's fused backward + optimizer in the TBE's own storage (``OwnerBackward.PGAS``).
 
 What FBGEMM's fused backward does for its exact optimizers, as one pass over the ids an owner kept of a step
-(``PgasStep.kept_ids``) and the gradient rows its requesters pushed (``PgasStep.kept_grads``):
+(``ReceivedBlocks.kept_ids``) and the gradient rows its requesters pushed (``ReceivedBlocks.kept_grads``):
 
 1. gradient rows: every (bag, id) pair's row is its bag's pooled gradient (times 1/length, rounded to the
    gradient's dtype, when the TBE pools by MEAN), times the id's per-sample weight;
@@ -20,8 +20,8 @@ phases with a thread per chunk; steps 1-3 fused, no per-id gradient rows in memo
 used where the extension is built; and the reference below in torch ops on any device (a pure-Python install, tables
 wider than the op takes, and the tests' oracle). Both cover EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
 decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what they do not cover, and
-FBGEMM's path (``PgasStep.replay``) serves those. ``PgasConfig(owner_backward="reference")`` trains through the
-reference itself.
+FBGEMM's path (``OwnerApply.replay``) serves those. ``OwnerBackward.REFERENCE`` trains through the reference
+itself.
 """
 
 import ctypes

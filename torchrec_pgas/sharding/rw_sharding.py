@@ -28,7 +28,8 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_pgas.sharding.device_step import DeviceStep, FeatureOwners
+from torchrec_pgas.sharding.device.features import FeatureOwners
+from torchrec_pgas.sharding.device_step import DeviceStep
 from torchrec_pgas.sharding.host_step import HostRwStep
 from torchrec_pgas.sharding.stages import PgasShardingMixin, pooled_output_dtype
 from torchrec_pgas.sharding.step import PgasStep, StepSpec

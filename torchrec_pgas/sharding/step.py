@@ -7,16 +7,10 @@ backward; ``HostStep`` (``host_step.py``, the ``shm`` CPU backend) and ``DeviceS
 the fused kernels) run the stages. ``stages.py`` plugs a step into TorchRec's ``EmbeddingSharding`` slots.
 
 The backward of a step (both backends): the requester's gradient of its pooled output goes one-sided into
-the gradient blocks of the owners that served its bags. Each owner rebuilds, from the ids it kept in the
-step's index blocks, the ids stock TorchRec would have handed its TBE (feature-major, then source rank,
-then sample: :meth:`PgasStep.kept_ids`, or at their capacity :meth:`PgasStep.kept_ids_padded`). By default
-(``owner_backward="pgas"``) the owner update sorts them by row and applies SGD, row-wise Adagrad or Adam in
-the TBE's own storage (``owner_backward.py``). For other optimizers and options, and with
-``owner_backward="fbgemm"``, the owner replays the stock TBE-backed lookup on them under autograd with the
-received gradients (:meth:`PgasStep.replay`), so FBGEMM's own fused backward and optimizer update the
-weights, as in stock TorchRec: replaying the forward (one more gather of the rows) rather than calling
-FBGEMM's backward op keeps every optimizer and option of ``fused_optimizer`` working, since its backward
-ops differ per optimizer and FBGEMM release and the lookup invokers do not.
+the gradient blocks of the owners that served its bags (a ``StepTicket`` carries the step through autograd:
+``tickets.py``). Each owner reads back the ids it kept in the step's index blocks as stock TorchRec would have
+handed them to its TBE (``kept_ids.py``) and applies the gradients through its owner backward (``owner_apply.py``).
+A failed backward gives the step up in the model's other shardings too (``group.py``).
 """
 
 import abc
