@@ -8,12 +8,15 @@ and a step whose backward fails on the last rank in model A (its gradient exchan
 rank, B's trains as stock's.
 """
 
+import copy
+import pickle
 from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
+from torchrec_pgas import PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -88,3 +91,12 @@ def test_two_models_trained_interleaved_each_equal_stock() -> None:
             failed = "PgasError" if rank == 1 else "PgasPeerAbortError"
             assert r["errors"] == ([("a", FAILED_STEP, failed)] if order == "ab-fail" else []), (rank, order, r)
             assert max(max(d) for d in r["diffs"]) <= 1e-5, (rank, order, r["diffs"])
+
+
+def test_a_copied_or_pickled_sharder_starts_a_group_of_its_own() -> None:
+    """A sharder copied or pickled (by a launcher, a config system) stays usable, with an empty group: the
+    steps of the models the original sharded are not the copy's."""
+    sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=8))
+    for copied in (copy.deepcopy(sharder), pickle.loads(pickle.dumps(sharder))):
+        assert isinstance(copied, PgasEmbeddingBagCollectionSharder)
+        assert copied.fused_params == sharder.fused_params

@@ -36,6 +36,11 @@ class StepGroup:
     def __init__(self) -> None:
         self._steps: "weakref.WeakSet[GroupMember]" = weakref.WeakSet()
 
+    def __reduce__(self) -> Tuple[type, Tuple[()]]:
+        """A copied or pickled group (of a copied or pickled sharder) is a new, empty one: steps belong to the
+        model they were sharded for."""
+        return (StepGroup, ())
+
     def join(self, steps: Iterable[GroupMember]) -> None:
         """Make ``steps`` members of this group, leaving the group each was in."""
         for step in steps:
