@@ -13,9 +13,10 @@ import os
 import shutil
 from typing import Any, Dict, List, Tuple
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
-PACKAGES = ["torchrec_pgas", "torchrec_pgas.sharding", "torchrec_pgas.planner"]
+# The runtime package and its subpackages, and the planner, installed from the top-level planner/.
+PACKAGES = find_packages(include=["torchrec_pgas", "torchrec_pgas.*"]) + ["torchrec_pgas.planner"]
 PACKAGE_DIR = {"torchrec_pgas.planner": "planner"}
 
 
