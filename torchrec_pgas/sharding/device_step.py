@@ -97,7 +97,7 @@ class DeviceStep(PgasStep):
         self._col_feature = column_features(spec.dims, device)
         self._state = torch.zeros(StateWord.STATE_WORDS, dtype=torch.int64, device=device)
         self._bag_div = torch.zeros(lay.num_slots, lay.num_features * lay.max_batch, device=device)
-        self._errors = ErrorRecords(self.kind, self.rank, lay.num_slots, spec.bounds_check_mode, self.bad_id_message)
+        self._errors = ErrorRecords(self.kind, self.rank, lay.num_slots, spec.bounds_check_mode, spec.bad_id_message)
         self._grad_flags = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
         self._grad_flags_host = torch.zeros(self.world_size + 1, dtype=torch.int64).pin_memory()
         # [slot, source]: the int64 word of the buffer that holds the source's batch (its index block's header)
@@ -147,7 +147,7 @@ class DeviceStep(PgasStep):
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
         self.raise_recorded()  # a finished step's error: this step has not started, nothing to abort
         epoch = self.claim_slot()
-        err = self.input_error(kjt)
+        err = self.spec.input_error(kjt, self.rank)
         stream = self._await_slot(epoch)
         if err is not None:
             self._give_up(err, epoch)

@@ -46,7 +46,7 @@ from torchrec_pgas import profiling
 from torchrec_pgas.sharding.step import PgasStep, StepSpec, gradient_divisor
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
-from torchrec_pgas.runtime import PAD_HEADER_WORDS
+from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad
 from torchrec_pgas.types import PgasError, PgasInputError, PgasTimeoutError
 
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
@@ -75,6 +75,19 @@ class StepDeadlines:
         """Seconds since step ``epoch``'s first wait."""
         return time.monotonic() - self._first_wait.get(epoch, time.monotonic())
 
+    def wait(self, rt: PgasRuntime, pad: SignalPad, slots: Dict[int, int], value: int, epoch: int, what: str) -> None:
+        """Wait until the pad's slot of every peer (``slots``: peer -> slot) reaches ``value``, within step
+        ``epoch``'s deadline; a timeout names the peers still missing and how long the step has waited."""
+        try:
+            rt.wait(pad, list(slots.values()), value, self.left(epoch), what, step=epoch)
+        except PgasTimeoutError as e:
+            words = pad.words[PAD_HEADER_WORDS:].tolist()
+            missing = [peer for peer, slot in slots.items() if words[slot] < value]
+            raise PgasTimeoutError(
+                f"rank {rt.rank} waited {self.waited(epoch):.1f}s (step {epoch}'s deadline, "
+                f"wait_timeout_s={self.timeout_s:g} from its first wait) for {what} from rank(s) "
+                f"{missing}: a peer crashed, diverged, or is not running this step") from e
+
 
 class HostStep(PgasStep):
     """What both host shardings share: checks of the local input, of what peers wrote, and the waits."""
@@ -86,18 +99,8 @@ class HostStep(PgasStep):
         self._deadlines = StepDeadlines(spec.config.wait_timeout_s)
 
     def _wait(self, signal: Callable[[int], int], peers: Sequence[int], value: int, epoch: int, what: str) -> None:
-        """Wait until ``signal(peer)`` of every peer reaches ``value``, within step ``epoch``'s deadline; a
-        timeout names the peers still missing and how long the step has waited."""
-        slots = [signal(peer) for peer in peers]
-        try:
-            self.rt.wait(self.pad, slots, value, self._deadlines.left(epoch), what, step=epoch)
-        except PgasTimeoutError as e:
-            words = self.pad.words[PAD_HEADER_WORDS:].tolist()
-            missing = [peer for peer, slot in zip(peers, slots) if words[slot] < value]
-            raise PgasTimeoutError(
-                f"rank {self.rank} waited {self._deadlines.waited(epoch):.1f}s (step {epoch}'s deadline, "
-                f"wait_timeout_s={self._deadlines.timeout_s:g} from its first wait) for {what} from rank(s) "
-                f"{missing}: a peer crashed, diverged, or is not running this step") from e
+        """Wait until ``signal(peer)`` of every peer reaches ``value``, within step ``epoch``'s deadline."""
+        self._deadlines.wait(self.rt, self.pad, {peer: signal(peer) for peer in peers}, value, epoch, what)
 
     def join_module(self, steps: Sequence[PgasStep]) -> None:
         """Also share the module's first sharding's deadlines: one deadline a step of the model."""
@@ -116,7 +119,7 @@ class HostStep(PgasStep):
         peers raise at their waits for this rank) and consumes its epoch, so the next step runs; so does a
         peer's abort seen while waiting for the slot (a peer that gave the step up already)."""
         epoch = self.claim_slot()
-        err = self.input_error(kjt)
+        err = self.spec.input_error(kjt, self.rank)
         values = self._checked_ids(kjt, epoch) if err is None else None
         if err is not None or values is None:
             raise self._give_up(err or PgasError(f"{self.kind}: no ids"), epoch)
@@ -161,7 +164,7 @@ class HostStep(PgasStep):
             return values
         pos = int(torch.nonzero(bad)[0])
         f = bisect.bisect_right(list(itertools.accumulate(per_feature)), pos)
-        msg = self.bad_id_message(f, int(values[pos]))
+        msg = self.spec.bad_id_message(f, int(values[pos]))
         if self.spec.bounds_check_mode == BoundsCheckMode.FATAL:
             raise self._give_up(PgasInputError(msg), epoch)
         if self.spec.bounds_check_mode == BoundsCheckMode.WARNING and f not in self._warned:

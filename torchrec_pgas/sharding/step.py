@@ -73,6 +73,31 @@ class StepSpec:
     def num_features(self) -> int:
         return len(self.feature_names)
 
+    @property
+    def ids_capacity(self) -> int:
+        """The most ids one rank may feed this sharding in one step."""
+        return self.config.ids_capacity(self.feature_tables)
+
+    def bad_id_message(self, f: int, value: int) -> str:
+        return (f"{self.kind}: feature '{self.feature_names[f]}' (table '{self.feature_tables[f]}') has id {value} "
+                f"outside [0, {self.hash_sizes[f]})")
+
+    def input_error(self, kjt: KeyedJaggedTensor, rank: int) -> Optional[PgasError]:
+        """What is wrong with ``rank``'s next input against the buffers' limits, on host-known sizes (no device
+        sync), if anything."""
+        if kjt.variable_stride_per_key():
+            return PgasInputError(f"{self.kind} does not support variable batch size per feature")
+        batch, max_batch = kjt.stride(), self.config.max_local_batch_size
+        if batch > max_batch:
+            return PgasCapacityError(
+                f"{self.kind}: local batch size {batch} exceeds PgasConfig.max_local_batch_size={max_batch}")
+        nnz = kjt.values().numel()
+        if nnz > self.ids_capacity:
+            return PgasCapacityError(
+                f"{self.kind}: rank {rank} has {nnz} ids in one step, above the capacity of {self.ids_capacity} "
+                "(PgasConfig.max_ids_per_rank / pooling_capacity / avg_pooling_capacity)")
+        return None
+
 
 class PgasStep(abc.ABC):
     """State shared by the stage modules of one PGAS sharding.
@@ -91,7 +116,7 @@ class PgasStep(abc.ABC):
             world_size=env.world_size,
             num_features=spec.num_features,
             max_batch=spec.config.max_local_batch_size,
-            ids_capacity=spec.config.ids_capacity(spec.feature_tables),
+            ids_capacity=spec.ids_capacity,
             dim_sum=block_dim_sum,
             weighted=spec.weighted,
             id_bytes=id_bytes_for(spec.shard_rows),
@@ -161,31 +186,6 @@ class PgasStep(abc.ABC):
         not run will not (``forward_failed``). A backend whose forward raises (the host path) consumes them
         here; the device path raises no step error in the forward (it gives a step up by running its stages
         empty and raises at the backward), so it has nothing to consume."""
-
-    def bad_id_message(self, f: int, value: int) -> str:
-        spec = self.spec
-        return (
-            f"{self.kind}: feature '{spec.feature_names[f]}' (table "
-            f"'{spec.feature_tables[f]}') has id {value} outside [0, {spec.hash_sizes[f]})"
-        )
-
-    def input_error(self, kjt: KeyedJaggedTensor) -> Optional[PgasError]:
-        """What is wrong with the next step's input on host-known sizes (no device sync), if anything."""
-        lay = self.layout
-        if kjt.variable_stride_per_key():
-            return PgasInputError(f"{self.kind} does not support variable batch size per feature")
-        batch = kjt.stride()
-        if batch > lay.max_batch:
-            return PgasCapacityError(
-                f"{self.kind}: local batch size {batch} exceeds PgasConfig.max_local_batch_size={lay.max_batch}"
-            )
-        nnz = kjt.values().numel()
-        if nnz > lay.ids_capacity:
-            return PgasCapacityError(
-                f"{self.kind}: rank {self.rank} has {nnz} ids in one step, above the capacity of "
-                f"{lay.ids_capacity} (PgasConfig.max_ids_per_rank / pooling_capacity / avg_pooling_capacity)"
-            )
-        return None
 
     def claim_slot(self) -> int:
         """The epoch of the next index dist, once its buffer slot is free on this rank: the step that last
