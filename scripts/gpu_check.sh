@@ -39,8 +39,10 @@
 #              beforehand since op names change), each built in a scratch copy: benchmarks.embedding at
 #              W = 1 (COMPARE_BENCH, default s000-weak and s000-strong, both pairs) and benchmarks.virtual_ranks
 #              (COMPARE_VIRTUAL, default the same at W = 2), in the order of COMPARE_ROUNDS (default
-#              "tree old tree2": the tree, the older one, the tree again to show the drift); scripts/compare_runs.py prints every step and stage time side by side into
-#              <out>/compare.txt, each build's results packed into <out>/compare/<build>.json
+#              "tree old tree2": the tree, the older one, the tree again to show the drift; numbered rounds,
+#              "tree old tree2 old2 tree3 old3", alternate the builds); scripts/compare_runs.py prints every step
+#              and stage time side by side into <out>/compare.txt (each tree round against the old round of its
+#              number, and against the first tree round), each round's results packed into <out>/compare/<round>.json
 #   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
 #              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full)
@@ -236,7 +238,7 @@ if has compare; then
   prepare /tmp/ab-tree . && prepare /tmp/ab-old "${COMPARE_TREE:?compare needs COMPARE_TREE}" \
     || { echo "compare: build failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; }
   for build in ${COMPARE_ROUNDS:-tree old tree2}; do
-    dir=/tmp/ab-${build%2}
+    dir=/tmp/ab-${build%%[0-9]*}  # tree, tree2, tree3, ... run the same build; old, old2, ... the other
     log "compare: $build ($dir)"
     for pair in rw tw; do
       (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run \
@@ -252,11 +254,12 @@ if has compare; then
     "$PY" scripts/compare_runs.py pack /tmp/cmp-$build "$OUT/compare/$build.json"
   done
   c="$PY scripts/compare_runs.py diff"
-  { echo "### tree against old"; $c "$OUT/compare/tree.json" "$OUT/compare/old.json"
-    if [ -f "$OUT/compare/tree2.json" ]; then
-      echo "### tree2 against old"; $c "$OUT/compare/tree2.json" "$OUT/compare/old.json"
-      echo "### tree2 against tree (drift)"; $c "$OUT/compare/tree2.json" "$OUT/compare/tree.json"
-    fi; } > "$OUT/compare.txt" 2>&1
+  { for round in "" 2 3 4; do  # each tree round against the old round of its number (or the first old one)
+      [ -f "$OUT/compare/tree$round.json" ] || continue
+      old=$OUT/compare/old$round.json; [ -f "$old" ] || old=$OUT/compare/old.json
+      echo "### tree$round against $(basename "$old" .json)"; $c "$OUT/compare/tree$round.json" "$old"
+      [ -n "$round" ] && { echo "### tree$round against tree (drift)"; $c "$OUT/compare/tree$round.json" "$OUT/compare/tree.json"; }
+    done; } > "$OUT/compare.txt" 2>&1
   grep -E "^###|within|outside|nothing" "$OUT/compare.txt" | tee -a "$OUT/summary.txt"
 fi
 
