@@ -453,7 +453,7 @@ void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool afte
   // Every source's ids arrive through its signal, the local one's too, so the
   // lookup may start while the index dist's NVLink stores still drain. Its own
   // counters must be settled: `after_exit` only when the host saw a plain
-  // launch (an index dist) since the previous step's finalize on this stream.
+  // launch (an index dist) since the previous step's combine on this stream.
   launch_after_exit(after_exit, pooled_lookup_kernel<row_t, kWeighted, kTrace>, grid, dim3(kThreads), kStageBytes, stream, p,
                     group_lanes, out_kind, release);
 }

@@ -246,7 +246,7 @@ def test_1000_back_to_back_steps() -> None:
 def _pipelined(rank: int, world: int, steps: int) -> int:
     """TorchRec's train pipelines: step i+1's input dist is issued before step i's lookup, on a side
     stream (even steps) or on the compute stream (odd ones), so a lookup follows the previous step's
-    finalize with or without an index dist of its own between them (DevicePipeline.lookup)."""
+    finalize with or without an index dist of its own between them (DeviceStep.lookup)."""
     model = default_model()
     dev = _device(rank)
     types = all_tables(model, PGAS_ROW_WISE)

@@ -2,7 +2,7 @@
 
 World sizes a machine lacks (3, 4; 2 on a one-GPU machine) run here, each rank's path as it runs on W GPUs:
 the row-wise index dist's owner paths (two owners, and the general one), a lookup serving W sources, a
-finalize summing W partials, table-wise owners with their own batches. Five steps per case, so every buffer
+combine summing W partials, table-wise owners with their own batches. Five steps per case, so every buffer
 slot is used twice (the second use waits for the owners' release of the first) and the device epochs advance.
 """
 

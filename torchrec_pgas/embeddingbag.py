@@ -49,7 +49,7 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # TorchRec's mean callback (installed when a stock RW/TWRW table uses
         # MEAN) divides every feature it does not list as SUM by the bag length.
         # Only RW/TWRW run MEAN as SUM in the TBE; every other sharding (the PGAS
-        # ones, which divide in their finalize, and TW/CW, whose TBE already
+        # ones, which divide in their combine, and TW/CW, whose TBE already
         # averages) must be listed as SUM or it is divided twice. Stock TorchRec
         # 1.6.1 misses the TW/CW case: a MEAN table_wise table next to a MEAN
         # row_wise table in one EBC comes out divided twice.

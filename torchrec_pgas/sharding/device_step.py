@@ -385,7 +385,7 @@ class DeviceStep(PgasStep):
         self._raise_backward_problem(ticket.epoch, None)  # after the sync
         if f_hi > f_lo:
             grads = self.received.kept_grads(slot, rows, self._held_columns(), self.spec.out_dtype)
-            self.owner_apply.replay(ticket, kjt, grads)
+            self.owner_apply.apply_at_count(ticket, kjt, grads)
 
     def _raise_backward_problem(self, epoch: int, ready: Optional[torch.cuda.Event]) -> None:
         """Raise why step ``epoch``'s gradients must not be applied, if they must not, once ``ready`` (an event

@@ -279,7 +279,7 @@ class HostStep(PgasStep):
                 return
             kjt = self.received.kept_ids(epoch, rows, block_features, batches)
             profiling.mark("kept_ids")
-            self.owner_apply.replay(ticket, kjt, self.received.kept_grads(slot, rows, columns, self.spec.out_dtype))
+            self.owner_apply.apply_at_count(ticket, kjt, self.received.kept_grads(slot, rows, columns, self.spec.out_dtype))
         finally:
             self.release(epoch)
 

@@ -61,15 +61,16 @@ class OwnerApply:
         self._op_refused = not taken  # the op's reasons (dims, dtypes) hold for the next steps too
         return taken
 
-    def replay(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
-        """Stock's lookup of the kept ids under autograd, then its backward with the received gradients:
-        FBGEMM's fused backward + optimizer update the weights and optimizer state in place (or, where
-        the owner update covers the TBEs, ``owner_backward`` does, without the lookup).
+    def apply_at_count(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
+        """Apply the received gradients to the kept ids at their count (``kjt``): through the owner update where it
+        covers the TBEs (``owner_backward``), else by re-running stock's lookup of the ids under autograd and
+        backpropagating the gradients, so FBGEMM's fused backward + optimizer update the weights and optimizer
+        state in place.
 
-        Why a replay and not FBGEMM's backward op called directly: that op's signature differs per optimizer
-        and per FBGEMM release (state tensors, hyper-parameters, the lookup's saved metadata), and the TBE
-        module builds those arguments itself. The replay costs one more pooled lookup of the owner's rows (about
-        the forward's own lookup) and follows every optimizer FBGEMM ships, bit for bit."""
+        Why a re-run lookup and not FBGEMM's backward op called directly: that op's signature differs per
+        optimizer and per FBGEMM release (state tensors, hyper-parameters, the lookup's saved metadata), and the
+        TBE module builds those arguments itself. The re-run costs one more pooled lookup of the owner's rows
+        (about the forward's own lookup) and follows every optimizer FBGEMM ships, bit for bit."""
         if kjt.values().numel() == 0:
             return  # no row to update
         if self.covers(ticket.tbes):

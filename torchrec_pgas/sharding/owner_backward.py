@@ -20,7 +20,7 @@ phases with a thread per chunk; steps 1-3 fused, no per-id gradient rows in memo
 used where the extension is built; and the reference below in torch ops on any device (a pure-Python install, tables
 wider than the op takes, and the tests' oracle). Both cover EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
 decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what they do not cover, and
-FBGEMM's path (``OwnerApply.replay``) serves those. ``OwnerBackward.REFERENCE`` trains through the reference
+FBGEMM's path (``OwnerApply.apply_at_count``) serves those. ``OwnerBackward.REFERENCE`` trains through the reference
 itself.
 """
 

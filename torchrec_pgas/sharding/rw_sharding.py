@@ -11,7 +11,7 @@ ranks with local batch B and the F features of this sharding:
    its signal, pool the received bags from the local rows, put the partial
    pooled ``[B, D]`` block straight into the requester's output block for this
    owner, in its final layout; then signal the requester.
-3. finalize (requester): wait for the W owners, sum the partials in rank order,
+3. combine (requester): wait for the W owners, sum the partials in rank order,
    apply mean pooling.
 
 No splits exchange, no unpack, no reduce-scatter. Stages 2 and 3 run inside the
