@@ -6,7 +6,7 @@
 // keys, then a thread per padding position; CUB's radix sort),
 // owner_keys_host.cpp on the CPU.
 //
-// The kept bags (kept_bags; PgasStep.kept_ids reads them too): bag i of the
+// The kept bags (kept_bags; ReceivedBlocks.kept_ids reads them too): bag i of the
 // bags read (feature-major, then source, then sample; KeptBagsConfig) is
 // sample b of feature f in source s's index block at slot_base + s *
 // index_block_bytes. Its id count is the block's length of bag f * batch + b
@@ -17,7 +17,7 @@
 // decides only what is read, never where anything is written.
 //
 // Inputs: the owner's buffer as ids (`ids`, int32 or int64 by the step's
-// layout) and as fp32 weights, and the sharding's kept bags (PgasStep.kept_bags,
+// layout) and as fp32 weights, and the sharding's kept bags (ReceivedBlocks.kept_ids_padded,
 // computed on the device: no host sync): each bag's id count as offsets[b + 1]
 // - offsets[b], and where its ids and weights start in the buffer (first_id[b],
 // first_weight[b], in elements). The TBE's bags are [first_bag, end_bag) of

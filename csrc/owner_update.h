@@ -7,7 +7,7 @@
 // code); torchrec_pgas/sharding/owner_backward.py is its torch-ops reference.
 //
 // Inputs, n kept ids of one TBE (the owner's rebuild of the ids stock hands
-// its TBE, PgasStep.kept_ids: feature-major, then source, then sample), in
+// its TBE, ReceivedBlocks.kept_ids: feature-major, then source, then sample), in
 // the order of their sorted row keys (a stable sort: a row's ids in arrival
 // order):
 //   keys[n]   the ids' row keys, sorted, int32 or int64: table t's row r is

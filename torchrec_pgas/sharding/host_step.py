@@ -279,7 +279,8 @@ class HostStep(PgasStep):
                 return
             kjt = self.received.kept_ids(epoch, rows, block_features, batches)
             profiling.mark("kept_ids")
-            self.owner_apply.apply_at_count(ticket, kjt, self.received.kept_grads(slot, rows, columns, self.spec.out_dtype))
+            grads = self.received.kept_grads(slot, rows, columns, self.spec.out_dtype)
+            self.owner_apply.apply_at_count(ticket, kjt, grads)
         finally:
             self.release(epoch)
 

@@ -49,6 +49,7 @@ from torchrec_pgas.step_abi import (
     build,
 )
 
+
 class KeptBags(NamedTuple):
     """The bags an owner kept of a step (feature-major, then source, then sample): id counts, their offsets,
     and where each bag's ids and per-sample weights start, as elements of the owner's buffer."""

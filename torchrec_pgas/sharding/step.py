@@ -14,6 +14,7 @@ A failed backward gives the step up in the model's other shardings too (``group.
 """
 
 import abc
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -73,9 +74,9 @@ class StepSpec:
     def num_features(self) -> int:
         return len(self.feature_names)
 
-    @property
+    @functools.cached_property
     def ids_capacity(self) -> int:
-        """The most ids one rank may feed this sharding in one step."""
+        """The most ids one rank may feed this sharding in one step (computed once: every step checks it)."""
         return self.config.ids_capacity(self.feature_tables)
 
     def bad_id_message(self, f: int, value: int) -> str:
