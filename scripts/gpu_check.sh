@@ -37,12 +37,13 @@
 #              is never changed.
 #   compare    this tree against an older one (COMPARE_TREE=<dir>: a `git archive` of that commit, exported
 #              beforehand since op names change), each built in a scratch copy: benchmarks.embedding at
-#              W = 1 (COMPARE_BENCH, default s000-weak and s000-strong, both pairs) and benchmarks.virtual_ranks
-#              (COMPARE_VIRTUAL, default the same at W = 2), in the order of COMPARE_ROUNDS (default
-#              "tree old tree2": the tree, the older one, the tree again to show the drift; numbered rounds,
-#              "tree old tree2 old2 tree3 old3", alternate the builds); scripts/compare_runs.py prints every step
-#              and stage time side by side into <out>/compare.txt (each tree round against the old round of its
-#              number, and against the first tree round), each round's results packed into <out>/compare/<round>.json
+#              W = 1 (COMPARE_BENCH, default s000-weak and s000-strong; COMPARE_PAIRS, default "rw tw") and
+#              benchmarks.virtual_ranks (COMPARE_VIRTUAL, default the same at W = 2), in the order of
+#              COMPARE_ROUNDS (default "tree old tree2": the tree, the older one, the tree again to show the
+#              drift; numbered rounds, "tree old tree2 old2 tree3 old3", alternate the builds);
+#              scripts/compare_runs.py prints every step and stage time side by side into <out>/compare.txt
+#              (each tree round against the old round of its number, and against the first tree round), each
+#              round's results packed into <out>/compare/<round>.json
 #   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
 #              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full)
@@ -240,7 +241,7 @@ if has compare; then
   for build in ${COMPARE_ROUNDS:-tree old tree2}; do
     dir=/tmp/ab-${build%%[0-9]*}  # tree, tree2, tree3, ... run the same build; old, old2, ... the other
     log "compare: $build ($dir)"
-    for pair in rw tw; do
+    for pair in ${COMPARE_PAIRS:-rw tw}; do
       (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run \
         --nproc_per_node=1 -m benchmarks.embedding --pair $pair "${CBENCH[@]}" --out /tmp/cmp-$build/bench-$pair) \
         > /tmp/cmp.log 2>&1
