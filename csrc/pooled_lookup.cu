@@ -100,7 +100,10 @@ __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind,
 // row, so a lane's own cp.async.wait_group orders its reads: no barrier.
 // Stage layout (dynamic shared memory, kStageBytes per CTA):
 // [stage][slot u][thread] 16-byte cells, consecutive threads in consecutive
-// cells (conflict-free 16-byte accesses).
+// cells (conflict-free 16-byte accesses). The copies allocate in L1
+// (cp.async.ca): under skew many bags of one CTA read the same hot rows, which
+// then hit in the SM's L1 instead of all landing on the one L2 slice that
+// holds each row.
 constexpr int kStages = 2;
 constexpr int kStageBytes = kStages * kRowsInFlight * kThreads * 16;
 
@@ -108,7 +111,7 @@ template <typename w_t>
 __device__ __forceinline__ void copy_async(uint32_t cell, const uint8_t* src);
 template <>
 __device__ __forceinline__ void copy_async<float>(uint32_t cell, const uint8_t* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(cell), "l"(src) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(cell), "l"(src) : "memory");
 }
 template <>
 __device__ __forceinline__ void copy_async<__half>(uint32_t cell, const uint8_t* src) {
