@@ -32,9 +32,10 @@
 // world size 1) keeps every id at its position: it is copied, 32 ids per store,
 // with no ballots and no ring (copy_tile), unless weighted or traced.
 //
-// Bounds: an id outside [0, N) never produces a remote write. FATAL drops it and
+// Bounds: an id outside [0, N) never produces a remote write. FATAL drops it,
 // records ErrorCode::kBadId (raised on the host; a one-owner copy stores row 0
-// in its place); WARNING/IGNORE read row 0 instead (id := 0, as FBGEMM does),
+// in its place) and gives the step up: the last CTA aborts it on every owner
+// before it signals; WARNING/IGNORE read row 0 instead (id := 0, as FBGEMM does),
 // WARNING also records kBadIdWarn. Every write position lies in [begin, end) of a
 // tile whose spans were checked to be a CSR inside [0, nnz], nnz <= C.
 //
@@ -592,7 +593,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     __syncwarp();
   }
   __syncthreads();
-  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) publish_index(p, epoch, my_block, 0);
+  if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) {
+    // A bad id under FATAL (checked_id marked the step failed) gives the step up
+    // as the host does: every owner, this rank too, is aborted before the signal,
+    // so each one's lookup records the abort and the step fails on every rank by
+    // the end of its forward (a model's pre-backward check reads that).
+    const int gave_up = ld_volatile(p.state + kStepFailed + slot) == epoch;
+    if (gave_up) {
+      for (int d = 0; d < p.world; ++d) abort_peer(p, d, epoch);
+    }
+    publish_index(p, epoch, my_block, gave_up);
+  }
 }
 
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_pgas.embeddingbag import pgas_steps
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -319,7 +320,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
                   stock=True, path="model.")
     gen = seeded(11 + rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
-    errors, diffs = [], []
+    errors, diffs, epochs = [], [], []
     for i in range(REFUSED_STEP + 1 + STEPS_AFTER):
         batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)).to(dev)
         try:
@@ -340,7 +341,8 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
         if i != REFUSED_STEP:
             _train(stock, batch)
         diffs.append(state_difference(pgas, stock))
-    return {"errors": errors, "diffs": diffs}
+        epochs.append(sorted({step.issued for step in pgas_steps(pgas)}))
+    return {"errors": errors, "diffs": diffs, "epochs": epochs}
 
 
 def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str, str], Dict[str, Any]]:
@@ -351,7 +353,8 @@ def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str
 
 def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None:
     """Every rank raised at the refused step and only there (the last rank its own error, the others the
-    abort), and every weight and optimizer state stayed within fp32 rounding of stock's after every step."""
+    abort), every weight and optimizer state stayed within fp32 rounding of stock's after every step, and
+    every PGAS sharding of the model (both EBCs) ran each step at the same epoch, the refused one consumed."""
     world = len(results)
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
@@ -364,6 +367,7 @@ def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None
                 want = [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")]
             assert r["errors"] == want, (rank, case, r)
             assert max(r["diffs"]) <= 1e-5, (rank, case, r["diffs"])
+            assert r["epochs"] == [[i + 1] for i in range(len(r["epochs"]))], (rank, case, r["epochs"])
 
 
 def test_a_refused_step_in_a_mixed_plan_leaves_the_next_steps_equal_to_stock() -> None:

@@ -6,12 +6,14 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingContext
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
 from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import (
+    LazyAwaitable,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -19,7 +21,7 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.sharding.device_step import DeviceStep
 from torchrec_pgas.sharding.group import StepGroup
@@ -58,9 +60,30 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 self._pooling_type_to_rs_features[PoolingType.SUM.value].extend(
                     config.feature_names
                 )
-        steps = [s.step for s in self._embedding_shardings if isinstance(s, PgasShardingMixin) and s.step is not None]
-        for step in steps:
-            step.join_module(steps)
+        steps = list(pgas_steps(self))
+        StepGroup().join(steps)  # the module's; its sharder's group (the model's) takes them over
+        mixed = any(not isinstance(s, PgasShardingMixin) for s in self._embedding_shardings)
+        self._checked_step: Optional[PgasStep] = steps[0] if steps and mixed else None
+
+    def compute_and_output_dist(
+        self, ctx: EmbeddingBagCollectionContext, input: KJTList
+    ) -> LazyAwaitable[KeyedTensor]:
+        awaitable = super().compute_and_output_dist(ctx, input)
+        if self._checked_step is not None:
+            awaitable.callbacks.append(self._refuse_before_backward)
+        return awaitable
+
+    def _refuse_before_backward(self, out: KeyedTensor) -> KeyedTensor:
+        """A module holding stock shardings beside PGAS ones: the gradient of its output first checks the step
+        for errors the PGAS shardings' kernels recorded in the forward (``StepGroup.refuse_failed_step``), so
+        that a refused step reaches no stock sharding's fused backward (GPUs find bad ids in the kernels; on
+        CPUs they raise in the forward, and the check finds none)."""
+        step = self._checked_step
+        values = out.values()
+        if step is not None and values.requires_grad and step.backwards.ticket(step.looked_up) is not None:
+            group, epoch = step.group, step.looked_up
+            values.register_hook(lambda grad: group.refuse_failed_step(epoch))
+        return out
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         """Stock, except that a module holding one PGAS sharding (and no mean callback, which reads

@@ -120,14 +120,13 @@ class DeviceStep(PgasStep):
         self._graphs = BackwardGraphCache()  # eager backwards replayed as CUDA graphs (_replay_backward)
         self._deadline_owner: Optional[torch.Tensor] = None  # the state whose deadline words the waits use
 
-    def join_module(self, steps: Sequence[PgasStep]) -> None:
-        """Also wait against the module's first sharding's deadline words (csrc/step_protocol.cuh: one
-        deadline a step of the model, whichever sharding's wait it is)."""
-        super().join_module(steps)
-        leader = steps[0] if steps else self
-        if leader is not self and isinstance(leader, DeviceStep) and leader.device == self.device:
-            self._deadline_owner = leader._state  # kept alive while this sharding's kernels read its words
-            self._state[StateWord.DEADLINE_AT] = leader._state.data_ptr() + 8 * int(StateWord.STEP_DEADLINE)
+    def share_deadlines(self, leader: PgasStep) -> None:
+        """The waits use the deadline words of ``leader``'s state (csrc/step_protocol.cuh: one deadline a step
+        of the model, whichever sharding's wait it is; its stages run on the same stream as this one's)."""
+        shared = leader is not self and isinstance(leader, DeviceStep) and leader.device == self.device
+        self._deadline_owner = leader._state if shared else None  # kept alive while the kernels read its words
+        self._state[StateWord.DEADLINE_AT] = (
+            leader._state.data_ptr() + 8 * int(StateWord.STEP_DEADLINE) if shared else 0)
 
     def read_input_order(self, order: Sequence[int]) -> None:
         """The index dist reads feature f's bags at KJT feature ``order[f]`` (no permuted copy)."""
@@ -517,6 +516,12 @@ class DeviceStep(PgasStep):
 
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         return self._errors.step_failure(epoch)
+
+    def sync_forward(self, epoch: int) -> None:
+        """Wait for step ``epoch``'s combine (the event recorded after it; its error record is then on the
+        host). Not under a CUDA graph's capture, which records no errors to read."""
+        if not torch.cuda.is_current_stream_capturing():
+            self._slot_free[epoch % self.layout.num_slots].synchronize()
 
     def release(self, epoch: int) -> None:
         stream = self._await_slot(epoch)

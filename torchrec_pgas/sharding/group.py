@@ -1,11 +1,13 @@
-"""The PGAS shardings of one model: what one's failed backward must tell the others.
+"""The PGAS shardings of one model: what one's failed step must tell the others.
 
-An exception in one sharding's backward ends the model's whole backward, so the model's other PGAS shardings
-whose backward of that step had not run never will: they give the step up too (``PgasStep.backward``). Which
-shardings belong together is the model's business, not the process's: two models trained in one process,
-their steps interleaved, share epochs but not backwards. The group is the sharder's
-(``PgasEmbeddingBagCollectionSharder``: DMP shards every module of a model through the one sharder it is
-given), so it spans a model's EBCs; give each model its own sharder.
+An exception in one sharding's forward ends the model's whole forward, and one in its backward the whole
+backward, so the model's other PGAS shardings whose stages of that step had not run never will: they give the
+step up too (``forward_failed``, ``give_up_backward``), and so every sharding of the model runs each step at
+the same epoch. That lets the step's waits share one deadline, the group leader's (its first member: the
+model's first PGAS sharding), in every EBC of the model. Which shardings belong together is the model's
+business, not the process's: two models trained in one process, their steps interleaved, share epochs but not
+backwards. The group is the sharder's (``PgasEmbeddingBagCollectionSharder``: DMP shards every module of a
+model through the one sharder it is given), so it spans a model's EBCs; give each model its own sharder.
 """
 
 import weakref
@@ -29,29 +31,57 @@ class GroupMember(Protocol):
 
     def abandon_backward(self, epoch: int) -> None: ...
 
+    def consume_failed_step(self, epoch: int, err: PgasError) -> None: ...
+
+    def share_deadlines(self, leader: "GroupMember") -> None: ...
+
+    def sync_forward(self, epoch: int) -> None: ...
+
 
 class StepGroup:
     """The PGAS steps of one model (weakly held: a group never keeps a sharded module alive)."""
 
     def __init__(self) -> None:
-        self._steps: "weakref.WeakSet[GroupMember]" = weakref.WeakSet()
+        self._refs: List["weakref.ref[GroupMember]"] = []  # in joining order: the first live one leads
 
     def __reduce__(self) -> Tuple[type, Tuple[()]]:
         """A copied or pickled group (of a copied or pickled sharder) is a new, empty one: steps belong to the
         model they were sharded for."""
         return (StepGroup, ())
 
+    def members(self) -> List[GroupMember]:
+        """The live steps of the group, in joining order."""
+        return [step for step in (ref() for ref in self._refs) if step is not None]
+
     def join(self, steps: Iterable[GroupMember]) -> None:
-        """Make ``steps`` members of this group, leaving the group each was in."""
+        """Make ``steps`` members of this group, leaving the group each was in; every member then waits
+        against the leader's deadlines."""
         for step in steps:
-            step.group._steps.discard(step)
+            if any(member is step for member in self.members()):
+                continue
+            step.group._leave(step)
             step.group = self
-            self._steps.add(step)
+            self._refs.append(weakref.ref(step))
+        members = self.members()
+        for step in members[1:]:  # a step alone keeps its own (the one a step starts with)
+            step.share_deadlines(members[0])
+
+    def _leave(self, step: GroupMember) -> None:
+        self._refs = [ref for ref in self._refs if ref() is not None and ref() is not step]
+
+    def forward_failed(self, step: GroupMember, epoch: int, err: PgasError) -> None:
+        """``step`` raised ``err`` for step ``epoch`` in the model's forward, which ends that forward on every
+        rank (the failing rank raises its error, the peers the abort): every other step of the model consumes
+        step ``epoch`` too, whichever of its stages had run, so that all of them run the next batch at the next
+        epoch on every rank."""
+        for other in self.members():
+            if other is not step:
+                other.consume_failed_step(epoch, err)
 
     def siblings_awaiting(self, step: GroupMember, epoch: int) -> List[Tuple[GroupMember, StepTicket]]:
         """The group's other steps whose step ``epoch`` still awaits its backward, with that step's ticket (the
-        shardings of one model run each forward once, so their epochs agree)."""
-        pairs = [(other, other.backwards.ticket(epoch)) for other in list(self._steps) if other is not step]
+        shardings of one model run each step at the same epoch: ``forward_failed``)."""
+        pairs = [(other, other.backwards.ticket(epoch)) for other in self.members() if other is not step]
         return [(other, ticket) for other, ticket in pairs if ticket is not None]
 
     def failed_sibling(self, step: GroupMember, epoch: int) -> Optional[PgasError]:
@@ -66,6 +96,24 @@ class StepGroup:
                 undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                 first = first or err
         return first
+
+    def refuse_failed_step(self, epoch: int) -> None:
+        """Raise step ``epoch``'s error, before any sharding's backward of it runs, if the step failed in the
+        forward of any PGAS sharding of the model (its kernels' records, read after they ran): the step is then
+        given up in every sharding (records consumed, TBE counters back, slots released). Every rank records a
+        failed step by the end of its forward (the failing rank its error, the others the abort), so every rank
+        raises here, and no stock-sharded table of the model applies the step either."""
+        awaiting = [(step, ticket) for step in self.members() for ticket in [step.backwards.ticket(epoch)]
+                    if ticket is not None]
+        for step, _ in awaiting:
+            step.sync_forward(epoch)
+        errors = [err for err in (step.step_failure(epoch) for step, _ in awaiting) if err is not None]
+        if not errors:
+            return
+        for step, ticket in awaiting:
+            undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+            step.abandon_backward(epoch)
+        raise next((e for e in errors if not isinstance(e, PgasPeerAbortError)), errors[0])
 
     def give_up_backward(self, step: GroupMember, ticket: StepTicket, err: Exception) -> None:
         """``step``'s backward of ``ticket``'s step raised ``err``, which ends the model's whole backward: the

@@ -102,12 +102,9 @@ class HostStep(PgasStep):
         """Wait until ``signal(peer)`` of every peer reaches ``value``, within step ``epoch``'s deadline."""
         self._deadlines.wait(self.rt, self.pad, {peer: signal(peer) for peer in peers}, value, epoch, what)
 
-    def join_module(self, steps: Sequence[PgasStep]) -> None:
-        """Also share the module's first sharding's deadlines: one deadline a step of the model."""
-        super().join_module(steps)
-        leader = steps[0] if steps else self
-        if isinstance(leader, HostStep):
-            self._deadlines = leader._deadlines
+    def share_deadlines(self, leader: PgasStep) -> None:
+        own = leader is self or not isinstance(leader, HostStep)
+        self._deadlines = StepDeadlines(self.spec.config.wait_timeout_s) if own else leader._deadlines
 
     def _order(self) -> List[int]:
         """Remote peers first (their bytes travel), this rank last."""
@@ -147,7 +144,7 @@ class HostStep(PgasStep):
         releases it."""
         if self.looked_up >= epoch or self.issued < epoch - 1:
             return
-        self._give_up(PgasError(f"{self.kind}: another sharding of the module failed step {epoch}: {err}"), epoch)
+        self._give_up(PgasError(f"{self.kind}: another sharding of the model failed step {epoch}: {err}"), epoch)
 
     def release(self, epoch: int) -> None:
         for src in self._order():

@@ -15,7 +15,6 @@ A failed backward gives the step up in the model's other shardings too (``group.
 
 import abc
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -143,7 +142,6 @@ class PgasStep(abc.ABC):
         self.group = StepGroup()  # the model's PGAS steps (its sharder joins them into one)
         self.group.join([self])
         self._anchor = torch.zeros((), requires_grad=True)  # makes a training step's output require grad
-        self._module_steps: List["weakref.ref[PgasStep]"] = []  # the PGAS steps of this step's module
 
     @property
     def feature_names(self) -> Tuple[str, ...]:
@@ -168,22 +166,21 @@ class PgasStep(abc.ABC):
         self.rt.abort(self.pad, str(err), epoch)
         return err
 
-    def join_module(self, steps: Sequence["PgasStep"]) -> None:
-        """The PGAS steps of this step's module (this one among them), in module order (``forward_failed``)."""
-        self._module_steps = [weakref.ref(s) for s in steps]
-
     def forward_failed(self, err: PgasError, epoch: int) -> None:
-        """This step raised ``err`` for step ``epoch`` in its module's forward, which ends that forward on
-        every rank (the failing rank raises its error, the peers the abort): every other PGAS step of the
-        module consumes step ``epoch`` as well (``consume_failed_step``), so that all of them run the next
-        batch at the next epoch on every rank, whichever of them had run their stages of the failed step."""
-        for ref in self._module_steps:
-            other = ref()
-            if other is not None and other is not self:
-                other.consume_failed_step(epoch, err)
+        """This step raised ``err`` for step ``epoch`` in the model's forward: the model's other PGAS steps
+        consume that step too (``StepGroup.forward_failed``)."""
+        self.group.forward_failed(self, epoch, err)
+
+    def sync_forward(self, epoch: int) -> None:
+        """Wait until the forward of step ``epoch`` has run here, so that its errors are known: the host path
+        has run it (and raised them) by the time the call returned."""
+
+    @abc.abstractmethod
+    def share_deadlines(self, leader: "PgasStep") -> None:
+        """Wait against ``leader``'s deadlines (itself: its own): one deadline a step of the model."""
 
     def consume_failed_step(self, epoch: int, err: PgasError) -> None:
-        """A sibling sharding failed step ``epoch`` in the module's forward: this step's stages of it that did
+        """A sibling sharding failed step ``epoch`` in the model's forward: this step's stages of it that did
         not run will not (``forward_failed``). A backend whose forward raises (the host path) consumes them
         here; the device path raises no step error in the forward (it gives a step up by running its stages
         empty and raises at the backward), so it has nothing to consume."""

@@ -1,0 +1,101 @@
+"""StepGroup alone, with stand-in steps: who leads the deadlines, who consumes a failed forward, and the check a
+mixed EBC runs before any backward (GPU kernels record a bad id instead of raising it in the forward; the end-to-end
+case is the refusal matrix's GPU twin in test_gpu_training.py)."""
+
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+
+from torchrec_pgas.sharding.group import StepGroup
+from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
+from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError
+
+
+class _Tbe(torch.nn.Module):
+    def __init__(self, it: int) -> None:
+        super().__init__()
+        self.iter_cpu = torch.tensor(it)
+
+
+class _Step:
+    """A sharding's step as the group sees it; ``failure``: the error its forward recorded for ``epoch``."""
+
+    def __init__(self, name: str, failure: Optional[PgasError] = None) -> None:
+        self.kind = name
+        self.group = StepGroup()
+        self.group.join([self])
+        self.backwards = AwaitedBackwards(name)
+        self.failure = failure
+        self.leader: Optional["_Step"] = None
+        self.calls: List[Tuple[str, int]] = []
+        self.tbe = _Tbe(7)
+        self.tickets: List[StepTicket] = []  # the autograd graph's part: AwaitedBackwards holds them weakly
+
+    def await_backward(self, epoch: int) -> None:
+        self.tickets.append(StepTicket(epoch, 4, lambda kjt: kjt, [7], [self.tbe]))
+        self.backwards.issue(self.tickets[-1])
+
+    def fail(self, err: PgasError, epoch: int) -> PgasError:
+        self.calls.append(("fail", epoch))
+        return err
+
+    def step_failure(self, epoch: int) -> Optional[PgasError]:
+        failure, self.failure = self.failure, None
+        return failure
+
+    def abandon_backward(self, epoch: int) -> None:
+        self.calls.append(("abandon", epoch))
+        self.backwards.abandon(epoch)
+
+    def consume_failed_step(self, epoch: int, err: PgasError) -> None:
+        self.calls.append(("consume", epoch))
+
+    def share_deadlines(self, leader: "_Step") -> None:
+        self.leader = leader
+
+    def sync_forward(self, epoch: int) -> None:
+        self.calls.append(("sync", epoch))
+
+
+def test_the_first_member_leads_the_deadlines_and_moved_steps_leave_their_group() -> None:
+    a, b, c = _Step("a"), _Step("b"), _Step("c")
+    module = StepGroup()
+    module.join([b, c])
+    assert c.leader is b and module.members() == [b, c]
+    model = StepGroup()
+    model.join([a])
+    model.join([b, c])
+    assert model.members() == [a, b, c] and module.members() == []
+    assert b.leader is a and c.leader is a and a.leader is None
+    assert all(s.group is model for s in (a, b, c))
+
+
+def test_a_failed_forward_is_consumed_by_every_other_step_of_the_model() -> None:
+    a, b, c = _Step("a"), _Step("b"), _Step("c")
+    model = StepGroup()
+    model.join([a, b, c])
+    model.forward_failed(b, 5, PgasInputError("bad id"))
+    assert a.calls == [("consume", 5)] and c.calls == [("consume", 5)] and b.calls == []
+
+
+def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> None:
+    """The rank's own error wins over a peer's abort; every step awaiting the backward gives it up (its slot
+    released, its TBE counter back); a step with no error anywhere passes untouched."""
+    a, b, c = _Step("a", PgasPeerAbortError("rank 1 aborted")), _Step("b", PgasInputError("bad id")), _Step("c")
+    model = StepGroup()
+    model.join([a, b, c])
+    for s in (a, b, c):
+        s.await_backward(3)
+        s.tbe.iter_cpu.fill_(7)
+    with pytest.raises(PgasInputError, match="bad id"):
+        model.refuse_failed_step(3)
+    for s in (a, b, c):
+        assert s.calls == [("sync", 3), ("abandon", 3)], (s.kind, s.calls)
+        assert int(s.tbe.iter_cpu) == 6 and not s.backwards.awaits(3)
+    fine = [_Step("d"), _Step("e")]
+    model.join(fine)
+    for s in fine:
+        s.await_backward(4)
+    model.refuse_failed_step(4)
+    assert all(s.calls == [("sync", 4)] and s.backwards.awaits(4) for s in fine)
