@@ -87,8 +87,8 @@ enum StateWord : int64_t {
   // + slot: the deadline of every wait of the step in that slot, set by its first wait
   // ((microseconds << kDeadlineTagBits) | epoch's low bits: step_protocol.cuh step_deadline_ns)
   kStepDeadline = kStepFailed + kMaxSlots,
-  // the address of the deadline words this sharding's waits use: 0 for its own; the first PGAS sharding's of
-  // its module, whose stages run before this one's on the stream (one deadline a step of the model)
+  // the address of the deadline words this sharding's waits use: 0 for its own; else the model's first PGAS
+  // sharding's, whose stages run before this one's on the stream (one deadline a step of the model)
   kDeadlineAt = kStepDeadline + kMaxSlots,
   kStateWords = kDeadlineAt + 1,
 };

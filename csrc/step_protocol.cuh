@@ -176,9 +176,10 @@ __device__ __forceinline__ int aborted_by(const StepParams& p, int64_t epoch) {
 // backward: the step's first wait sets it, timeout_ns from its start (a word a
 // slot: the deadline in microseconds tagged with the epoch's low bits, claimed
 // by one atomicCAS), and each later wait of the step gives up at it. The words
-// are the first PGAS sharding's of the module (state[kDeadlineAt]; 0: this
+// are the model's first PGAS sharding's (state[kDeadlineAt]; 0: this
 // sharding's own, state[kStepDeadline]): the shardings' stages run one after
-// another on the stream, and their epochs advance together. A stalled peer so
+// another on the stream, and every sharding of the model runs each step at the
+// same epoch (a step failed in one is consumed by all). A stalled peer so
 // fails the step once, timeout_ns after its first wait, whichever of the
 // step's waits (release, index, outputs, gradients; of any sharding) it stalls.
 constexpr int kDeadlineTagBits = 13;
