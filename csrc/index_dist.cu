@@ -594,10 +594,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   }
   __syncthreads();
   if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) {
-    // A bad id under FATAL (checked_id marked the step failed) gives the step up
-    // as the host does: every owner, this rank too, is aborted before the signal,
-    // so each one's lookup records the abort and the step fails on every rank by
-    // the end of its forward (a model's pre-backward check reads that).
+    // A step this index dist marked failed (a bad id under FATAL: checked_id; a
+    // bad span; a CTA's timed-out release) is given up as the host gives one up:
+    // every owner, this rank too, is aborted before the signal and the header
+    // says so, so each owner's lookup records the failure and the step fails on
+    // every rank by the end of its forward (what a model's check before its
+    // backward reads).
     const int gave_up = ld_volatile(p.state + kStepFailed + slot) == epoch;
     if (gave_up) {
       for (int d = 0; d < p.world; ++d) abort_peer(p, d, epoch);

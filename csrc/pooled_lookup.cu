@@ -229,7 +229,13 @@ __device__ __forceinline__ SourceIndex accept_source(const StepParams& p, int sr
       reinterpret_cast<const int64_t*>(p.buf + index_block(p, s.epoch % p.num_slots, src));
   const int64_t* signal = my_signal(p, kIndexSignals, src);
   s.ok = wait_epoch(p, signal, s.epoch, s.epoch, 1, src);
-  if (ld_acquire_sys(signal) >= s.epoch && __ldcg(header + 3) == 0) {  // header[3]: the source gave up
+  const bool arrived = ld_acquire_sys(signal) >= s.epoch;
+  if (arrived && __ldcg(header + 3) != 0) {
+    // header[3]: the source gave up on the step. Its abort came first, but the
+    // one abort word may since hold a later step's: the header alone says so.
+    record_error(p, s.epoch, ErrorCode::kPeerAbort, src);
+    s.ok = 0;
+  } else if (arrived) {
     const int64_t h_epoch = __ldcg(header), h_batch = __ldcg(header + 1), h_nnz = __ldcg(header + 2);
     if (!p.variable_batch && h_batch != p.batch) {
       record_error(p, s.epoch, ErrorCode::kBatchMismatch, src, h_batch, p.batch);

@@ -93,9 +93,26 @@ def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> N
     for s in (a, b, c):
         assert s.calls == [("sync", 3), ("abandon", 3)], (s.kind, s.calls)
         assert int(s.tbe.iter_cpu) == 6 and not s.backwards.awaits(3)
+        with pytest.raises(PgasError, match="step 3 was given up"):  # a retried backward applies nothing
+            s.backwards.begin(s.tickets[0])
     fine = [_Step("d"), _Step("e")]
     model.join(fine)
     for s in fine:
         s.await_backward(4)
     model.refuse_failed_step(4)
     assert all(s.calls == [("sync", 4)] and s.backwards.awaits(4) for s in fine)
+
+
+def test_an_all_stock_module_checks_the_oldest_step_awaiting_its_backward() -> None:
+    """An EBC with no PGAS sharding knows no epoch of its own: backwards run in forward order, so the step its
+    output's gradient belongs to is the model's oldest one still awaiting its backward."""
+    a, b = _Step("a"), _Step("b", PgasInputError("bad id"))
+    model = StepGroup()
+    model.join([a, b])
+    for s in (a, b):
+        s.await_backward(6)
+        s.await_backward(7)
+    with pytest.raises(PgasInputError):
+        model.refuse_failed_step()
+    assert a.calls == [("sync", 6), ("abandon", 6)] and a.backwards.epochs() == [7]
+    StepGroup().refuse_failed_step()  # a model without PGAS shardings: nothing to check

@@ -25,6 +25,7 @@ from torchrec_pgas.testing import (
     local_state,
     random_kjt,
     rank_device,
+    recorded_failure,
     run_distributed,
     seeded,
     shard,
@@ -32,7 +33,15 @@ from torchrec_pgas.testing import (
     state_difference,
     stock_twin,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError, PgasTrainingConfig
+from torchrec_pgas.types import (
+    PGAS_ROW_WISE,
+    PGAS_TABLE_WISE,
+    PgasConfig,
+    PgasError,
+    PgasInputError,
+    PgasPeerAbortError,
+    PgasTrainingConfig,
+)
 
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
 
@@ -278,7 +287,11 @@ MIXED_PLANS = {
 # stock shardings: their backward's collectives would wait for the failed rank (gloo's timeout, not ours).
 REFUSALS = ("id-rw", "id-tw", "capacity")
 BACKWARD_FAULTS = ("backward", "exchange")
-CASES = [(plan, what) for plan in MIXED_PLANS for what in REFUSALS] + [("rw-tw-rw-tw", f) for f in BACKWARD_FAULTS]
+# A failure the forward records rather than raises (GPU kernels: a bad id), in the plan whose second EBC holds stock
+# shardings: its check before the backward must refuse the step before their fused backward applies it.
+RECORDED = "recorded"
+CASES = ([(plan, what) for plan in MIXED_PLANS for what in REFUSALS] + [("rw-tw-rw-tw", f) for f in BACKWARD_FAULTS]
+         + [("tw-tw-rw-tw", RECORDED)])
 REFUSED_STEP, STEPS_AFTER = 3, 5
 BACKWARD_TIMEOUT_S = 4.0
 
@@ -330,6 +343,11 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
                 loss, _ = pgas(batch)
                 with failing_puts(after=1):
                     loss.backward()
+            elif what == RECORDED and i == REFUSED_STEP:
+                own = rank == world - 1
+                err = PgasInputError("injected: a bad id") if own else PgasPeerAbortError(f"rank {world - 1} aborted")
+                with recorded_failure(i + 1, err):
+                    _train(pgas, batch)
             elif i == REFUSED_STEP and rank == world - 1:
                 _train(pgas, _refused(batch, types, what))
             else:
@@ -346,9 +364,10 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
 
 
 def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str, str], Dict[str, Any]]:
-    """Every case; on GPUs not the failed exchange, whose puts are the fused kernels'."""
+    """Every case; on GPUs not the failed exchange, whose puts are the fused kernels', nor the injected record
+    (their kernels record the bad ids of the other cases)."""
     return {(plan, what): _refusal(rank, world, plan, what, device_type) for plan, what in CASES
-            if device_type == "cpu" or what != "exchange"}
+            if device_type == "cpu" or what not in ("exchange", RECORDED)}
 
 
 def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None:
@@ -363,7 +382,8 @@ def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None
             elif case[1] == "exchange":  # the last rank's own failure; the others' the abort it sent
                 want = [(REFUSED_STEP, "PgasError" if rank == world - 1 else "PgasPeerAbortError")]
             else:
-                own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError"}[case[1]]
+                own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError",
+                       RECORDED: "PgasInputError"}[case[1]]
                 want = [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")]
             assert r["errors"] == want, (rank, case, r)
             assert max(r["diffs"]) <= 1e-5, (rank, case, r["diffs"])
@@ -375,7 +395,9 @@ def test_a_refused_step_in_a_mixed_plan_leaves_the_next_steps_equal_to_stock() -
     them (a bad id in a row-wise or a table-wise feature, a batch over capacity) is consumed by every PGAS
     sharding of the EBC on every rank, and the steps after it train as stock does without it; so does a step
     whose backward one rank dropped (every sharding's backward times out elsewhere and applies nothing), or
-    whose gradient exchange failed on one rank after its first put (it aborts the step; nothing applied)."""
+    whose gradient exchange failed on one rank after its first put (it aborts the step; nothing applied), or whose
+    forward recorded a failure instead of raising it (as GPU kernels record a bad id: the check before the
+    backward refuses it before the stock shardings' fused backward)."""
     check_refusals(run_distributed(_refusals, 2))
 
 

@@ -1,5 +1,6 @@
 """The sharder users add to DistributedModelParallel, and the ShardedEBC it builds."""
 
+import functools
 from typing import Any, Dict, Iterator, List, Optional, Type
 
 import torch
@@ -61,27 +62,28 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     config.feature_names
                 )
         steps = list(pgas_steps(self))
-        StepGroup().join(steps)  # the module's; its sharder's group (the model's) takes them over
-        mixed = any(not isinstance(s, PgasShardingMixin) for s in self._embedding_shardings)
-        self._checked_step: Optional[PgasStep] = steps[0] if steps and mixed else None
+        self.step_group = StepGroup()  # the module's PGAS steps; its sharder puts in the model's group
+        self.step_group.join(steps)
+        self._first_step: Optional[PgasStep] = steps[0] if steps else None
+        self._holds_stock = any(not isinstance(s, PgasShardingMixin) for s in self._embedding_shardings)
 
     def compute_and_output_dist(
         self, ctx: EmbeddingBagCollectionContext, input: KJTList
     ) -> LazyAwaitable[KeyedTensor]:
-        awaitable = super().compute_and_output_dist(ctx, input)
-        if self._checked_step is not None:
-            awaitable.callbacks.append(self._refuse_before_backward)
+        awaitable = super().compute_and_output_dist(ctx, input)  # the lookups ran: their epoch is this step's
+        if self._holds_stock:
+            epoch = self._first_step.looked_up if self._first_step is not None else None
+            awaitable.callbacks.append(functools.partial(self._refuse_before_backward, epoch))
         return awaitable
 
-    def _refuse_before_backward(self, out: KeyedTensor) -> KeyedTensor:
-        """A module holding stock shardings beside PGAS ones: the gradient of its output first checks the step
-        for errors the PGAS shardings' kernels recorded in the forward (``StepGroup.refuse_failed_step``), so
-        that a refused step reaches no stock sharding's fused backward (GPUs find bad ids in the kernels; on
-        CPUs they raise in the forward, and the check finds none)."""
-        step = self._checked_step
-        values = out.values()
-        if step is not None and values.requires_grad and step.backwards.ticket(step.looked_up) is not None:
-            group, epoch = step.group, step.looked_up
+    def _refuse_before_backward(self, epoch: Optional[int], out: KeyedTensor) -> KeyedTensor:
+        """A module holding stock shardings: the gradient of its output first checks the model's step for
+        errors its PGAS shardings' kernels recorded in the forward (``StepGroup.refuse_failed_step``), so that
+        a refused step reaches no stock sharding's fused backward (GPUs find bad ids in the kernels; on CPUs
+        they raise in the forward, and the check finds none). The step is this module's own PGAS shardings',
+        else the oldest one of the model that awaits its backward (backwards run in forward order)."""
+        values, group = out.values(), self.step_group
+        if values.requires_grad:
             values.register_hook(lambda grad: group.refuse_failed_step(epoch))
         return out
 
@@ -174,6 +176,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
         )
         self._group.join(pgas_steps(sharded))
+        sharded.step_group = self._group
         return sharded
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:

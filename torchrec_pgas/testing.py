@@ -46,8 +46,9 @@ from torchrec_pgas.bootstrap import shutdown
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_errors
 from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
 from torchrec_pgas.runtime import PgasRuntime
+from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasTrainingConfig
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError, PgasTrainingConfig
 
 ATOL: float = 1e-5
 RTOL: float = 1e-5
@@ -388,6 +389,23 @@ def failing_puts(after: int) -> Iterator[None]:
         real(rt, *args)
 
     with mock.patch.object(PgasRuntime, "put", put):
+        yield
+
+
+@contextlib.contextmanager
+def recorded_failure(epoch: int, err: PgasError) -> Iterator[None]:
+    """Every host-path PGAS step reports ``err`` as its step ``epoch``'s failure (once, consumed), as GPU
+    kernels record a bad id in the forward instead of raising it there: what the check before a model's
+    backward must find (``StepGroup.refuse_failed_step``)."""
+    real, reported = PgasStep.step_failure, set()
+
+    def step_failure(step: PgasStep, e: int) -> Optional[PgasError]:
+        if e == epoch and id(step) not in reported:
+            reported.add(id(step))
+            return err
+        return real(step, e)
+
+    with mock.patch.object(PgasStep, "step_failure", step_failure):
         yield
 
 

@@ -144,7 +144,9 @@ class DeviceStep(PgasStep):
                 self._errors.status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        self.raise_recorded()  # a finished step's error: this step has not started, nothing to abort
+        for step in self.group.members():  # the model's finished steps' errors, before any EBC claims this
+            if isinstance(step, DeviceStep):  # step: raised by a later EBC, they would leave it an epoch behind
+                step.raise_recorded()
         epoch = self.claim_slot()
         err = self.spec.input_error(kjt, self.rank)
         stream = self._await_slot(epoch)

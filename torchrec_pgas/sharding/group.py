@@ -97,12 +97,17 @@ class StepGroup:
                 first = first or err
         return first
 
-    def refuse_failed_step(self, epoch: int) -> None:
-        """Raise step ``epoch``'s error, before any sharding's backward of it runs, if the step failed in the
-        forward of any PGAS sharding of the model (its kernels' records, read after they ran): the step is then
-        given up in every sharding (records consumed, TBE counters back, slots released). Every rank records a
-        failed step by the end of its forward (the failing rank its error, the others the abort), so every rank
-        raises here, and no stock-sharded table of the model applies the step either."""
+    def refuse_failed_step(self, epoch: Optional[int] = None) -> None:
+        """Raise step ``epoch``'s error (None: the oldest step awaiting its backward), before any sharding's
+        backward of it runs, if the step failed in the forward of any PGAS sharding of the model (its kernels'
+        records, read after they ran): the step is then given up in every sharding (records consumed, TBE
+        counters back, slots released). Every rank records a failed step by the end of its forward (the failing
+        rank its error, the others the abort), so every rank raises here, and no stock-sharded table of the model
+        applies the step either."""
+        if epoch is None:
+            epoch = min((e for step in self.members() for e in step.backwards.epochs()), default=None)
+            if epoch is None:
+                return
         awaiting = [(step, ticket) for step in self.members() for ticket in [step.backwards.ticket(epoch)]
                     if ticket is not None]
         for step, _ in awaiting:

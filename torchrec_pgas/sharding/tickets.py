@@ -82,15 +82,22 @@ class AwaitedBackwards:
         weakref.finalize(ticket, self._dropped.append, ticket.epoch)
 
     def begin(self, ticket: StepTicket) -> None:
-        """``ticket``'s backward starts: once only."""
+        """``ticket``'s backward starts: once only, and not after the step was given up."""
         if ticket.done:
             raise PgasError(f"{self.kind}: a second backward through step {ticket.epoch}'s output "
                             "(retain_graph): its gradients were applied by the first")
+        if ticket.epoch not in self._awaiting:
+            raise PgasError(f"{self.kind}: step {ticket.epoch} was given up (its error was raised by an "
+                            "earlier backward through its output): nothing of it is applied")
         ticket.done = True
         self._awaiting.discard(ticket.epoch)
 
     def awaits(self, epoch: int) -> bool:
         return epoch in self._awaiting
+
+    def epochs(self) -> List[int]:
+        """The steps that await their backward, their output alive (not those dropped since the last claim)."""
+        return [e for e in sorted(self._awaiting) if self._tickets.get(e) is not None]
 
     def pending(self) -> bool:
         """Whether any step awaits its backward."""
