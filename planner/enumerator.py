@@ -110,6 +110,11 @@ class PgasEnumerator(EmbeddingEnumerator):
         self._why: Dict[str, str] = {}  # table -> why it may not get them all
         self.num_tables = 0  # tables in the last enumeration (each pays 1/num_tables of a fixed cost)
         self._pgas_modules: Set[str] = set()  # sharder keys of the module types the PGAS sharder shards
+        # One-sided PGAS types need every rank in one NVLink domain: TorchRec's intra_group_size (a node, or a
+        # multi-node NVLink pod); a job beyond it is offered stock types only.
+        domain = getattr(topology, "intra_group_size", topology.local_world_size)
+        self._beyond_domain = (f"{topology.world_size} ranks span more than one NVLink domain ({domain} ranks)"
+                               if topology.world_size > domain else None)
 
     def _families(self) -> List[str]:
         """The stock types whose PGAS twin this profile can price."""
@@ -119,9 +124,11 @@ class PgasEnumerator(EmbeddingEnumerator):
     def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
         allowed = list(allowed_sharding_types)
         families = self._families()
-        if sharder_key in self._pgas_modules:  # it lists stock types only (see its doc)
+        if sharder_key in self._pgas_modules and self._beyond_domain is None:  # it lists stock types only (its doc)
             allowed += [PGAS_TWIN[f] for f in families if f in allowed]
         kept = super()._filter_sharding_types(name, allowed, sharder_key)
+        if self._beyond_domain is not None:
+            self._refuse_pgas_only(name)
         # Constraints win over the backend preference.
         offer: List[str] = []
         for family in families:
@@ -132,11 +139,19 @@ class PgasEnumerator(EmbeddingEnumerator):
             if twin in kept and family in kept and self.backends != "auto":
                 self._why[name] = f"backends={self.backends}"
         if name not in self._why and 0 < len(offer) < 2 * len(families):
-            self._why[name] = "constraints"
+            self._why[name] = self._beyond_domain or "constraints"
         self._offer[name] = offer
         managed = set(families) | {PGAS_TWIN[f] for f in families}
         # TorchRec enumerates the stock type of each family still offered; its options are cloned.
         return [t for t in kept if t not in managed] + [f for f in families if {f, PGAS_TWIN[f]} & set(offer)]
+
+    def _refuse_pgas_only(self, name: str) -> None:
+        """A table whose constraints allow PGAS types only cannot be planned beyond one NVLink domain."""
+        wanted = (self._constraints or {}).get(name)
+        types = list(wanted.sharding_types or []) if wanted is not None else []
+        if types and all(t in PGAS_TWIN.values() for t in types):
+            raise ValueError(f"table {name}: its constraints allow only {types}, but {self._beyond_domain}, and "
+                             "PGAS types need every rank in one: allow a stock type too")
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
         # Only the modules the PGAS sharder shards can get PGAS types; reasons are per enumeration.

@@ -485,6 +485,25 @@ def test_enumerator_prices_both_and_honours_constraints_and_modes() -> None:
         PgasEnumerator(Topology(world_size=2, compute_device="cuda"), 8, backends="mpi")
 
 
+def test_beyond_one_nvlink_domain_only_stock_types_are_offered() -> None:
+    """Two nodes of two GPUs (TorchRec's intra_group_size 2, world 4): the one-sided types need every rank in one
+    NVLink domain, so the planner offers stock types only and its decision table says why; a table constrained to
+    PGAS types only raises, named."""
+    topo = Topology(world_size=4, local_world_size=2, compute_device="cuda")
+    free = {k: v for k, v in CONSTRAINTS.items() if k != "t3"}
+    stats = PgasDecisionStats()
+    enumerator = PgasEnumerator(topo, 8, constraints=free, profile=load_profile(world_size=2))
+    plan = _planner(topo, 8, enumerator=enumerator, constraints=free, stats=[stats]).plan(
+        default_model(), [PgasEmbeddingBagCollectionSharder()])
+    types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
+    assert types and not any(t.startswith("pgas") for t in types.values()), types
+    reasons = {line.split()[0]: line for line in stats.lines[1:]}
+    assert "4 ranks span more than one NVLink domain (2 ranks)" in reasons["w0"], reasons["w0"]
+    with pytest.raises(ValueError, match=r"table t3: its constraints allow only \['pgas_row_wise'\]"):
+        PgasEnumerator(topo, 8, constraints=CONSTRAINTS, profile=load_profile(world_size=2)).enumerate(
+            default_model(), [PgasEmbeddingBagCollectionSharder()])
+
+
 def _run_planned(rank: int, world: int, types: Dict[str, str]) -> Dict[str, float]:
     """The planned types on the shm backend, against the unsharded model (not stock: TorchRec 1.6.1's
     mean callback also divides a table_wise SUM feature next to a row_wise MEAN one, as here)."""
