@@ -103,8 +103,8 @@ class HostStep(PgasStep):
         self._deadlines.wait(self.rt, self.pad, {peer: signal(peer) for peer in peers}, value, epoch, what)
 
     def share_deadlines(self, leader: PgasStep) -> None:
-        own = leader is self or not isinstance(leader, HostStep)
-        self._deadlines = StepDeadlines(self.spec.config.wait_timeout_s) if own else leader._deadlines
+        if isinstance(leader, HostStep):
+            self._deadlines = leader._deadlines
 
     def _order(self) -> List[int]:
         """Remote peers first (their bytes travel), this rank last."""

@@ -177,7 +177,7 @@ class PgasStep(abc.ABC):
 
     @abc.abstractmethod
     def share_deadlines(self, leader: "PgasStep") -> None:
-        """Wait against ``leader``'s deadlines (itself: its own): one deadline a step of the model."""
+        """Wait against ``leader``'s deadlines (the model's first PGAS step): one deadline a step of the model."""
 
     def consume_failed_step(self, epoch: int, err: PgasError) -> None:
         """A sibling sharding failed step ``epoch`` in the model's forward: this step's stages of it that did
