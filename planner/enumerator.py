@@ -27,6 +27,10 @@ model (``CostModel(training=True)``): ``Perf.bwd_compute`` is the owner's fused 
 the replayed lookup), ``Perf.bwd_comms`` the pooled gradient's way back (stock: all-gather / all-to-all;
 PGAS: one-sided, row-wise only to the owners that served each bag). The other types keep TorchRec's
 forward + backward estimates, plus shares of stock's fixed costs (forward and backward) as the priced options carry.
+
+The PGAS types need every rank in one NVLink domain: a job larger than ``nvlink_domain_size`` (default TorchRec's
+``Topology.intra_group_size``: a node, or a multi-node NVLink pod) is offered stock types only. Give it where the
+topology's ``local_world_size`` is not the host's, as when ranks share one GPU (``local_size=1`` plans).
 """
 
 import copy
@@ -98,6 +102,7 @@ class PgasEnumerator(EmbeddingEnumerator):
         mode: str = "eager",
         backends: str = "auto",
         training: bool = False,
+        nvlink_domain_size: Optional[int] = None,
     ) -> None:
         if backends not in ("auto", "pgas", "nccl"):
             raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
@@ -112,7 +117,7 @@ class PgasEnumerator(EmbeddingEnumerator):
         self._pgas_modules: Set[str] = set()  # sharder keys of the module types the PGAS sharder shards
         # One-sided PGAS types need every rank in one NVLink domain: TorchRec's intra_group_size (a node, or a
         # multi-node NVLink pod); a job beyond it is offered stock types only.
-        domain = getattr(topology, "intra_group_size", topology.local_world_size)
+        domain = nvlink_domain_size or getattr(topology, "intra_group_size", topology.local_world_size)
         self._beyond_domain = (f"{topology.world_size} ranks span more than one NVLink domain ({domain} ranks)"
                                if topology.world_size > domain else None)
 

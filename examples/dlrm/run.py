@@ -92,12 +92,14 @@ def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
     """
     constraints = table_constraints(model)
     world = dist.get_world_size()
+    host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = Topology(world_size=world, compute_device="cuda",
-                        local_world_size=rank_placement(world).local_size(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+                        local_world_size=rank_placement(world).local_size(host_ranks))
     stats = PgasDecisionStats()
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch, constraints=constraints, stats=[stats],
-        enumerator=PgasEnumerator(topology, batch, constraints=constraints, training=train),
+        enumerator=PgasEnumerator(topology, batch, constraints=constraints, training=train,
+                                  nvlink_domain_size=host_ranks),  # ranks sharing a GPU: local_size 1
         # TorchRec's default reservation warns from 1.9 on (FutureWarning); this is its recommended one.
         storage_reservation=FixedPercentageStorageReservation(percentage=0.15))
     plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], dist.group.WORLD)
