@@ -13,7 +13,7 @@
 #                 (commit, GPUs, every step's exit status and headline lines) and one log per step.
 #
 # STEPS is a comma list, or a name for one:
-#   tests      every GPU test (tests/ -m gpu) at PGAS_TEST_WORLD ranks; quick-tests: a few of them
+#   tests      every GPU test (tests/ -m gpu; TEST_FILES: some files) at PGAS_TEST_WORLD ranks; quick-tests: a few
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
 #   bench-train benchmarks.embedding --mode train, TRAIN_PAIRS (default both), with each of TRAIN_OWNER_BACKWARDS (default
@@ -298,8 +298,11 @@ NCUEOF
 fi
 
 if has tests || has quick-tests; then
-  TESTS=(tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py
-         tests/test_owner_backward.py tests/test_owner_update_op.py -m gpu)
+  # TEST_FILES: a part of the suite (the whole took over 10 minutes with two ranks sharing one H200)
+  ALL_GPU_TESTS="tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py
+    tests/test_owner_backward.py tests/test_owner_update_op.py"
+  # shellcheck disable=SC2206  # the file list splits on blanks and newlines
+  TESTS=(${TEST_FILES:-$ALL_GPU_TESTS} -m gpu)
   K=${TEST_K:-}  # e.g. TEST_K="table_wise or comm"; with quick-tests, both must match
   has quick-tests && K="(out_of_range or mismatch or ignore or graph or bit_exact or comm)${K:+ and ($K)}"
   [ -n "$K" ] && TESTS+=(-k "$K")
