@@ -34,8 +34,9 @@
 //
 // Bounds: an id outside [0, N) never produces a remote write. FATAL drops it,
 // records ErrorCode::kBadId (raised on the host; a one-owner copy stores row 0
-// in its place) and gives the step up: the last CTA aborts it on every owner
-// before it signals; WARNING/IGNORE read row 0 instead (id := 0, as FBGEMM does),
+// in its place) and, in a training step, gives the step up: the last CTA
+// aborts it on every owner before it signals; WARNING/IGNORE read row 0
+// instead (id := 0, as FBGEMM does),
 // WARNING also records kBadIdWarn. Every write position lies in [begin, end) of a
 // tile whose spans were checked to be a CSR inside [0, nnz], nnz <= C.
 //
@@ -86,6 +87,11 @@ __device__ __forceinline__ void locate(int64_t id, const TileBag& tb, int& owner
     row = id - owner * tb.block;
   }
 }
+
+// index_dist's flags: give the step up (the host found bad input), or give it
+// up if the kernel marks it failed (a training step).
+constexpr int kGiveUp = 1;
+constexpr int kAbortOnFailure = 2;
 
 // The step this index dist runs (its last CTA advances the counter at the end):
 // read on the error paths only.
@@ -530,7 +536,7 @@ struct TileClaims {
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 __global__ void __launch_bounds__(kMaxWarps * 32, 4)
     index_dist_kernel(StepParams p, const index_t* __restrict__ values, const int64_t* __restrict__ offsets,
-                      const float* __restrict__ weights, int tile_bags, int give_up) {
+                      const float* __restrict__ weights, int tile_bags, int flags) {
   extern __shared__ __align__(16) uint8_t s_warps[];  // [warps][warp_smem_bytes]
   __shared__ float s_div[kMaxWarps][32];  // weighted: the bag's weight sum
   __shared__ uint8_t* s_dst[kMaxWorld];  // owner d's copy of this rank's index block
@@ -547,7 +553,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   const int64_t my_block = index_block(p, slot, p.rank);
   if (threadIdx.x < p.world) s_dst[threadIdx.x] = reinterpret_cast<uint8_t*>(p.peer_bufs[threadIdx.x]) + my_block;
   const bool released = owners_released(p, epoch, &s_ok);
-  if (give_up || !released) {  // owners learn at their wait for this step's data
+  if ((flags & kGiveUp) || !released) {  // owners learn at their wait for this step's data
     if (!released && threadIdx.x < p.world) abort_peer(p, threadIdx.x, epoch);
     __syncthreads();
     if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) publish_index(p, epoch, my_block, 1);
@@ -594,13 +600,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
   }
   __syncthreads();
   if (threadIdx.x == 0 && last_to_arrive(p.state + kDoneIndex, gridDim.x)) {
-    // A step this index dist marked failed (a bad id under FATAL: checked_id; a
-    // bad span; a CTA's timed-out release) is given up as the host gives one up:
-    // every owner, this rank too, is aborted before the signal and the header
-    // says so, so each owner's lookup records the failure and the step fails on
-    // every rank by the end of its forward (what a model's check before its
-    // backward reads).
-    const int gave_up = ld_volatile(p.state + kStepFailed + slot) == epoch;
+    // kAbortOnFailure (a training step): a step this index dist marked failed
+    // (a bad id under FATAL: checked_id; a bad span; a CTA's timed-out release)
+    // is given up as the host gives one up: every owner, this rank too, is
+    // aborted before the signal and the header says so, so each owner's lookup
+    // records the failure and the step fails on every rank by the end of its
+    // forward (what a model's check before its backward reads; its backward
+    // refuses the step on every rank anyway). An inference step keeps the
+    // failure on its rank: the peers' outputs do not depend on its ids.
+    const int gave_up = (flags & kAbortOnFailure) && ld_volatile(p.state + kStepFailed + slot) == epoch;
     if (gave_up) {
       for (int d = 0; d < p.world; ++d) abort_peer(p, d, epoch);
     }
@@ -610,7 +618,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
 
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
 void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, int give_up, cudaStream_t stream) {
+                       const float* weights, int flags, cudaStream_t stream) {
   const auto kernel = index_dist_kernel<index_t, row_t, kWeighted, kTrace>;
   // Warps per CTA: 8, fewer when the owners' rings would not fit (large W).
   const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), kWeighted);
@@ -633,25 +641,25 @@ void launch_index_dist(const StepParams& p, const index_t* values, const int64_t
   int tile_bags = 32;
   while (tile_bags > 1 && ctas_for(tile_bags) < resident) tile_bags /= 2;
   const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas_for(tile_bags), resident)));
-  kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags, give_up);
+  kernel<<<grid, warps * 32, smem, stream>>>(p, values, offsets, weights, tile_bags, flags);
 }
 
 template <typename index_t, bool kWeighted, bool kTrace>
 void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, int give_up, cudaStream_t stream) {
-  p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, give_up, stream)
-                  : launch_index_dist<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, give_up, stream);
+                       const float* weights, int flags, cudaStream_t stream) {
+  p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, flags, stream)
+                  : launch_index_dist<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, flags, stream);
 }
 
 template <typename index_t>
 void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, int give_up, cudaStream_t stream) {
+                       const float* weights, int flags, cudaStream_t stream) {
   if (weights != nullptr) {
-    p.trace ? launch_index_dist<index_t, true, true>(p, values, offsets, weights, give_up, stream)
-            : launch_index_dist<index_t, true, false>(p, values, offsets, weights, give_up, stream);
+    p.trace ? launch_index_dist<index_t, true, true>(p, values, offsets, weights, flags, stream)
+            : launch_index_dist<index_t, true, false>(p, values, offsets, weights, flags, stream);
   } else {
-    p.trace ? launch_index_dist<index_t, false, true>(p, values, offsets, weights, give_up, stream)
-            : launch_index_dist<index_t, false, false>(p, values, offsets, weights, give_up, stream);
+    p.trace ? launch_index_dist<index_t, false, true>(p, values, offsets, weights, flags, stream)
+            : launch_index_dist<index_t, false, false>(p, values, offsets, weights, flags, stream);
   }
 }
 
@@ -660,7 +668,7 @@ void launch_index_dist(const StepParams& p, const index_t* values, const int64_t
 void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                 const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                const at::Tensor& config, int64_t batch, bool give_up) {
+                const at::Tensor& config, int64_t batch, bool give_up, bool abort_on_failure) {
   PGAS_CHECK(values.is_cuda() && offsets.is_cuda() && offsets.scalar_type() == at::kLong,
              "index_dist: CUDA values and int64 offsets expected");
   const StepParams p =
@@ -672,11 +680,12 @@ void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::
   PGAS_CHECK(p.weighted == (weights.has_value() ? 1 : 0), "index_dist: weighted mismatch");
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  const int flags = (give_up ? kGiveUp : 0) | (abort_on_failure ? kAbortOnFailure : 0);
   if (values.scalar_type() == at::kLong) {
-    launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, give_up ? 1 : 0, stream);
+    launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, flags, stream);
   } else {
     PGAS_CHECK(values.scalar_type() == at::kInt, "index_dist: int32 or int64 ids expected");
-    launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, give_up ? 1 : 0, stream);
+    launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, flags, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

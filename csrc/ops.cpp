@@ -24,7 +24,7 @@ void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, in
 void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
                 const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                const at::Tensor& config, int64_t batch, bool give_up);
+                const at::Tensor& config, int64_t batch, bool give_up, bool abort_on_failure);
 void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
                    const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
                    const at::Tensor& config, int64_t batch, int64_t max_dim, at::ScalarType out_dtype,
@@ -122,7 +122,7 @@ TORCH_LIBRARY(torchrec_pgas, m) {
   m.def(
       "index_dist(Tensor values, Tensor offsets, Tensor? weights, Tensor(a!) buf, Tensor(b!) pad, Tensor peers, "
       "Tensor features, Tensor(c!) state, Tensor(d!) bag_div, Tensor(e!) status, Tensor config, int batch, "
-      "bool give_up) -> ()");
+      "bool give_up, bool abort_on_failure) -> ()");
   m.def(
       "pooled_lookup(Tensor(a!) buf, Tensor(b!) pad, Tensor peers, Tensor features, Tensor(c!) state, "
       "Tensor bag_div, Tensor(d!) status, Tensor config, int batch, int max_dim, ScalarType out_dtype, "

@@ -230,7 +230,8 @@ __device__ __forceinline__ SourceIndex accept_source(const StepParams& p, int sr
   const int64_t* signal = my_signal(p, kIndexSignals, src);
   s.ok = wait_epoch(p, signal, s.epoch, s.epoch, 1, src);
   const bool arrived = ld_acquire_sys(signal) >= s.epoch;
-  if (arrived && __ldcg(header + 3) != 0) {
+  const bool gave_up = arrived && __ldcg(header + 3) != 0;
+  if (gave_up) {
     // header[3]: the source gave up on the step. Its abort came first, but the
     // one abort word may since hold a later step's: the header alone says so.
     record_error(p, s.epoch, ErrorCode::kPeerAbort, src);
@@ -245,7 +246,9 @@ __device__ __forceinline__ SourceIndex accept_source(const StepParams& p, int sr
       s.ok = 0;
     }
   }
-  if (!s.ok) abort_peer(p, src, s.epoch);
+  // A source that is not ok is aborted, unless it gave up itself (an abort back
+  // could overwrite its word's later step).
+  if (!s.ok && !gave_up) abort_peer(p, src, s.epoch);
   s.nnz = s.ok ? __ldcg(header + 2) : 0;  // the values checked above
   s.batch = s.ok ? __ldcg(header + 1) : 0;  // == p.batch unless variable_batch
   return s;

@@ -89,7 +89,7 @@ def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> N
         s.await_backward(3)
         s.tbe.iter_cpu.fill_(7)
     with pytest.raises(PgasInputError, match="bad id"):
-        model.refuse_failed_step(3)
+        model.refuse_failed_step((3,))
     for s in (a, b, c):
         assert s.calls == [("sync", 3), ("abandon", 3)], (s.kind, s.calls)
         assert int(s.tbe.iter_cpu) == 6 and not s.backwards.awaits(3)
@@ -99,20 +99,22 @@ def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> N
     model.join(fine)
     for s in fine:
         s.await_backward(4)
-    model.refuse_failed_step(4)
+    model.refuse_failed_step((4,))
     assert all(s.calls == [("sync", 4)] and s.backwards.awaits(4) for s in fine)
 
 
-def test_an_all_stock_module_checks_the_oldest_step_awaiting_its_backward() -> None:
-    """An EBC with no PGAS sharding knows no epoch of its own: backwards run in forward order, so the step its
-    output's gradient belongs to is the model's oldest one still awaiting its backward."""
+def test_an_all_stock_module_checks_the_first_of_its_candidate_steps_awaiting_its_backward() -> None:
+    """An EBC with no PGAS sharding knows only that its forward came after the model's step M's lookups:
+    its step is M if that still awaits its backward, else M + 1; a step none of the model awaits is not
+    checked."""
     a, b = _Step("a"), _Step("b", PgasInputError("bad id"))
     model = StepGroup()
     model.join([a, b])
     for s in (a, b):
-        s.await_backward(6)
         s.await_backward(7)
+    model.refuse_failed_step((5, 6))  # neither awaits: nothing checked, nothing given up
+    assert a.calls == [] and b.failure is not None
     with pytest.raises(PgasInputError):
-        model.refuse_failed_step()
-    assert a.calls == [("sync", 6), ("abandon", 6)] and a.backwards.epochs() == [7]
-    StepGroup().refuse_failed_step()  # a model without PGAS shardings: nothing to check
+        model.refuse_failed_step((6, 7))
+    assert a.calls == [("sync", 7), ("abandon", 7)] and a.backwards.epochs() == []
+    StepGroup().refuse_failed_step((1, 2))  # a model without PGAS shardings: nothing to check

@@ -171,7 +171,7 @@ def test_stage_ops_refuse_a_config_that_does_not_match() -> None:
     state = list(vr.stage_args(0))
     state[1] = state[1][:3]  # the signal pad, cut below 32 header words + 4 W slots
     with pytest.raises(RuntimeError, match="signal pad of 3 words for 2 ranks"):
-        torch.ops.torchrec_pgas.index_dist(values, offsets, weights, *state, batch, False)
+        torch.ops.torchrec_pgas.index_dist(values, offsets, weights, *state, batch, False, False)
     state = list(vr.stage_args(0))
     state[-1] = state[-1][:-8]  # a config of another size
     with pytest.raises(RuntimeError, match="config must be the"):

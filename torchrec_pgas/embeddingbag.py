@@ -1,7 +1,7 @@
 """The sharder users add to DistributedModelParallel, and the ShardedEBC it builds."""
 
 import functools
-from typing import Any, Dict, Iterator, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -72,19 +72,22 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     ) -> LazyAwaitable[KeyedTensor]:
         awaitable = super().compute_and_output_dist(ctx, input)  # the lookups ran: their epoch is this step's
         if self._holds_stock:
-            epoch = self._first_step.looked_up if self._first_step is not None else None
-            awaitable.callbacks.append(functools.partial(self._refuse_before_backward, epoch))
+            if self._first_step is not None:
+                epochs: Tuple[int, ...] = (self._first_step.looked_up,)
+            else:  # the model's other EBCs ran this step's lookups before this one, or will after it
+                last = max((step.looked_up for step in self.step_group.members()), default=0)
+                epochs = (last, last + 1)
+            awaitable.callbacks.append(functools.partial(self._refuse_before_backward, epochs))
         return awaitable
 
-    def _refuse_before_backward(self, epoch: Optional[int], out: KeyedTensor) -> KeyedTensor:
+    def _refuse_before_backward(self, epochs: Tuple[int, ...], out: KeyedTensor) -> KeyedTensor:
         """A module holding stock shardings: the gradient of its output first checks the model's step for
         errors its PGAS shardings' kernels recorded in the forward (``StepGroup.refuse_failed_step``), so that
         a refused step reaches no stock sharding's fused backward (GPUs find bad ids in the kernels; on CPUs
-        they raise in the forward, and the check finds none). The step is this module's own PGAS shardings',
-        else the oldest one of the model that awaits its backward (backwards run in forward order)."""
+        they raise in the forward, and the check finds none)."""
         values, group = out.values(), self.step_group
         if values.requires_grad:
-            values.register_hook(lambda grad: group.refuse_failed_step(epoch))
+            values.register_hook(lambda grad: group.refuse_failed_step(epochs))
         return out
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:

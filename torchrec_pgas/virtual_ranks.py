@@ -111,7 +111,7 @@ class VirtualRanks:
 
         for r, ((values, offsets, weights, batch), state) in enumerate(zip(inputs, self._state_args())):
             mark("index_dist", r)
-            ops.index_dist(values, offsets, weights, *state, batch, False)
+            ops.index_dist(values, offsets, weights, *state, batch, False, False)  # a bad id stays its rank's
         mark("index_dist", self.world)
         for r, (inp, state) in enumerate(zip(inputs, self._state_args())):
             mark("lookup", r)

@@ -144,9 +144,7 @@ class DeviceStep(PgasStep):
                 self._errors.status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        for step in self.group.members():  # the model's finished steps' errors, before any EBC claims this
-            if isinstance(step, DeviceStep):  # step: raised by a later EBC, they would leave it an epoch behind
-                step.raise_recorded()
+        self._raise_model_records()
         epoch = self.claim_slot()
         err = self.spec.input_error(kjt, self.rank)
         stream = self._await_slot(epoch)
@@ -157,12 +155,22 @@ class DeviceStep(PgasStep):
             try:
                 torch.ops.torchrec_pgas.index_dist(
                     kjt.values(), kjt.offsets().to(torch.int64), weights.float() if weights is not None else None,
-                    *self._state_args(), kjt.stride(), False,
+                    *self._state_args(), kjt.stride(), False, self.trains(),
                 )
             except RuntimeError as e:
                 raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}"), epoch) from e
         self.issued = epoch
         self._dist_stream = stream
+
+    def _raise_model_records(self) -> None:
+        """Raise the finished steps' errors of every sharding of the model, but only before the model's first
+        index dist of a step: once another EBC has claimed the next epoch, this one must claim it too (raising
+        here would leave it an epoch behind); the records wait for the next step's first index dist."""
+        members = [m for m in self.group.members() if isinstance(m, DeviceStep)]
+        if any(m.issued > self.issued for m in members):
+            return
+        for step in members if self in members else members + [self]:
+            step.raise_recorded()
 
     def _await_slot(self, epoch: int) -> torch.cuda.Stream:
         """The current stream, made to wait for the last step that used ``epoch``'s slot on this rank (its
@@ -182,7 +190,7 @@ class DeviceStep(PgasStep):
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         weights = torch.zeros(0, device=dev) if self.layout.weighted else None
         torch.ops.torchrec_pgas.index_dist(empty, torch.zeros(1, dtype=torch.int64, device=dev), weights,
-                                           *self._state_args(), 0, True)
+                                           *self._state_args(), 0, True, False)
         self._errors.gave_up[epoch] = err
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:

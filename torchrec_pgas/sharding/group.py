@@ -11,7 +11,7 @@ model through the one sharder it is given), so it spans a model's EBCs; give eac
 """
 
 import weakref
-from typing import Iterable, List, Optional, Protocol, Tuple
+from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
 
 from torchrec_pgas.sharding.tbe_counters import undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
@@ -97,17 +97,17 @@ class StepGroup:
                 first = first or err
         return first
 
-    def refuse_failed_step(self, epoch: Optional[int] = None) -> None:
-        """Raise step ``epoch``'s error (None: the oldest step awaiting its backward), before any sharding's
-        backward of it runs, if the step failed in the forward of any PGAS sharding of the model (its kernels'
-        records, read after they ran): the step is then given up in every sharding (records consumed, TBE
-        counters back, slots released). Every rank records a failed step by the end of its forward (the failing
-        rank its error, the others the abort), so every rank raises here, and no stock-sharded table of the model
-        applies the step either."""
+    def refuse_failed_step(self, epochs: Sequence[int]) -> None:
+        """Raise a step's error before any sharding's backward of it runs, if the step failed in the forward of
+        any PGAS sharding of the model (its kernels' records, read after they ran); the step is the first of
+        ``epochs`` that still awaits its backward (a module with no PGAS sharding knows only that its forward
+        came after the model's step M's lookups: M or M + 1). The step is then given up in every sharding
+        (records consumed, TBE counters back, slots released). Every rank records a failed training step by the
+        end of its forward (the failing rank its error, the others the abort), so every rank raises here, and no
+        stock-sharded table of the model applies the step either."""
+        epoch = next((e for e in epochs if any(e in step.backwards.epochs() for step in self.members())), None)
         if epoch is None:
-            epoch = min((e for step in self.members() for e in step.backwards.epochs()), default=None)
-            if epoch is None:
-                return
+            return
         awaiting = [(step, ticket) for step in self.members() for ticket in [step.backwards.ticket(epoch)]
                     if ticket is not None]
         for step, _ in awaiting:
