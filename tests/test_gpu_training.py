@@ -101,8 +101,9 @@ def test_training_matches_stock_on_gpus() -> None:
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
 @pytest.mark.parametrize("what", ["id", "wid", "capacity"])
 def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backward: str, graphs: bool) -> None:
-    """A bad id is recorded on the device of its rank only (``id``: in the EBC whose backward runs second, so
-    the first one's backward must give the step up from that record; ``wid``: in the one that runs first); a
+    """A bad id is recorded by its rank's kernels, which give the training step up on every owner (``id``: in
+    the EBC whose backward runs second, so the first one's backward must give the step up too; ``wid``: in the
+    one that runs first); a
     batch over the capacity gives the step up on the host (its forward returns zeros and runs the stages
     empty, so every sharding of the model stays in step). Either way the step's backward raises on both ranks
     (the bad rank its error, the peer the abort), no weight moves, and the next steps train on both. With
