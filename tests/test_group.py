@@ -7,9 +7,9 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from torchrec_pgas.sharding.group import StepGroup
+from torchrec_pgas.sharding.group import StepGroup, first_cause
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
-from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError
+from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
 
 class _Tbe(torch.nn.Module):
@@ -118,3 +118,26 @@ def test_an_all_stock_module_checks_the_first_of_its_candidate_steps_awaiting_it
         model.refuse_failed_step((6, 7))
     assert a.calls == [("sync", 7), ("abandon", 7)] and a.backwards.epochs() == []
     StepGroup().refuse_failed_step((1, 2))  # a model without PGAS shardings: nothing to check
+
+
+def test_a_step_raises_its_cause_not_the_consequences_in_later_shardings() -> None:
+    """A rank stalls: the model's first sharding times out naming it; the step's deadline has then passed for
+    the later shardings, whose waits expire at once, naming and aborting healthy peers (what the GPU stall
+    twin raised before: "rank 2 aborted", from the second EBC, whose backward runs first). The backward raises
+    the cause: an own error before a timeout before an abort, the model's first sharding among equals; every
+    sibling's record of the step is consumed and its counter put back."""
+    stalled, healthy = PgasTimeoutError("waited 10.0s for index data from rank 3"), PgasTimeoutError("rank 0")
+    assert first_cause([PgasPeerAbortError("rank 2 aborted"), stalled, healthy]) is stalled
+    bad = PgasInputError("bad id")
+    assert first_cause([None, stalled, PgasPeerAbortError("x"), bad]) is bad
+    assert first_cause([None, None]) is None
+    a, b, c = _Step("a", stalled), _Step("b"), _Step("c", healthy)
+    model = StepGroup()
+    model.join([a, b, c])
+    for s in (a, b, c):
+        s.await_backward(9)
+        s.tbe.iter_cpu.fill_(7)
+    assert model.step_error(b, 9, PgasPeerAbortError("rank 2 aborted")) is stalled
+    assert a.failure is None and c.failure is None  # consumed
+    assert [int(s.tbe.iter_cpu) for s in (a, b, c)] == [6, 7, 6]  # b's own backward puts back its own
+    assert model.step_error(b, 9, None) is None

@@ -402,7 +402,7 @@ class DeviceStep(PgasStep):
         in (their combines ran before), and the sources' flags on the host."""
         if ready is not None:
             ready.synchronize()
-        problem = self._backward_problem(epoch, self.group.failed_sibling(self, epoch))
+        problem = self._backward_problem(epoch)
         if problem is not None:
             try:
                 raise problem
@@ -504,16 +504,22 @@ class DeviceStep(PgasStep):
         """The device word that holds the epoch of the last failed step in ``epoch``'s slot."""
         return self._state[StateWord.STEP_FAILED + epoch % self.layout.num_slots]
 
-    def _backward_problem(self, epoch: int, sibling: Optional[PgasError]) -> Optional[PgasError]:
+    def _backward_problem(self, epoch: int) -> Optional[PgasError]:
         """Why step ``epoch``'s gradients must not be applied (after the sync), if they must not: this rank's
-        failure, a peer's, or ``sibling`` (the step's failure in another sharding of the model)."""
+        failure, a peer's (its flag), or the step's failure in another sharding of the model, the cause first
+        (``StepGroup.step_error``)."""
         flags = self._grad_flags_host.tolist()
         if flags[self.world_size]:  # this rank's step failed: its record (or what it gave up for) says why
-            err = self._errors.own_failure(epoch)
-            return err or sibling or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
+            err = self.group.step_error(self, epoch, self._errors.own_failure(epoch))
+            return err or PgasError(f"{self.kind}: step {epoch} failed on rank {self.rank}")
         if any(flag in (1, 2) for flag in flags[:self.world_size]):
             self._errors.consume_refusal(epoch)
-        for src, flag in enumerate(flags[:self.world_size]):
+        return self.group.step_error(self, epoch, self._flagged_source(epoch, flags[:self.world_size]))
+
+    def _flagged_source(self, epoch: int, flags: Sequence[int]) -> Optional[PgasError]:
+        """The first source whose gradient flag refuses step ``epoch``: it gave the backward up (1), or this
+        rank's wait for its gradients timed out (2)."""
+        for src, flag in enumerate(flags):
             if flag == 1:
                 return PgasPeerAbortError(f"rank {src} gave up on step {epoch} of {self.kind} (see its error): "
                                           "no rank applies its gradients")
@@ -522,7 +528,7 @@ class DeviceStep(PgasStep):
                     f"rank {self.rank} waited {self.spec.config.wait_timeout_s:.1f}s (the step's deadline, from its "
                     f"first wait) for the gradients of step {epoch} from rank {src}: a peer crashed, diverged, or "
                     "skipped this step's backward")
-        return sibling
+        return None
 
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         return self._errors.step_failure(epoch)

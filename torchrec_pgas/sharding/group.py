@@ -38,6 +38,16 @@ class GroupMember(Protocol):
     def sync_forward(self, epoch: int) -> None: ...
 
 
+def first_cause(errors: Iterable[Optional[PgasError]]) -> Optional[PgasError]:
+    """Of one step's errors in the model's sharding order, the one that stands for the step: a rank's own failure
+    before a timeout, a timeout before a peer's abort, the first sharding's among equals. A failure sets off
+    consequences in the later shardings of the step: once a stalled peer's deadline passes in one, their waits
+    of the step expire at once (one deadline a step of the model), naming whichever peer each waited for, and
+    abort it; those peers then record that abort."""
+    order = {PgasPeerAbortError: 2, PgasTimeoutError: 1}
+    return min((e for e in errors if e is not None), key=lambda e: order.get(type(e), 0), default=None)
+
+
 class StepGroup:
     """The PGAS steps of one model (weakly held: a group never keeps a sharded module alive)."""
 
@@ -84,18 +94,24 @@ class StepGroup:
         pairs = [(other, other.backwards.ticket(epoch)) for other in self.members() if other is not step]
         return [(other, ticket) for other, ticket in pairs if ticket is not None]
 
-    def failed_sibling(self, step: GroupMember, epoch: int) -> Optional[PgasError]:
-        """The error of step ``epoch`` of another sharding of the model whose backward of that step has not run
-        yet, if that step failed: then no sharding of the model may apply the step. Every rank records a failed
-        step (the failing rank its error, the others the abort), so every rank refuses alike. The failed step's
-        TBE counters go back as its own backward would put them."""
-        first: Optional[PgasError] = None
-        for other, ticket in self.siblings_awaiting(step, epoch):
-            err = other.step_failure(epoch)  # consumed in every sibling: none raises it again later
-            if err is not None:
-                undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
-                first = first or err
-        return first
+    def step_error(self, step: GroupMember, epoch: int, own: Optional[PgasError]) -> Optional[PgasError]:
+        """Step ``epoch``'s error for the model, as ``step``'s backward raises it: ``own`` (``step``'s, or None)
+        and the errors of the step in the other shardings whose backward of it has not run yet (then no sharding
+        of the model may apply the step), its cause first (``first_cause``). Every rank records a failed step
+        (the failing rank its error, the others the abort), so every rank refuses alike. The siblings' records
+        are consumed (none raises the step again later) and their failed step's TBE counters go back as their
+        own backwards would put them."""
+        awaiting = dict((id(other), ticket) for other, ticket in self.siblings_awaiting(step, epoch))
+        errors: List[Optional[PgasError]] = []
+        for member in self.members():
+            ticket = awaiting.get(id(member))
+            if member is step:
+                errors.append(own)
+            elif ticket is not None:
+                errors.append(member.step_failure(epoch))
+                if errors[-1] is not None:
+                    undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+        return first_cause(errors)
 
     def refuse_failed_step(self, epochs: Sequence[int]) -> None:
         """Raise a step's error before any sharding's backward of it runs, if the step failed in the forward of
@@ -118,7 +134,7 @@ class StepGroup:
         for step, ticket in awaiting:
             undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             step.abandon_backward(epoch)
-        raise next((e for e in errors if not isinstance(e, PgasPeerAbortError)), errors[0])
+        raise first_cause(errors)  # type: ignore[misc]  # errors is not empty
 
     def give_up_backward(self, step: GroupMember, ticket: StepTicket, err: Exception) -> None:
         """``step``'s backward of ``ticket``'s step raised ``err``, which ends the model's whole backward: the
