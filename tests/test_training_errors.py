@@ -22,6 +22,7 @@ from torchrec_pgas.testing import (
     default_model,
     default_tables,
     failing_puts,
+    iteration_counts,
     local_state,
     random_kjt,
     rank_device,
@@ -333,7 +334,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
                   stock=True, path="model.")
     gen = seeded(11 + rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
-    errors, diffs, epochs = [], [], []
+    errors, diffs, epochs, counters = [], [], [], []
     for i in range(REFUSED_STEP + 1 + STEPS_AFTER):
         batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)).to(dev)
         try:
@@ -360,7 +361,8 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
             _train(stock, batch)
         diffs.append(state_difference(pgas, stock))
         epochs.append(sorted({step.issued for step in pgas_steps(pgas)}))
-    return {"errors": errors, "diffs": diffs, "epochs": epochs}
+        counters.append((iteration_counts(pgas), iteration_counts(stock)))
+    return {"errors": errors, "diffs": diffs, "epochs": epochs, "counters": counters}
 
 
 def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str, str], Dict[str, Any]]:
@@ -373,7 +375,8 @@ def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str
 def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None:
     """Every rank raised at the refused step and only there (the last rank its own error, the others the
     abort), every weight and optimizer state stayed within fp32 rounding of stock's after every step, and
-    every PGAS sharding of the model (both EBCs) ran each step at the same epoch, the refused one consumed."""
+    every PGAS sharding of the model (both EBCs) ran each step at the same epoch, the refused one consumed, and
+    every TBE's iteration counter (stock-sharded ones too: FBGEMM's forward counts) equals stock's."""
     world = len(results)
     for rank, per_case in enumerate(results):
         for case, r in per_case.items():
@@ -388,6 +391,10 @@ def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None
             assert r["errors"] == want, (rank, case, r)
             assert max(r["diffs"]) <= 1e-5, (rank, case, r["diffs"])
             assert r["epochs"] == [[i + 1] for i in range(len(r["epochs"]))], (rank, case, r["epochs"])
+            # the rank that dropped the loss ran the step's forward, which FBGEMM counts (an eval forward with grad)
+            dropped = case[1] == "backward" and rank == world - 1
+            for i, (got, ref) in enumerate(r["counters"]):
+                assert set(got) == {c + int(dropped and i >= REFUSED_STEP) for c in ref}, (rank, case, i, got, ref)
 
 
 def test_a_refused_step_in_a_mixed_plan_leaves_the_next_steps_equal_to_stock() -> None:

@@ -29,6 +29,7 @@ from torchrec_pgas.sharding.group import StepGroup
 from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
 from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_params
 from torchrec_pgas.sharding.step import PgasStep
+from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, counting_tbes
 from torchrec_pgas.sharding.tw_sharding import PgasTwPooledEmbeddingSharding
 from torchrec_pgas.types import (
     FUSED_PARAM_PGAS_CONFIG,
@@ -66,19 +67,29 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.step_group.join(steps)
         self._first_step: Optional[PgasStep] = steps[0] if steps else None
         self._holds_stock = any(not isinstance(s, PgasShardingMixin) for s in self._embedding_shardings)
+        self.stock_counters = StockForwardCounters([
+            tbe for sharding, lookup in zip(self._embedding_shardings, self._lookups)
+            if not isinstance(sharding, PgasShardingMixin) for tbe in counting_tbes(lookup)])
+        self.step_group.count_stock_forwards(self.stock_counters)
 
     def compute_and_output_dist(
         self, ctx: EmbeddingBagCollectionContext, input: KJTList
     ) -> LazyAwaitable[KeyedTensor]:
+        if self._holds_stock:
+            self.stock_counters.before_forward(self._step_epochs(ahead=1))
         awaitable = super().compute_and_output_dist(ctx, input)  # the lookups ran: their epoch is this step's
         if self._holds_stock:
-            if self._first_step is not None:
-                epochs: Tuple[int, ...] = (self._first_step.looked_up,)
-            else:  # the model's other EBCs ran this step's lookups before this one, or will after it
-                last = max((step.looked_up for step in self.step_group.members()), default=0)
-                epochs = (last, last + 1)
-            awaitable.callbacks.append(functools.partial(self._refuse_before_backward, epochs))
+            awaitable.callbacks.append(functools.partial(self._refuse_before_backward, self._step_epochs(ahead=0)))
         return awaitable
+
+    def _step_epochs(self, ahead: int) -> Tuple[int, ...]:
+        """The model's step this forward runs, before its lookups (``ahead=1``) or after them (0): its first PGAS
+        sharding's, or for a module with none, M or M + 1 (the model's other EBCs ran step M's lookups before
+        this one, or will run step M + 1's after it)."""
+        if self._first_step is not None:
+            return (self._first_step.looked_up + ahead,)
+        last = max((step.looked_up for step in self.step_group.members()), default=0)
+        return (last, last + 1)
 
     def _refuse_before_backward(self, epochs: Tuple[int, ...], out: KeyedTensor) -> KeyedTensor:
         """A module holding stock shardings: the gradient of its output first checks the model's step for
@@ -180,6 +191,7 @@ class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
         self._group.join(pgas_steps(sharded))
         sharded.step_group = self._group
+        self._group.count_stock_forwards(sharded.stock_counters)
         return sharded
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:

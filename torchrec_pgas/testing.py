@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
@@ -47,6 +47,7 @@ from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, check_
 from torchrec_pgas.placement import SHARED_GPU_ENV, RankPlacement, rank_placement
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.sharding.step import PgasStep
+from torchrec_pgas.sharding.tbe_counters import counting_tbes
 from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE, PgasConfig, PgasError, PgasTrainingConfig
 
@@ -504,6 +505,14 @@ def train_against_stock(
         check_errors(sides["pgas"])
         diffs.append(state_difference(sides["pgas"], sides["stock"]))
     return diffs
+
+
+def iteration_counts(dmp: nn.Module) -> List[int]:
+    """The host iteration counters of every TBE in ``dmp`` whose forward counts them (optimizers past
+    EXACT_ADAGRAD), sorted: what Adam's bias correction reads next."""
+    lookups = [lookup for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection)
+               for lookup in m._lookups]  # a sharded EBC shows no submodules: its TBEs are its lookups'
+    return sorted(int(tbe.iter_cpu) for lookup in lookups for tbe in counting_tbes(lookup))
 
 
 def state_difference(dmp: nn.Module, reference: nn.Module) -> float:

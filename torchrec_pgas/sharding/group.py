@@ -13,7 +13,7 @@ model through the one sharder it is given), so it spans a model's EBCs; give eac
 import weakref
 from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
 
-from torchrec_pgas.sharding.tbe_counters import undo_tbe_iterations
+from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
 from torchrec_pgas.types import PgasError, PgasPeerAbortError, PgasTimeoutError
 
@@ -53,6 +53,7 @@ class StepGroup:
 
     def __init__(self) -> None:
         self._refs: List["weakref.ref[GroupMember]"] = []  # in joining order: the first live one leads
+        self._stock: List["weakref.ref[StockForwardCounters]"] = []  # the model's stock-sharded TBEs' counters
 
     def __reduce__(self) -> Tuple[type, Tuple[()]]:
         """A copied or pickled group (of a copied or pickled sharder) is a new, empty one: steps belong to the
@@ -76,6 +77,17 @@ class StepGroup:
         for step in members[1:]:  # a step alone keeps its own (the one a step starts with)
             step.share_deadlines(members[0])
 
+    def count_stock_forwards(self, counters: StockForwardCounters) -> None:
+        """A module of the model holds stock shardings: a step the model refuses puts back their TBEs'
+        iteration counters too, as stock without the step leaves them."""
+        self._stock = [ref for ref in self._stock if ref() is not None and ref() is not counters]
+        self._stock.append(weakref.ref(counters))
+
+    def _undo_stock_forwards(self, epoch: int) -> None:
+        for counters in (ref() for ref in self._stock):
+            if counters is not None:
+                counters.undo(epoch)
+
     def _leave(self, step: GroupMember) -> None:
         self._refs = [ref for ref in self._refs if ref() is not None and ref() is not step]
 
@@ -87,6 +99,7 @@ class StepGroup:
         for other in self.members():
             if other is not step:
                 other.consume_failed_step(epoch, err)
+        self._undo_stock_forwards(epoch)
 
     def siblings_awaiting(self, step: GroupMember, epoch: int) -> List[Tuple[GroupMember, StepTicket]]:
         """The group's other steps whose step ``epoch`` still awaits its backward, with that step's ticket (the
@@ -134,6 +147,7 @@ class StepGroup:
         for step, ticket in awaiting:
             undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             step.abandon_backward(epoch)
+        self._undo_stock_forwards(epoch)
         raise first_cause(errors)  # type: ignore[misc]  # errors is not empty
 
     def give_up_backward(self, step: GroupMember, ticket: StepTicket, err: Exception) -> None:

@@ -3,10 +3,11 @@ EXACT_ADAGRAD count forwards and read it, e.g. Adam's bias correction) and its b
 runs stock's forward on no TBE, so it moves the counters as that forward would (``advance_tbe_iterations``),
 sets the device copy once its owner update ran (``sync_tbe_iterations``), puts them back for a failed step
 (``undo_tbe_iterations``), and gives a replayed FBGEMM backward the counter its forward saw
-(``iterations_before_forward``). A counter is None for a TBE that does not count."""
+(``iterations_before_forward``). A counter is None for a TBE that does not count. A model's stock-sharded TBEs
+count their own forwards; a step the model refuses puts theirs back too (``StockForwardCounters``)."""
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
@@ -62,3 +63,38 @@ def undo_tbe_iterations(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]
     for tbe, it in zip(tbes, iters):
         if it is not None and int(tbe.iter_cpu) == it:
             tbe.iter_cpu.fill_(it - 1)
+
+
+def counting_tbes(module: nn.Module) -> List[nn.Module]:
+    """The TBEs inside ``module`` whose forward counts iterations."""
+    return [m for m in module.modules() if _counts_iterations(m)]
+
+
+class StockForwardCounters:
+    """The iteration counters of a module's stock-sharded TBEs as they were before its last forward, so that a
+    step the model refuses (on every rank, as stock never saw it) leaves them as stock leaves them: FBGEMM's
+    forward of the refused step counted it, and Adam's bias correction would read one step too many from then
+    on. FBGEMM's forward moves its host and device counters together, so the host count says both (read from
+    the device only where a loaded checkpoint's count is not on the host yet: once)."""
+
+    def __init__(self, tbes: Sequence[nn.Module]) -> None:
+        self._tbes = list(tbes)
+        self._epochs: Tuple[int, ...] = ()
+        self._before: List[int] = []
+
+    def before_forward(self, epochs: Tuple[int, ...]) -> None:
+        """The module's forward of the model's step (one of ``epochs``: a module with no PGAS sharding knows its
+        step only as M or M + 1) is about to run its stock lookups."""
+        self._epochs = epochs
+        self._before = [int(t.iter_cpu) or int(t.iter.cpu()) for t in self._tbes]
+
+    def undo(self, epoch: int) -> None:
+        """The model refused step ``epoch``: counters its forward moved go back (not those a later forward
+        moved on)."""
+        if epoch not in self._epochs:
+            return
+        for tbe, count in zip(self._tbes, self._before):
+            if int(tbe.iter_cpu) == count + 1:
+                tbe.iter_cpu.fill_(count)
+                tbe.iter.fill_(count)
+        self._epochs, self._before = (), []
