@@ -2,7 +2,7 @@
 
 With ``PgasConfig(owner_backward="pgas")`` no stage of a PGAS training step reads device memory on the
 host: the forward's three kernels, the gradient exchange and the owner update take their epochs, their
-failure checks and the kept ids' count from the device (``DeviceStep._captured_backward``). What the host
+failure checks and the kept ids' count from the device (``DeviceBackward.captured``). What the host
 still does per step is small, and this wrapper does it outside the graph around each replay: the
 shardings' stage counters, each TBE's iteration counter (checkpoints read it), and the hyper-parameters the
 owner update reads from device words (the learning rate as ``fused_optimizer`` last set it on the TBE,

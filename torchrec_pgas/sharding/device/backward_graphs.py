@@ -49,7 +49,7 @@ def device_graphs(device: torch.device) -> DeviceGraphs:
 
 
 class BackwardGraph(NamedTuple):
-    """An eager backward's kernels as one CUDA graph (``DeviceStep._replay_backward``)."""
+    """An eager backward's kernels as one CUDA graph (``BackwardReplay``, ``device/backward.py``)."""
 
     graph: torch.cuda.CUDAGraph  # grad_dist, await_grads, the flags to pinned memory, ``exchanged``, the update
     exchanged: torch.cuda.Event  # recorded inside the graph once the flags are on the host (external)

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
 from torchrec_pgas.layout import divisor_magic
+from torchrec_pgas.sharding.step import StepSpec
 from torchrec_pgas.step_abi import BoundsMode, FeatureDesc, PoolingMode, WeightDtype, build
 from torchrec_pgas.types import PgasError
 
@@ -83,6 +85,27 @@ def feature_descs(shard_rows: Sequence[int], hash_sizes: Sequence[int], dims: Se
 def bind_weights(desc: FeatureDesc, weights: torch.Tensor) -> None:
     """Point a feature at this rank's ``[local_rows, dim]`` row-major shard (kept alive by the caller)."""
     desc.weights, desc.local_rows, desc.weight_dtype = weights.data_ptr(), weights.size(0), WEIGHT_DTYPES[weights.dtype]
+
+
+def bind_lookup_weights(descs: List[FeatureDesc], tbes: Sequence[nn.Module], lookup: Tuple[int, int],
+                        spec: StepSpec) -> None:
+    """Point the descriptors of the features this rank's lookup serves (``lookup``: first, end) at the TBEs'
+    weight storage, which holds them in order; checks that the TBEs are what the kernels read."""
+    weights = [w for t in tbes for w in per_feature(t)]
+    out_dtypes = {SparseType.from_int(t.output_dtype).as_dtype() for t in tbes}
+    f_lo, f_hi = lookup
+    if len(weights) != f_hi - f_lo or not out_dtypes <= {spec.out_dtype}:
+        raise PgasError(
+            f"{spec.kind}: {len(weights)} TBE features with output dtypes {out_dtypes} "
+            f"for the {f_hi - f_lo} features this rank holds (output dtype {spec.out_dtype})"
+        )
+    for f, w in enumerate(weights, start=f_lo):
+        if w.dtype not in WEIGHT_DTYPES or not w.is_cuda or w.dim() != 2 or w.stride(0) != w.size(1):
+            raise PgasError(
+                f"{spec.kind}: feature '{spec.feature_names[f]}' has weights of dtype "
+                f"{w.dtype} on {w.device}; the GPU lookup reads row-major fp32/fp16 HBM"
+            )
+        bind_weights(descs[f], w)
 
 
 def column_features(dims: Sequence[int], device: torch.device) -> torch.Tensor:
