@@ -3,7 +3,7 @@ latency-aware cost model, its calibration, and the enumerator that prices NCCL a
 
 from torchrec_pgas.planner.cost_model import CostModel, HardwareProfile, TableLoad, load_profile
 from torchrec_pgas.planner.enumerator import PgasDecisionStats, PgasEnumerator
-from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_wise
+from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_row_wise, pgas_table_wise
 
 __all__ = [
     "CostModel",
@@ -13,5 +13,6 @@ __all__ = [
     "TableLoad",
     "load_profile",
     "pgas_row_wise",
+    "pgas_table_row_wise",
     "pgas_table_wise",
 ]

@@ -19,6 +19,7 @@ from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
+    PGAS_TABLE_ROW_WISE,
     PGAS_TABLE_WISE,
     OwnerBackward,
     PgasBackendType,
@@ -36,6 +37,7 @@ __all__ = [
     "CapturedTrainStep",
     "OwnerBackward",
     "PGAS_ROW_WISE",
+    "PGAS_TABLE_ROW_WISE",
     "PGAS_TABLE_WISE",
     "PgasBackendType",
     "PgasCapacityError",

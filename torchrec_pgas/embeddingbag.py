@@ -31,10 +31,12 @@ from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_pa
 from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, counting_tbes
 from torchrec_pgas.sharding.tw_sharding import PgasTwPooledEmbeddingSharding
+from torchrec_pgas.sharding.twrw_sharding import PgasTwRwPooledEmbeddingSharding
 from torchrec_pgas.types import (
     FUSED_PARAM_PGAS_CONFIG,
     PGAS_ROW_WISE,
     PGAS_SHARDING_TYPES,
+    PGAS_TABLE_ROW_WISE,
     PGAS_TABLE_WISE,
     PgasConfig,
     pgas_config_from_fused_params,
@@ -42,7 +44,8 @@ from torchrec_pgas.types import (
 
 
 _SUM_THEN_DIVIDE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
-_PGAS_SHARDINGS = {PGAS_ROW_WISE: PgasRwPooledEmbeddingSharding, PGAS_TABLE_WISE: PgasTwPooledEmbeddingSharding}
+_PGAS_SHARDINGS = {PGAS_ROW_WISE: PgasRwPooledEmbeddingSharding, PGAS_TABLE_WISE: PgasTwPooledEmbeddingSharding,
+                   PGAS_TABLE_ROW_WISE: PgasTwRwPooledEmbeddingSharding}
 
 
 class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -109,7 +112,7 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not self._has_features_permute or len(self._embedding_shardings) != 1 or self._has_mean_pooling_callback:
             return
         sharding = self._embedding_shardings[0]
-        if isinstance(sharding, PgasShardingMixin) and sharding.step is not None:
+        if isinstance(sharding, PgasShardingMixin) and sharding.reads_input_order and sharding.step is not None:
             sharding.step.read_input_order(self._features_order)
             self._has_features_permute = False
             self._features_order = []  # a TensorDict input stays in input order too

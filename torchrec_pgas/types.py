@@ -13,7 +13,12 @@ PGAS_ROW_WISE: str = "pgas_row_wise"
 PGAS_TABLE_WISE: str = "pgas_table_wise"
 """Table-wise sharding: ids go one-sided to the table's owner, which writes pooled rows into the requester."""
 
-PGAS_SHARDING_TYPES = (PGAS_ROW_WISE, PGAS_TABLE_WISE)
+PGAS_TABLE_ROW_WISE: str = "pgas_table_row_wise"
+"""Table-row-wise sharding for jobs beyond one node: each table on one node, its rows split over that node's
+ranks as stock ``table_row_wise`` splits them; ids and pooled rows cross nodes in NCCL/gloo all-to-alls among
+the ranks of one local rank, and move one-sided inside the node (the ``shm`` backend for now)."""
+
+PGAS_SHARDING_TYPES = (PGAS_ROW_WISE, PGAS_TABLE_WISE, PGAS_TABLE_ROW_WISE)
 
 # Key under which the sharder passes its PgasConfig through TorchRec's per-table
 # fused_params (the same channel TorchRec uses for its own "__register_*" keys);

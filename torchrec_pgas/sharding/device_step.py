@@ -284,5 +284,6 @@ def _peer_table(step: PgasStep) -> torch.Tensor:
     unreachable = [pe for pe, ptr in enumerate(peers[0]) if ptr == 0]
     if unreachable:
         raise PgasError(f"ranks {unreachable} are not reachable by load/store from rank {step.rank} "
-                        f"({step.kind} on GPUs needs one NVLink domain for now)")
+                        f"({step.kind} needs its peers in one NVLink domain; beyond it, plan pgas_table_row_wise "
+                        "or a stock type)")
     return torch.tensor(peers, dtype=torch.int64, device=step.device)

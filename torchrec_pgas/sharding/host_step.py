@@ -30,7 +30,6 @@ forward on every rank (the failing rank aborts the step), so a failed step never
 """
 
 import abc
-import bisect
 import itertools
 import time
 import warnings
@@ -94,7 +93,6 @@ class HostStep(PgasStep):
 
     def __init__(self, spec: StepSpec, env: ShardingEnv, device: torch.device, block_dim_sum: int) -> None:
         super().__init__(spec, env, device, block_dim_sum)
-        self._hash_sizes = torch.tensor(spec.hash_sizes, dtype=torch.int64, device=device)
         self._warned: set = set()
         self._deadlines = StepDeadlines(spec.config.wait_timeout_s)
 
@@ -153,15 +151,11 @@ class HostStep(PgasStep):
     def _checked_ids(self, kjt: KeyedJaggedTensor, epoch: int) -> torch.Tensor:
         """The ids after the bounds mode (ids decide the owner and the remote address); FATAL gives the
         step up."""
-        values = kjt.values().to(torch.int64)
-        per_feature = kjt.length_per_key()
-        hash_per_id = torch.repeat_interleave(self._hash_sizes, torch.tensor(per_feature, device=values.device))
-        bad = (values < 0) | (values >= hash_per_id)
-        if not bool(bad.any()):
+        values, bad, first = self.spec.bad_ids(kjt)
+        if first is None:
             return values
-        pos = int(torch.nonzero(bad)[0])
-        f = bisect.bisect_right(list(itertools.accumulate(per_feature)), pos)
-        msg = self.spec.bad_id_message(f, int(values[pos]))
+        f = first[0]
+        msg = self.spec.bad_id_message(*first)
         if self.spec.bounds_check_mode == BoundsCheckMode.FATAL:
             raise self._give_up(PgasInputError(msg), epoch)
         if self.spec.bounds_check_mode == BoundsCheckMode.WARNING and f not in self._warned:

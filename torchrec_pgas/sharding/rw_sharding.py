@@ -18,14 +18,14 @@ No splits exchange, no unpack, no reduce-scatter. Stages 2 and 3 run inside the
 lookup module; the output dist has nothing left to move.
 """
 
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
-from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.sharding.device.features import FeatureOwners
@@ -50,23 +50,8 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
     _kind = PGAS_ROW_WISE
     _lookup_sharding_type = ShardingType.ROW_WISE  # RW semantics: MEAN runs as SUM, divided after
 
-    def __init__(
-        self,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        pgas_config: Optional[PgasConfig] = None,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        if self._has_feature_processor:
-            raise NotImplementedError(
-                "pgas_row_wise does not support feature processors (tables "
-                f"{[t.name for t in self.embedding_tables() if t.has_feature_processor]})"
-            )
-        self._step: Optional[PgasStep] = None
-        if self._device.type == "meta":
-            return
+    def _build_step(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
+                    config: PgasConfig) -> PgasStep:
         tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]
         per_feature = [t for t in tables for _ in t.feature_names]
         hash_sizes = self._get_feature_hash_sizes()
@@ -82,8 +67,9 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
             is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
             shard_rows=tuple((n + env.world_size - 1) // env.world_size for n in hash_sizes),
             weighted=any(t.is_weighted for t in tables),
-            config=pgas_config or PgasConfig(),
+            config=config,
             bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
             out_dtype=pooled_output_dtype(sharding_infos, self._kind),
         )
-        self._step = row_wise_step(spec, env, self._device)
+        assert self._device is not None
+        return row_wise_step(spec, env, self._device)

@@ -6,7 +6,7 @@ optimizer stay stock), and the output dist has nothing left to move.
 """
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
@@ -18,16 +18,16 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
 from torchrec.distributed.embedding_types import BaseGroupedFeatureProcessor
-from torchrec.distributed.types import Awaitable, NoWait, ShardingEnv, ShardingType
+from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.types import PgasError
+from torchrec_pgas.types import PgasConfig, PgasError
 
 if TYPE_CHECKING:
     from torchrec_pgas.sharding.step import PgasStep
 
 
-def _require(step: Optional["PgasStep"], kind: str) -> "PgasStep":
+def require_step(step: Optional["PgasStep"], kind: str) -> "PgasStep":
     if step is None:
         raise PgasError(f"{kind} module was sharded on the meta device")
     return step
@@ -42,16 +42,21 @@ class PgasSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._kind = kind
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        step = _require(self._step, self._kind)
-        features = step.in_sharding_order(sparse_features)
-        issued = step.issued
-        try:
-            step.index_dist(features)
-        except PgasError as err:
-            if step.issued > issued:  # the step was given up; an error before it claimed one consumed none
-                step.forward_failed(err, step.issued)
-            raise
-        return NoWait(NoWait(features))
+        step = require_step(self._step, self._kind)
+        return NoWait(NoWait(run_index_dist(step, step.in_sharding_order(sparse_features))))
+
+
+def run_index_dist(step: "PgasStep", features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The step's index dist of ``features`` (returned: the lookup needs them); a step it gives up is given up in
+    the model's other shardings too (``StepGroup.forward_failed``)."""
+    issued = step.issued
+    try:
+        step.index_dist(features)
+    except PgasError as err:
+        if step.issued > issued:  # the step was given up; an error before it claimed one consumed none
+            step.forward_failed(err, step.issued)
+        raise
+    return features
 
 
 class PgasPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
@@ -65,7 +70,7 @@ class PgasPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         self._tbes = [emb.emb_module for emb in self._emb_modules]
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
-        step = _require(self._step, self._kind)
+        step = require_step(self._step, self._kind)
         looked_up = step.looked_up
         try:
             return step.lookup(sparse_features, super().forward, self._tbes)
@@ -79,6 +84,28 @@ class PgasShardingMixin:
     """The ``create_*`` of an ``EmbeddingSharding`` whose dists are PGAS stages; mixed in before the
     stock sharding class, whose shards, grouping and TBE-backed lookup it keeps."""
 
+    def __init__(
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        pgas_config: Optional[PgasConfig] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        """The stock sharding's shards and grouping, then the step (``_build_step``; none on the meta device)."""
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)  # type: ignore[call-arg]
+        processed = [i.embedding_config.name for i in sharding_infos if i.embedding_config.has_feature_processor]
+        if processed:
+            raise NotImplementedError(f"{self._kind} does not support feature processors (tables {processed})")
+        self._step = None
+        if self._device is not None and self._device.type != "meta":
+            self._step = self._build_step(sharding_infos, env, pgas_config or PgasConfig())
+
+    def _build_step(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
+                    config: PgasConfig) -> "PgasStep":
+        """The sharding's step over its shards (allocation is collective: every rank shards alike)."""
+        raise NotImplementedError
+
     @property
     def step(self) -> Optional["PgasStep"]:
         """The sharding's PGAS step (None when sharded on the meta device)."""
@@ -87,6 +114,7 @@ class PgasShardingMixin:
     _step: Optional["PgasStep"]
     _kind: str
     _lookup_sharding_type: Optional[ShardingType] = None  # ROW_WISE: MEAN runs as SUM in the TBE
+    reads_input_order = True  # the step may read the EBC's input KJT in place (``PgasStep.read_input_order``)
     _grouped_embedding_configs: Any
     _pg: Any
     _device: Optional[torch.device]

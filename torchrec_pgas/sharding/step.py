@@ -14,7 +14,9 @@ A failed backward gives the step up in the model's other shardings too (``group.
 """
 
 import abc
+import bisect
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -77,6 +79,19 @@ class StepSpec:
     def ids_capacity(self) -> int:
         """The most ids one rank may feed this sharding in one step (computed once: every step checks it)."""
         return self.config.ids_capacity(self.feature_tables)
+
+    def bad_ids(self, kjt: KeyedJaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[Tuple[int, int]]]:
+        """``kjt``'s ids (int64, features in this spec's order), which of them lie outside their feature's table,
+        and the first such (feature, id), if any: a host read of the ids (the CPU path's check)."""
+        values = kjt.values().to(torch.int64)
+        per_feature = kjt.length_per_key()
+        hash_sizes = torch.tensor(self.hash_sizes, dtype=torch.int64, device=values.device)
+        hash_per_id = torch.repeat_interleave(hash_sizes, torch.tensor(per_feature, device=values.device))
+        bad = (values < 0) | (values >= hash_per_id)
+        if not bool(bad.any()):
+            return values, bad, None
+        pos = int(torch.nonzero(bad)[0])
+        return values, bad, (bisect.bisect_right(list(itertools.accumulate(per_feature)), pos), int(values[pos]))
 
     def bad_id_message(self, f: int, value: int) -> str:
         return (f"{self.kind}: feature '{self.feature_names[f]}' (table '{self.feature_tables[f]}') has id {value} "

@@ -8,14 +8,14 @@ block in the stock TW column order (``host_step.py``, ``device_step.py``). No sp
 output all-to-all.
 """
 
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.sharding.device.features import FeatureOwners
@@ -40,24 +40,9 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
     _instances: int = 0
     _kind = PGAS_TABLE_WISE
 
-    def __init__(
-        self,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        pgas_config: Optional[PgasConfig] = None,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+    def _build_step(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
+                    config: PgasConfig) -> PgasStep:
         tables = self.embedding_tables()  # in feature_names() order: rank by rank
-        if any(t.has_feature_processor for t in tables):
-            raise NotImplementedError(
-                "pgas_table_wise does not support feature processors (tables "
-                f"{[t.name for t in tables if t.has_feature_processor]})"
-            )
-        self._step: Optional[PgasStep] = None
-        if self._device is None or self._device.type == "meta":
-            return
         per_feature = [t for t in tables for _ in t.feature_names]
         # Allocation is collective and DMP shards in the same order on every rank.
         PgasTwPooledEmbeddingSharding._instances += 1
@@ -71,10 +56,11 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
             is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
             shard_rows=tuple(t.num_embeddings for t in per_feature),
             weighted=any(t.is_weighted for t in tables),
-            config=pgas_config or PgasConfig(),
+            config=config,
             bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
             out_dtype=pooled_output_dtype(sharding_infos, self._kind),
             features_per_rank=tuple(self.features_per_rank()),
             dim_sum_per_rank=tuple(self._dim_sum_per_rank()),
         )
-        self._step = table_wise_step(spec, env, self._device)
+        assert self._device is not None
+        return table_wise_step(spec, env, self._device)

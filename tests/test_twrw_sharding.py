@@ -1,0 +1,151 @@
+"""``pgas_table_row_wise`` against stock ``table_row_wise`` at 2 nodes x 2 ranks on CPUs: four processes declared
+two nodes (``LOCAL_WORLD_SIZE=2``: TorchRec's intra- and cross-node groups), the ``shm`` backend inside each node,
+gloo across. Tables alternate over the nodes; MEAN, weighted, shared and tiny tables included."""
+
+import copy
+import dataclasses
+import os
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_row_wise
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, pgas_steps
+from torchrec_pgas.planner import pgas_table_row_wise
+from torchrec_pgas.testing import (
+    LossModel,
+    TrainBatch,
+    copy_state_dict,
+    default_model,
+    iteration_counts,
+    random_kjt,
+    run_distributed,
+    seeded,
+    state_difference,
+)
+from torchrec_pgas.types import PgasConfig, PgasError
+
+NODE_SIZE = 2
+FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False,
+                         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-3}
+STEPS, BAD_STEP = 5, 2
+
+
+def _sharded(wrapped: LossModel, pgas: bool, world: int) -> DistributedModelParallel:
+    """``wrapped`` with every table table-row-wise, table i on node i % 2 (PGAS or stock)."""
+    sharder = (PgasEmbeddingBagCollectionSharder(fused_params=FUSED, pgas_config=PgasConfig(max_local_batch_size=16))
+               if pgas else EmbeddingBagCollectionSharder(fused_params=FUSED))
+    generator = pgas_table_row_wise if pgas else _fused_table_row_wise
+    plan = {}
+    for name, ebc in (("ebc", wrapped.model.ebc), ("webc", wrapped.model.webc)):
+        gens = {c.name: generator(host_index=i % 2) for i, c in enumerate(ebc.embedding_bag_configs())}
+        plan[f"model.{name}"] = construct_module_sharding_plan(ebc, gens, sharder=sharder, local_size=NODE_SIZE,
+                                                              world_size=world, device_type="cpu")
+    dmp = DistributedModelParallel(copy.deepcopy(wrapped), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=ShardingPlan(plan), sharders=[sharder])
+    copy_state_dict(dmp.state_dict(), wrapped.state_dict())
+    return dmp
+
+
+def _fused_table_row_wise(host_index: int) -> Any:
+    """Stock ``table_row_wise(host_index)`` on the fused TBE (on CPUs its default kernel is the dense one, which
+    the fused optimizer does not train)."""
+    stock = table_row_wise(host_index=host_index)
+
+    def generator(*args: Any) -> ParameterSharding:
+        return dataclasses.replace(stock(*args), compute_kernel=EmbeddingComputeKernel.FUSED.value)
+
+    return generator
+
+
+def _train(dmp: DistributedModelParallel, batch: TrainBatch) -> torch.Tensor:
+    loss, pooled = dmp(batch)
+    loss.backward()
+    dmp.fused_optimizer.step()
+    return pooled.detach()
+
+
+def _bad(batch: TrainBatch) -> TrainBatch:
+    """``batch`` with its first id past every table."""
+    kjt = batch.kjt
+    values = kjt.values().clone()
+    values[0] = 10**6
+    return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
+
+
+def _twrw(rank: int, world: int) -> Dict[str, Any]:
+    """PGAS and stock TWRW trained on the same batches; the last rank's batch BAD_STEP has an id past its table
+    (every rank skips that step, stock never sees it). Per step: the largest output and state difference, the
+    errors, the PGAS steps' epochs and the TBEs' iteration counters."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)  # TorchRec's node groups: 2 x 2
+    wrapped = LossModel(default_model(min_rows=NODE_SIZE))
+    pgas, stock = _sharded(wrapped, True, world), _sharded(wrapped, False, world)
+    gen = seeded(3 + rank)
+    t, w = wrapped.model.ebc.embedding_bag_configs(), wrapped.model.webc.embedding_bag_configs()
+    out: Dict[str, List[Any]] = {"outputs": [], "states": [], "errors": [], "epochs": [], "counters": []}
+    for i in range(STEPS):
+        batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True))
+        if i == BAD_STEP:
+            try:
+                _train(pgas, _bad(batch) if rank == world - 1 else batch)
+            except PgasError as e:
+                out["errors"].append((i, type(e).__name__, str(e)))
+        else:
+            got, want = _train(pgas, batch), _train(stock, batch)
+            out["outputs"].append(float((got - want).abs().max()))
+        out["states"].append(state_difference(pgas, stock))
+        out["epochs"].append(sorted({step.issued for step in pgas_steps(pgas)}))
+        out["counters"].append((iteration_counts(pgas), iteration_counts(stock)))
+    return out
+
+
+def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node() -> None:
+    """Forward and training equal to stock TWRW within fp32 rounding (every weight and optimizer state after
+    every step); a bad id on one rank raises on all four (its own error there, the abort elsewhere) before
+    anything moved, and the steps after it train as stock does without the batch."""
+    results = run_distributed(_twrw, 2 * NODE_SIZE)
+    for rank, r in enumerate(results):
+        own = rank == len(results) - 1
+        assert [e[:2] for e in r["errors"]] == [(BAD_STEP, "PgasInputError" if own else "PgasPeerAbortError")], r
+        assert ("has id 1000000 outside" if own else f"rank {len(results) - 1} aborted") in r["errors"][0][2]
+        assert max(r["outputs"]) <= 1e-5 and max(r["states"]) <= 1e-5, (rank, r["outputs"], r["states"])
+        assert r["epochs"] == [[i + 1] for i in range(STEPS)], (rank, r["epochs"])
+        assert all(set(got) == set(ref) for got, ref in r["counters"]), (rank, r["counters"])
+
+
+def _interchange(rank: int, world: int, root: str) -> List[float]:
+    """Three steps on one side, saved with DCP, loaded into a fresh model of the other side: each direction's
+    largest difference between the saved states and the loaded ones (weights and fused-optimizer state)."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)
+    wrapped = LossModel(default_model(min_rows=NODE_SIZE))
+    gen = seeded(5 + rank)
+    t, w = wrapped.model.ebc.embedding_bag_configs(), wrapped.model.webc.embedding_bag_configs()
+    batches = [TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)) for _ in range(3)]
+    out = []
+    for pgas_first in (True, False):
+        first, second = _sharded(wrapped, pgas_first, world), _sharded(wrapped, not pgas_first, world)
+        for batch in batches:
+            _train(first, batch)
+        path = os.path.join(root, "pgas_first" if pgas_first else "stock_first")
+        dcp.save({"model": first.state_dict(), "optim": first.fused_optimizer.state_dict()}, checkpoint_id=path)
+        dist.barrier()
+        state = {"model": second.state_dict(), "optim": second.fused_optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        second.fused_optimizer.load_state_dict(state["optim"])
+        out.append(state_difference(second, first))
+    return out
+
+
+def test_checkpoints_interchange_with_stock_table_row_wise(tmp_path: Any) -> None:
+    """A DCP checkpoint of either side loads into the other: every weight and optimizer state shard is the
+    same (the shards and their metadata are stock TWRW's), both directions."""
+    for rank, diffs in enumerate(run_distributed(_interchange, 2 * NODE_SIZE, str(tmp_path))):
+        assert diffs == [0.0, 0.0], (rank, diffs)
