@@ -437,8 +437,8 @@ def _three_in_flight(dmp: nn.Module, batches: Sequence[TrainBatch], device: torc
         yield
 
 
-def _train_steps(dmp: nn.Module, batches: Sequence[TrainBatch], loop: str, device: torch.device,
-                 semi_sync_start: int, eval_every: int, eval_grad: bool) -> Iterator[None]:
+def train_steps(dmp: nn.Module, batches: Sequence[TrainBatch], loop: str, device: torch.device,
+                semi_sync_start: int = 2, eval_every: int = 0, eval_grad: bool = False) -> Iterator[None]:
     """Train ``dmp`` on ``batches``, yielding after each step's update (plain loop, three steps in flight,
     or a TorchRec train pipeline)."""
     if loop == "three_in_flight":
@@ -496,7 +496,7 @@ def train_against_stock(
                                                     path="model.")),
     }
     loops = {"pgas": loop, "stock": "plain" if loop == "three_in_flight" else loop}
-    runs = {name: _train_steps(dmp, batches, loops[name], device, semi_sync_start, eval_every, eval_grad)
+    runs = {name: train_steps(dmp, batches, loops[name], device, semi_sync_start, eval_every, eval_grad)
             for name, dmp in sides.items()}
     diffs = []
     for _ in batches:
