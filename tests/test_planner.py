@@ -726,3 +726,18 @@ def test_merge_refuses_results_of_different_machines() -> None:
     assert merged["meta"]["commit"] == "a+b" and merged["meta"]["presets"] == ["s004", "x"] and merged["rows"] == [1, 2]
     with pytest.raises(ValueError, match="different machines"):
         merge([{"meta": meta, "rows": []}, {"meta": {**meta, "world_size": 4}, "rows": []}])
+
+
+def test_inter_node_bytes_follow_the_shardings_data_movement() -> None:
+    """The issue's example (B = 4096, 1024 fp32 columns, 2 x 8 GPUs): row-wise sends 128 MiB of partial pools off
+    the node per GPU, table-row-wise 8 MiB of rail rows; the PGAS twin sends the same rows and ids, and each
+    length once instead of once per local rank."""
+    from torchrec_pgas.planner.inter_node import StepShape, inter_node_bytes
+
+    shape = StepShape("example", batch=4096, features=16, dim_sum=1024, pooling=4.0)
+    rw, twrw, pgas = (inter_node_bytes(shape, t, 2, 8) for t in ("row_wise", "table_row_wise", "pgas_table_row_wise"))
+    assert rw["pooled"] == rw["gradients"] == 128 * 2**20
+    assert twrw["pooled"] == pgas["pooled"] == twrw["gradients"] == 8 * 2**20
+    assert twrw["ids"] == pgas["ids"] == rw["ids"]
+    assert pgas["lengths"] * 8 == twrw["lengths"] and rw["lengths"] == 2 * twrw["lengths"]
+    assert inter_node_bytes(shape, "table_row_wise", 1, 8)["pooled"] == 0.0  # one node: nothing leaves it
