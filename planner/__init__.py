@@ -3,7 +3,7 @@ latency-aware cost model, its calibration, and the enumerator that prices NCCL a
 
 from torchrec_pgas.planner.cost_model import CostModel, HardwareProfile, TableLoad, load_profile
 from torchrec_pgas.planner.enumerator import PgasDecisionStats, PgasEnumerator
-from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_row_wise, pgas_table_wise
+from torchrec_pgas.planner.sharding_plan import pgas_row_wise, pgas_table_row_wise, pgas_table_wise, with_compute_kernel
 
 __all__ = [
     "CostModel",
@@ -15,4 +15,5 @@ __all__ = [
     "pgas_row_wise",
     "pgas_table_row_wise",
     "pgas_table_wise",
+    "with_compute_kernel",
 ]

@@ -11,8 +11,7 @@ from torchrec.distributed.types import ModuleSharder, ParameterSharding
 from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_ROW_WISE, PGAS_TABLE_WISE
 
 
-def _renamed(stock: ParameterShardingGenerator, sharding_type: str,
-             compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
+def _replaced(stock: ParameterShardingGenerator, **fields: str) -> ParameterShardingGenerator:
     def _generator(
         param: nn.Parameter,
         local_size: int,
@@ -20,10 +19,19 @@ def _renamed(stock: ParameterShardingGenerator, sharding_type: str,
         device_type: str,
         sharder: ModuleSharder[nn.Module],
     ) -> ParameterSharding:
-        ps = stock(param, local_size, world_size, device_type, sharder)
-        return dataclasses.replace(ps, sharding_type=sharding_type, compute_kernel=compute_kernel or ps.compute_kernel)
+        return dataclasses.replace(stock(param, local_size, world_size, device_type, sharder), **fields)
 
     return _generator
+
+
+def _renamed(stock: ParameterShardingGenerator, sharding_type: str) -> ParameterShardingGenerator:
+    return _replaced(stock, sharding_type=sharding_type)
+
+
+def with_compute_kernel(generator: ParameterShardingGenerator, compute_kernel: str) -> ParameterShardingGenerator:
+    """``generator``'s sharding on ``compute_kernel``: e.g. stock ``table_row_wise(h)``, which takes no kernel and
+    gets the sharder's first (on CPUs the dense one, which a fused optimizer does not train), on ``"fused"``."""
+    return _replaced(generator, compute_kernel=compute_kernel)
 
 
 def pgas_table_wise(rank: int, compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
@@ -49,5 +57,5 @@ def pgas_table_row_wise(host_index: int, compute_kernel: Optional[str] = None) -
     """Like ``table_row_wise(host_index)``: the table on node ``host_index`` (the plan's ``local_size`` ranks
     a node), in the same ``ceil(N/local_size)`` row blocks, so checkpoints interchange with
     ``table_row_wise``."""
-    return _renamed(table_row_wise(host_index=host_index), PGAS_TABLE_ROW_WISE,
-                    compute_kernel or EmbeddingComputeKernel.FUSED.value)
+    return _replaced(table_row_wise(host_index=host_index), sharding_type=PGAS_TABLE_ROW_WISE,
+                     compute_kernel=compute_kernel or EmbeddingComputeKernel.FUSED.value)

@@ -13,10 +13,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def torchrun(*args: str) -> List[str]:
+def torchrun(*args: str, nproc: int = 2) -> List[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *args],
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -91,4 +91,13 @@ def test_dlrm_auto_sharding_trains_like_stock() -> None:
                    "--steps", "6", "--max-rows", "2000", "--validate")
     planned = [re.match(r"DLRM train, sharding=auto \((\d+) tables pgas_row_wise", line) for line in out]
     assert any(m and int(m.group(1)) > 0 for m in planned), out
+    assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
+
+
+def test_dlrm_trains_beyond_one_node_like_stock_table_row_wise() -> None:
+    """Four processes declared 2 nodes x 2 (--node-size 2): every table pgas_table_row_wise, its twin stock
+    table_row_wise, trained on the same batches: the same loss after every step and the same AUC."""
+    out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--batch-size", "32", "--steps", "6",
+                   "--max-rows", "2000", "--validate", "--node-size", "2", nproc=4)
+    assert any(line.startswith("DLRM train, sharding=pgas (shm, table-row-wise over 2 nodes x 2)") for line in out), out
     assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out

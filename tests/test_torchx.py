@@ -10,12 +10,12 @@ from torchrec_pgas.components import dlrm
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _torchx_dlrm(*script_args: str) -> str:
+def _torchx_dlrm(*script_args: str, nnodes: int = 1) -> str:
     bin_dir = str(pathlib.Path(sys.executable).parent)  # torchx and torchrun of this environment
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [os.path.join(bin_dir, "torchx"), "run", "-s", "local_cwd", "torchrec_pgas/components.py:dlrm",
-         "--nproc_per_node", "2", "--",
+         "--nnodes", str(nnodes), "--nproc_per_node", "2", "--",
          *script_args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -35,6 +35,15 @@ def test_torchx_local_cwd_trains_the_dlrm_example_with_pgas() -> None:
     log = _torchx_dlrm("--sharding", "pgas", "--train", "--batch-size", "32", "--steps", "4", "--max-rows", "2000",
                        "--validate")
     assert "DLRM train, sharding=pgas (shm), world 2" in log
+    assert "validate: 4 training steps" in log and "-> PASS" in log
+
+
+def test_torchx_local_cwd_trains_the_dlrm_example_on_two_nodes() -> None:
+    """--nnodes 2: two replicas of two processes (TorchRec's nodes), every table pgas_table_row_wise, validated
+    against stock table_row_wise."""
+    log = _torchx_dlrm("--sharding", "pgas", "--train", "--batch-size", "32", "--steps", "4", "--max-rows", "2000",
+                       "--validate", nnodes=2)
+    assert "DLRM train, sharding=pgas (shm, table-row-wise over 2 nodes x 2), world 4" in log
     assert "validate: 4 training steps" in log and "-> PASS" in log
 
 

@@ -3,7 +3,6 @@ two nodes (``LOCAL_WORLD_SIZE=2``: TorchRec's intra- and cross-node groups), the
 gloo across. Tables alternate over the nodes; MEAN, weighted, shared and tiny tables included."""
 
 import copy
-import dataclasses
 import os
 from typing import Any, Dict, List
 
@@ -15,11 +14,11 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_row_wise
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, pgas_steps
-from torchrec_pgas.planner import pgas_table_row_wise
+from torchrec_pgas.planner import pgas_table_row_wise, with_compute_kernel
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -44,7 +43,8 @@ def _sharded(wrapped: LossModel, pgas: bool, world: int) -> DistributedModelPara
     """``wrapped`` with every table table-row-wise, table i on node i % 2 (PGAS or stock)."""
     sharder = (PgasEmbeddingBagCollectionSharder(fused_params=FUSED, pgas_config=PgasConfig(max_local_batch_size=16))
                if pgas else EmbeddingBagCollectionSharder(fused_params=FUSED))
-    generator = pgas_table_row_wise if pgas else _fused_table_row_wise
+    generator = pgas_table_row_wise if pgas else (lambda host_index: with_compute_kernel(
+        table_row_wise(host_index=host_index), EmbeddingComputeKernel.FUSED.value))
     plan = {}
     for name, ebc in (("ebc", wrapped.model.ebc), ("webc", wrapped.model.webc)):
         gens = {c.name: generator(host_index=i % 2) for i, c in enumerate(ebc.embedding_bag_configs())}
@@ -54,17 +54,6 @@ def _sharded(wrapped: LossModel, pgas: bool, world: int) -> DistributedModelPara
                                    device=torch.device("cpu"), plan=ShardingPlan(plan), sharders=[sharder])
     copy_state_dict(dmp.state_dict(), wrapped.state_dict())
     return dmp
-
-
-def _fused_table_row_wise(host_index: int) -> Any:
-    """Stock ``table_row_wise(host_index)`` on the fused TBE (on CPUs its default kernel is the dense one, which
-    the fused optimizer does not train)."""
-    stock = table_row_wise(host_index=host_index)
-
-    def generator(*args: Any) -> ParameterSharding:
-        return dataclasses.replace(stock(*args), compute_kernel=EmbeddingComputeKernel.FUSED.value)
-
-    return generator
 
 
 def _train(dmp: DistributedModelParallel, batch: TrainBatch) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node=2 -m examples.dlrm.run --sharding pgas --batch-size 512 --steps 50 --validate
 
---sharding pgas   every table pgas_row_wise.
---sharding nccl   every table stock row_wise (NCCL, or gloo on CPU).
+--sharding pgas   every table pgas_row_wise; beyond one node pgas_table_row_wise (table i on node i % nodes).
+--sharding nccl   every table stock row_wise (NCCL, or gloo on CPU); beyond one node table_row_wise.
 --sharding auto   per table, whichever of the two the planner (PgasEnumerator and
                   its calibrated cost model, run by collective_plan) prices lower
                   (forward, or forward + backward with --train).
@@ -36,7 +36,13 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+)
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
@@ -54,7 +60,13 @@ from torchrec_pgas import (
     shutdown,
 )
 from torchrec_pgas.placement import RankPlacement, best_placement, rank_placement
-from torchrec_pgas.planner import PgasDecisionStats, PgasEnumerator, pgas_row_wise
+from torchrec_pgas.planner import (
+    PgasDecisionStats,
+    PgasEnumerator,
+    pgas_row_wise,
+    pgas_table_row_wise,
+    with_compute_kernel,
+)
 from torchrec_pgas.types import PGAS_ROW_WISE
 from torchrec_pgas.testing import fill_embeddings_
 
@@ -112,24 +124,34 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int, tra
           types: Optional[Dict[str, str]] = None) -> DistributedModelParallel:
     """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``."""
     world = dist.get_world_size()
-    local_size = rank_placement(int(os.environ.get("LOCAL_WORLD_SIZE", world)), device.type).local_size(world)
+    node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # TorchRec's nodes (--node-size sets it)
+    local_size = rank_placement(node_size, device.type).local_size(node_size)
     ebc = model.model.sparse_arch.embedding_bag_collection
     if train:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
     names = [c.name for c in ebc.embedding_bag_configs()]
-    types = types or {t: PGAS_ROW_WISE if sharding == "pgas" else ShardingType.ROW_WISE.value for t in names}
+    generators = {t: plan_generator(types[t] if types else sharding, i, world // node_size) for i, t in enumerate(names)}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
-    if PGAS_ROW_WISE in types.values():  # inference only: no slot or buffer kept for a backward
+    if sharding == "pgas" or (types and PGAS_ROW_WISE in types.values()):
         config = PgasConfig(max_local_batch_size=batch, training=PgasTrainingConfig() if train else None,
                             pooling_capacity=pooling_capacity_from_constraints(table_constraints(model)))
-        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)
-    plan = construct_module_sharding_plan(
-        ebc, {t: pgas_row_wise() if types[t] == PGAS_ROW_WISE else row_wise(compute_kernel="fused") for t in names},
-        sharder=sharder, local_size=local_size, world_size=world, device_type=device.type)
+        sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)  # inference: no backward buffers
+    plan = construct_module_sharding_plan(ebc, generators, sharder=sharder, local_size=local_size, world_size=world,
+                                          device_type=device.type)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                    plan=ShardingPlan({EBC_PATH: plan}), sharders=[sharder])
     fill_embeddings_(dmp)  # the same tables under either sharding
     return dmp
+
+
+def plan_generator(choice: str, table: int, nodes: int) -> ParameterShardingGenerator:
+    """Table ``table``'s plan: "pgas" / "nccl" (row-wise in one node; beyond it table-row-wise, the table on node
+    ``table % nodes``), or a planned type (row-wise or PGAS row-wise)."""
+    fused = EmbeddingComputeKernel.FUSED.value
+    if nodes > 1 and choice in ("pgas", "nccl"):
+        return (pgas_table_row_wise(table % nodes) if choice == "pgas"
+                else with_compute_kernel(table_row_wise(host_index=table % nodes), fused))
+    return pgas_row_wise() if choice in ("pgas", PGAS_ROW_WISE) else row_wise(compute_kernel=fused)
 
 
 @dataclasses.dataclass
@@ -273,6 +295,9 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
     if types is not None:
         pgas = sum(t == PGAS_ROW_WISE for t in types.values())
         backend = f"{pgas} tables pgas_row_wise, {len(types) - pgas} row_wise"
+    node_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    if types is None and dist.get_world_size() > node_size:
+        backend += f", table-row-wise over {dist.get_world_size() // node_size} nodes x {node_size}"
     if rank == 0:
         print(f"DLRM {mode}, sharding={args.sharding} ({backend}), world {dist.get_world_size()}, "
               f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
@@ -300,6 +325,8 @@ def main() -> None:
                         help="compare with the other sharding of the same model (see above)")
     parser.add_argument("--validate-steps", type=int, default=3, help="inference: steps whose predictions compare")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--node-size", type=int, help="ranks per node (default LOCAL_WORLD_SIZE); smaller declares one "
+                        "host's ranks as several nodes, e.g. 4 processes on CPUs as 2 x 2")
     parser.add_argument("--report", help="with --train --validate: write both loss trajectories and samples/s "
                         "here (JSON)")
     args = parser.parse_args()
@@ -309,6 +336,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     placement = best_placement(int(os.environ["LOCAL_WORLD_SIZE"]))
     device = placement.device(int(os.environ["LOCAL_RANK"]))
+    if args.node_size:  # TorchRec's node groups and plans read it; the placement above keeps the host's
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.node_size)
     if placement.device_type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(placement.backend)
