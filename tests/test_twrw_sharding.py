@@ -4,8 +4,9 @@ gloo across. Tables alternate over the nodes; MEAN, weighted, shared and tiny ta
 
 import copy
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -13,12 +14,12 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_row_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_row_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, pgas_steps
-from torchrec_pgas.planner import pgas_table_row_wise, with_compute_kernel
+from torchrec_pgas.planner import pgas_row_wise, pgas_table_row_wise, with_compute_kernel
 from torchrec_pgas.testing import (
     LossModel,
     TrainBatch,
@@ -39,15 +40,30 @@ FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False,
 STEPS, BAD_STEP = 5, 2
 
 
-def _sharded(wrapped: LossModel, pgas: bool, world: int) -> DistributedModelParallel:
-    """``wrapped`` with every table table-row-wise, table i on node i % 2 (PGAS or stock)."""
+# Per table of the weighted EBC in the mixed plan (table i on node i % 2 where table-row-wise): PGAS table-row-wise
+# on each node (a node step needs a table), pgas_row_wise over the job, stock table-row-wise.
+MIXED = ("pgas_table_row_wise", "pgas_table_row_wise", "pgas_row_wise", "table_row_wise")
+
+
+def _generator(kind: str, pgas: bool, table: int) -> Any:
+    """Table ``table``'s plan: ``kind``, or its stock twin where not ``pgas``; table-row-wise on node table % 2."""
+    fused = EmbeddingComputeKernel.FUSED.value
+    if kind.endswith("table_row_wise"):
+        if pgas and kind.startswith("pgas"):
+            return pgas_table_row_wise(host_index=table % 2)
+        return with_compute_kernel(table_row_wise(host_index=table % 2), fused)
+    return pgas_row_wise() if pgas and kind.startswith("pgas") else row_wise(compute_kernel=fused)
+
+
+def _sharded(wrapped: LossModel, pgas: bool, world: int, mixed: Tuple[str, ...] = ()) -> DistributedModelParallel:
+    """``wrapped`` with every table table-row-wise, table i on node i % 2 (PGAS or stock); ``mixed``: the
+    weighted EBC's tables' kinds."""
     sharder = (PgasEmbeddingBagCollectionSharder(fused_params=FUSED, pgas_config=PgasConfig(max_local_batch_size=16))
                if pgas else EmbeddingBagCollectionSharder(fused_params=FUSED))
-    generator = pgas_table_row_wise if pgas else (lambda host_index: with_compute_kernel(
-        table_row_wise(host_index=host_index), EmbeddingComputeKernel.FUSED.value))
     plan = {}
     for name, ebc in (("ebc", wrapped.model.ebc), ("webc", wrapped.model.webc)):
-        gens = {c.name: generator(host_index=i % 2) for i, c in enumerate(ebc.embedding_bag_configs())}
+        kinds = mixed if mixed and name == "webc" else ("pgas_table_row_wise",) * len(MIXED)
+        gens = {c.name: _generator(kinds[i], pgas, i) for i, c in enumerate(ebc.embedding_bag_configs())}
         plan[f"model.{name}"] = construct_module_sharding_plan(ebc, gens, sharder=sharder, local_size=NODE_SIZE,
                                                               world_size=world, device_type="cpu")
     dmp = DistributedModelParallel(copy.deepcopy(wrapped), env=ShardingEnv.from_process_group(dist.group.WORLD),
@@ -71,13 +87,14 @@ def _bad(batch: TrainBatch) -> TrainBatch:
     return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
 
 
-def _twrw(rank: int, world: int) -> Dict[str, Any]:
+def _twrw(rank: int, world: int, mixed: bool) -> Dict[str, Any]:
     """PGAS and stock TWRW trained on the same batches; the last rank's batch BAD_STEP has an id past its table
     (every rank skips that step, stock never sees it). Per step: the largest output and state difference, the
     errors, the PGAS steps' epochs and the TBEs' iteration counters."""
     os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)  # TorchRec's node groups: 2 x 2
     wrapped = LossModel(default_model(min_rows=NODE_SIZE))
-    pgas, stock = _sharded(wrapped, True, world), _sharded(wrapped, False, world)
+    kinds = MIXED if mixed else ()
+    pgas, stock = _sharded(wrapped, True, world, kinds), _sharded(wrapped, False, world, kinds)
     gen = seeded(3 + rank)
     t, w = wrapped.model.ebc.embedding_bag_configs(), wrapped.model.webc.embedding_bag_configs()
     out: Dict[str, List[Any]] = {"outputs": [], "states": [], "errors": [], "epochs": [], "counters": []}
@@ -97,11 +114,13 @@ def _twrw(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
-def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node(mixed: bool) -> None:
     """Forward and training equal to stock TWRW within fp32 rounding (every weight and optimizer state after
     every step); a bad id on one rank raises on all four (its own error there, the abort elsewhere) before
-    anything moved, and the steps after it train as stock does without the batch."""
-    results = run_distributed(_twrw, 2 * NODE_SIZE)
+    anything moved, and the steps after it train as stock does without the batch. ``mixed``: the second EBC
+    also holds pgas_row_wise over the job and stock TWRW."""
+    results = run_distributed(_twrw, 2 * NODE_SIZE, mixed)
     for rank, r in enumerate(results):
         own = rank == len(results) - 1
         assert [e[:2] for e in r["errors"]] == [(BAD_STEP, "PgasInputError" if own else "PgasPeerAbortError")], r
@@ -161,3 +180,20 @@ def _in_flight(rank: int, world: int) -> List[float]:
 def test_three_steps_in_flight_train_as_stock_table_row_wise() -> None:
     for rank, diffs in enumerate(run_distributed(_in_flight, 2 * NODE_SIZE)):
         assert len(diffs) == 5 and max(diffs) <= 1e-5, (rank, diffs)
+
+
+def _empty_node(rank: int, world: int) -> str:
+    os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)
+    try:
+        _sharded(LossModel(default_model(min_rows=NODE_SIZE)), True, world,
+                 ("pgas_table_row_wise", "table_row_wise", "pgas_row_wise", "table_row_wise"))
+    except PgasError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_a_node_without_a_table_of_the_sharding_is_refused_at_sharding_on_every_rank() -> None:
+    """One pgas_table_row_wise table in a module of two nodes: node 1's step would have no table; every rank
+    raises, naming the node, before any collective."""
+    for message in run_distributed(_empty_node, 2 * NODE_SIZE):
+        assert "nodes [1] hold none of this module's pgas_table_row_wise tables" in message, message

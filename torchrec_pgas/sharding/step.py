@@ -86,7 +86,7 @@ class StepSpec:
         values = kjt.values().to(torch.int64)
         per_feature = kjt.length_per_key()
         hash_sizes = torch.tensor(self.hash_sizes, dtype=torch.int64, device=values.device)
-        hash_per_id = torch.repeat_interleave(hash_sizes, torch.tensor(per_feature, device=values.device))
+        hash_per_id = torch.repeat_interleave(hash_sizes, torch.tensor(per_feature, dtype=torch.int64, device=values.device))
         bad = (values < 0) | (values >= hash_per_id)
         if not bool(bad.any()):
             return values, bad, None

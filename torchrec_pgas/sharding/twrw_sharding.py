@@ -180,6 +180,11 @@ class PgasTwRwPooledEmbeddingSharding(PgasShardingMixin, TwRwPooledEmbeddingShar
         out_dtype = pooled_output_dtype(sharding_infos, self._kind)
         nodes = self._world_size // self._local_size
         per_node = [[t for g in groups for t in g.embedding_tables] for groups in self._grouped_embedding_configs_per_node]
+        empty = [n for n, tables in enumerate(per_node) if not tables]
+        if empty:  # every rank sees the plan alike: all raise, before any collective
+            raise PgasError(f"pgas_table_row_wise: nodes {empty} hold none of this module's pgas_table_row_wise "
+                            "tables; the node step needs one on every node: plan at least one table on each node, "
+                            "or plan these table_row_wise")
         requester = _spec("requester", [t for tables in per_node for t in tables], 1, config, bounds, out_dtype)
         node_tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]  # this rank's shards
         _check_row_blocks(node_tables, self._local_size, self._rank % self._local_size)
