@@ -79,18 +79,21 @@ def _train(dmp: DistributedModelParallel, batch: TrainBatch) -> torch.Tensor:
     return pooled.detach()
 
 
-def _bad(batch: TrainBatch) -> TrainBatch:
-    """``batch`` with its first id past every table."""
+def _bad(batch: TrainBatch, what: str, gen: torch.Generator, tables: Tuple[Any, Any]) -> TrainBatch:
+    """``batch`` with its first id past every table ("id"), or a batch of 17 samples, over max_local_batch_size
+    ("capacity")."""
+    if what == "capacity":
+        return TrainBatch(random_kjt(tables[0], 17, gen, 5), random_kjt(tables[1], 17, gen, 5, weighted=True))
     kjt = batch.kjt
     values = kjt.values().clone()
     values[0] = 10**6
     return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
 
 
-def _twrw(rank: int, world: int, mixed: bool) -> Dict[str, Any]:
-    """PGAS and stock TWRW trained on the same batches; the last rank's batch BAD_STEP has an id past its table
-    (every rank skips that step, stock never sees it). Per step: the largest output and state difference, the
-    errors, the PGAS steps' epochs and the TBEs' iteration counters."""
+def _twrw(rank: int, world: int, mixed: bool, what: str) -> Dict[str, Any]:
+    """PGAS and stock TWRW trained on the same batches; the last rank's batch BAD_STEP is bad (``_bad``: every rank
+    skips that step, stock never sees it). Per step: the largest output and state difference, the errors, the
+    PGAS steps' epochs and the TBEs' iteration counters."""
     os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)  # TorchRec's node groups: 2 x 2
     wrapped = LossModel(default_model(min_rows=NODE_SIZE))
     kinds = MIXED if mixed else ()
@@ -102,7 +105,7 @@ def _twrw(rank: int, world: int, mixed: bool) -> Dict[str, Any]:
         batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True))
         if i == BAD_STEP:
             try:
-                _train(pgas, _bad(batch) if rank == world - 1 else batch)
+                _train(pgas, _bad(batch, what, gen, (t, w)) if rank == world - 1 else batch)
             except PgasError as e:
                 out["errors"].append((i, type(e).__name__, str(e)))
         else:
@@ -114,17 +117,19 @@ def _twrw(rank: int, world: int, mixed: bool) -> Dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node(mixed: bool) -> None:
+@pytest.mark.parametrize("mixed,what", [(False, "id"), (True, "id"), (False, "capacity")])
+def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node(mixed: bool, what: str) -> None:
     """Forward and training equal to stock TWRW within fp32 rounding (every weight and optimizer state after
     every step); a bad id on one rank raises on all four (its own error there, the abort elsewhere) before
     anything moved, and the steps after it train as stock does without the batch. ``mixed``: the second EBC
     also holds pgas_row_wise over the job and stock TWRW."""
-    results = run_distributed(_twrw, 2 * NODE_SIZE, mixed)
+    results = run_distributed(_twrw, 2 * NODE_SIZE, mixed, what)
+    bad_error, bad_message = {"id": ("PgasInputError", "has id 1000000 outside"),
+                              "capacity": ("PgasCapacityError", "local batch size 17 exceeds")}[what]
     for rank, r in enumerate(results):
         own = rank == len(results) - 1
-        assert [e[:2] for e in r["errors"]] == [(BAD_STEP, "PgasInputError" if own else "PgasPeerAbortError")], r
-        assert ("has id 1000000 outside" if own else f"rank {len(results) - 1} aborted") in r["errors"][0][2]
+        assert [e[:2] for e in r["errors"]] == [(BAD_STEP, bad_error if own else "PgasPeerAbortError")], r
+        assert (bad_message if own else f"rank {len(results) - 1} aborted") in r["errors"][0][2]
         assert max(r["outputs"]) <= 1e-5 and max(r["states"]) <= 1e-5, (rank, r["outputs"], r["states"])
         assert r["epochs"] == [[i + 1] for i in range(STEPS)], (rank, r["epochs"])
         assert all(set(got) == set(ref) for got, ref in r["counters"]), (rank, r["counters"])
