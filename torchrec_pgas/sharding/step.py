@@ -80,13 +80,18 @@ class StepSpec:
         """The most ids one rank may feed this sharding in one step (computed once: every step checks it)."""
         return self.config.ids_capacity(self.feature_tables)
 
+    @functools.cached_property
+    def _hash_size_tensor(self) -> torch.Tensor:
+        """``hash_sizes`` as a host tensor (built once: every step's check reads it)."""
+        return torch.tensor(self.hash_sizes, dtype=torch.int64)
+
     def bad_ids(self, kjt: KeyedJaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[Tuple[int, int]]]:
         """``kjt``'s ids (int64, features in this spec's order), which of them lie outside their feature's table,
         and the first such (feature, id), if any: a host read of the ids (the CPU path's check)."""
         values = kjt.values().to(torch.int64)
         per_feature = kjt.length_per_key()
-        hash_sizes = torch.tensor(self.hash_sizes, dtype=torch.int64, device=values.device)
-        hash_per_id = torch.repeat_interleave(hash_sizes, torch.tensor(per_feature, dtype=torch.int64, device=values.device))
+        hash_per_id = torch.repeat_interleave(self._hash_size_tensor.to(values.device),
+                                              torch.tensor(per_feature, dtype=torch.int64, device=values.device))
         bad = (values < 0) | (values >= hash_per_id)
         if not bool(bad.any()):
             return values, bad, None

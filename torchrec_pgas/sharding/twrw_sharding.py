@@ -186,8 +186,8 @@ class PgasTwRwPooledEmbeddingSharding(PgasShardingMixin, TwRwPooledEmbeddingShar
                             "tables; the node step needs one on every node: plan at least one table on each node, "
                             "or plan these table_row_wise")
         requester = _spec("requester", [t for tables in per_node for t in tables], 1, config, bounds, out_dtype)
+        _check_row_blocks([t for tables in per_node for t in tables], self._local_size)
         node_tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]  # this rank's shards
-        _check_row_blocks(node_tables, self._local_size, self._rank % self._local_size)
         node_config = dataclasses.replace(config, max_local_batch_size=config.max_local_batch_size * nodes,
                                           max_ids_per_rank=config.max_ids_per_rank and config.max_ids_per_rank * nodes)
         PgasTwRwPooledEmbeddingSharding._instances += 1  # allocation is collective: every rank shards alike
@@ -234,15 +234,18 @@ def _spec(name: str, tables: List, owners: int, config: PgasConfig, bounds: Boun
     )
 
 
-def _check_row_blocks(tables: List, local_size: int, local_rank: int) -> None:
+def _check_row_blocks(tables: List, local_size: int) -> None:
     """The node step's owners hold ``ceil(N/L)`` row blocks in local-rank order, as stock TWRW bucketizes
     (from ``num_embeddings``, whatever the plan says): a plan whose shards differ would look rows up in the
-    wrong block."""
+    wrong block. Read from every table's global shards, so that every rank raises alike, before any collective."""
     for t in tables:
         block = (t.num_embeddings + local_size - 1) // local_size
-        offset, rows = t.local_metadata.shard_offsets[0], t.local_metadata.shard_sizes[0]
-        want_rows = max(0, min(block, t.num_embeddings - local_rank * block))
-        if offset != min(local_rank * block, t.num_embeddings) or rows != want_rows:
-            raise PgasError(f"pgas_table_row_wise: table '{t.name}' has rows [{offset}, +{rows}) on local rank "
-                            f"{local_rank}; the row blocks must be ceil({t.num_embeddings}/{local_size}) = {block} "
-                            "rows in local-rank order (plan it with torchrec_pgas.planner.pgas_table_row_wise)")
+        for shard in t.global_metadata.shards_metadata:
+            local_rank = shard.placement.rank() % local_size
+            offset, rows = shard.shard_offsets[0], shard.shard_sizes[0]
+            want_rows = max(0, min(block, t.num_embeddings - local_rank * block))
+            if offset != min(local_rank * block, t.num_embeddings) or rows != want_rows:
+                raise PgasError(f"pgas_table_row_wise: table '{t.name}' has rows [{offset}, +{rows}) on local rank "
+                                f"{local_rank}; the row blocks must be ceil({t.num_embeddings}/{local_size}) = "
+                                f"{block} rows in local-rank order (plan it with "
+                                "torchrec_pgas.planner.pgas_table_row_wise)")
