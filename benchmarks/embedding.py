@@ -23,7 +23,7 @@ per-rank inputs and must agree before anything is timed. Then:
   bytes this rank sends over NVLink / P2P bandwidth), both bandwidths measured
   in the same run (device copy; concurrent peer copies to the next rank);
 * ``--comm-timeline`` (GPU): one PGAS step with the kernels' remote-store
-  counter on (``DeviceStep.trace_comm``): cumulative bytes this rank stored
+  counter on (``torchrec_pgas.trace_comm``): cumulative bytes this rank stored
   into peers against time, next to the stock side's shape from its stage times
   (no bytes until the values all-to-all, none during the lookup, the pooled
   rows in the output all-to-all at the end).
@@ -552,7 +552,7 @@ def comm_timeline(dmp: DistributedModelParallel, x: KeyedJaggedTensor, expected_
     dmp(x)
     torch.cuda.synchronize()
     for step in pgas_steps(dmp):
-        step.stop_trace()
+        step.comm_trace.stop()
     t = trace.cpu().tolist()
     return [(0.0, 0)] + [((ns - t[0][0]) / 1e6, b) for ns, b in t[1:] if ns > 0]
 

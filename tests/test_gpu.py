@@ -461,11 +461,11 @@ def _comm_trace(rank: int, world: int, kind: str) -> Dict[str, Any]:
     wkjt = random_kjt(model.webc.embedding_bag_configs(), 16, gen, 6, weighted=True).to(dev)
     with torch.no_grad():
         pgas(kjt, wkjt)  # warm-up: binds the weights
-        trace = step.trace_comm(1024, 64)
+        trace = step.comm_trace.start(1024, 64)
         pgas(kjt, wkjt)
         check_errors(pgas)
-        step.stop_trace()
-    counted = step.traced_remote_bytes()
+        step.comm_trace.stop()
+    counted = step.comm_trace.remote_bytes()
     # What the protocol stores into other ranks (layout.py): ids and a length + offset per bag to
     # each remote rank holding rows of the bag's table; pooled rows (fp32) to each remote requester.
     f_lo, f_hi = step.lookup_features

@@ -220,8 +220,8 @@ def pgas_steps(module: nn.Module) -> Iterator[PgasStep]:
 def trace_comm(module: nn.Module, records: int, step_bytes: int) -> Dict[str, torch.Tensor]:
     """Start the comm timeline of every GPU step in ``module``: per step name, the int64 ``[records, 2]``
     buffer of (ns, cumulative bytes stored into peers) the next steps fill, one record per ``step_bytes``.
-    ``DeviceStep.stop_trace`` ends it; ``DeviceStep.traced_remote_bytes`` reads the count."""
-    return {step.spec.name: step.trace_comm(records, step_bytes)
+    ``DeviceStep.comm_trace.stop()`` ends it; ``DeviceStep.comm_trace.remote_bytes()`` reads the count."""
+    return {step.spec.name: step.comm_trace.start(records, step_bytes)
             for step in pgas_steps(module) if isinstance(step, DeviceStep)}
 
 

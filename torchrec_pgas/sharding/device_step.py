@@ -87,7 +87,7 @@ class DeviceStep(PgasStep):
         # Recorded after each combine, per slot (see index_dist).
         self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
         self.backward_runner = DeviceBackward(self)
-        self._trace = CommTrace(self.state_words, self._set_trace)
+        self.comm_trace = CommTrace(self.state_words, self._set_trace)  # torchrec_pgas.trace_comm
         self._deadline_owner: Optional[torch.Tensor] = None  # the state whose deadline words the waits use
 
     def share_deadlines(self, leader: PgasStep) -> None:
@@ -224,16 +224,6 @@ class DeviceStep(PgasStep):
         """The model's other GPU shardings whose step ``epoch`` awaits its backward."""
         return tuple(o for o, _ in self.group.siblings_awaiting(self, epoch) if isinstance(o, DeviceStep))
 
-    def device_step_failed(self) -> torch.Tensor:
-        """Whether the step of this sharding's last lookup failed here: a one-element device bool."""
-        epoch = self.state_words[StateWord.CTR_LOOKUP]
-        return self.state_words.index_select(0, (StateWord.STEP_FAILED + epoch % self.layout.num_slots).view(1)).eq(
-            epoch)
-
-    def failed_word(self, epoch: int) -> torch.Tensor:
-        """The device word that holds the epoch of the last failed step in ``epoch``'s slot."""
-        return self.state_words[StateWord.STEP_FAILED + epoch % self.layout.num_slots]
-
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         return self.errors.step_failure(epoch)
 
@@ -248,17 +238,6 @@ class DeviceStep(PgasStep):
         torch.ops.torchrec_pgas.release_sources(*self.state_args(), epoch)
         if not torch.cuda.is_current_stream_capturing():
             self._slot_free[epoch % self.layout.num_slots].record(stream)
-
-    def trace_comm(self, records: int, step_bytes: int) -> torch.Tensor:
-        """Start the comm timeline (``CommTrace.start``)."""
-        return self._trace.start(records, step_bytes)
-
-    def stop_trace(self) -> None:
-        self._trace.stop()
-
-    def traced_remote_bytes(self) -> int:
-        """Bytes this rank's kernels stored into other ranks' memory since ``trace_comm`` (syncs)."""
-        return self._trace.remote_bytes()
 
     def _set_trace(self, on: bool) -> None:
         """Launch the kernels' comm-timeline builds (or not) from the next step on."""

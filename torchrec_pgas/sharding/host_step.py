@@ -42,10 +42,11 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
+from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.sharding.step import PgasStep, StepSpec, gradient_divisor
-from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
+from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, iterations_kept, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
-from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad
+from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad, SymmetricBuffer
 from torchrec_pgas.types import PgasError, PgasInputError, PgasTimeoutError
 
 MEAN_EPS: float = 1e-6  # TorchRec's RW mean divisor guard (embeddingbag.py)
@@ -86,6 +87,23 @@ class StepDeadlines:
                 f"rank {rt.rank} waited {self.waited(epoch):.1f}s (step {epoch}'s deadline, "
                 f"wait_timeout_s={self.timeout_s:g} from its first wait) for {what} from rank(s) "
                 f"{missing}: a peer crashed, diverged, or is not running this step") from e
+
+
+def received_index_block(buf: SymmetricBuffer, lay: StepLayout, src: int, src_block: int, keys: Sequence[str],
+                         key_rows: Sequence[int], nnz: int, batch: int) -> KeyedJaggedTensor:
+    """Source ``src``'s index block as a KJT for the stock lookup, after checking what the peer wrote: lengths
+    sum to ``nnz`` and are >= 0, and every id is a row this rank holds (``key_rows`` per key). The TBE's own
+    bounds check follows the user's mode, which may be off; these decide what is read."""
+    lengths = buf.view(torch.int32, src_block + lay.lengths_off, len(keys) * batch)
+    ids = buf.view(lay.id_dtype, src_block + lay.ids_off, nnz).to(torch.int64)
+    if bool((lengths < 0).any()) or int(lengths.sum()) != nnz:
+        raise PgasError(f"corrupt index lengths from rank {src}: negative, or not summing to {nnz}")
+    per_key = lengths.view(len(keys), batch).sum(1)
+    limit = torch.repeat_interleave(torch.tensor(list(key_rows), dtype=torch.int64), per_key.to(torch.int64))
+    if bool(((ids < 0) | (ids >= limit)).any()):
+        raise PgasError(f"corrupt index data from rank {src}: a row outside this rank's shard")
+    return KeyedJaggedTensor(keys=list(keys), values=ids, lengths=lengths.to(torch.int64), stride=batch,
+                             weights=buf.view(torch.float32, src_block + lay.weights_off, nnz) if lay.weighted else None)
 
 
 class HostStep(PgasStep):
@@ -198,43 +216,21 @@ class HostStep(PgasStep):
 
     def _received(self, src: int, src_block: int, keys: Sequence[str], key_rows: Sequence[int], nnz: int,
                   batch: int, epoch: int) -> KeyedJaggedTensor:
-        """Source ``src``'s index block as a KJT for the stock lookup, after checking what a peer wrote:
-        lengths sum to ``nnz`` and are >= 0, and every id is a row this rank holds (``key_rows`` per key).
-        The TBE's own bounds check follows the user's mode, which may be off; these decide what is read."""
-        lay = self.layout
-        lengths = self.buf.view(torch.int32, src_block + lay.lengths_off, len(keys) * batch)
-        ids = self.buf.view(lay.id_dtype, src_block + lay.ids_off, nnz).to(torch.int64)
-        if bool((lengths < 0).any()) or int(lengths.sum()) != nnz:
-            raise self.fail(PgasError(f"corrupt index lengths from rank {src}: negative, or not summing to {nnz}"),
-                            epoch)
-        per_key = lengths.view(len(keys), batch).sum(1)
-        limit = torch.repeat_interleave(torch.tensor(list(key_rows), dtype=torch.int64), per_key.to(torch.int64))
-        if bool(((ids < 0) | (ids >= limit)).any()):
-            raise self.fail(PgasError(f"corrupt index data from rank {src}: a row outside this rank's shard"), epoch)
-        return KeyedJaggedTensor(
-            keys=list(keys),
-            values=ids,
-            lengths=lengths.to(torch.int64),
-            weights=self.buf.view(torch.float32, src_block + lay.weights_off, nnz) if lay.weighted else None,
-            stride=batch,
-        )
+        """Source ``src``'s index block as a KJT for the stock lookup (``received_index_block``)."""
+        try:
+            return received_index_block(self.buf, self.layout, src, src_block, keys, key_rows, nnz, batch)
+        except PgasError as e:
+            raise self.fail(e, epoch)
 
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
         epoch = self.next_lookup_epoch()
         trains = self.trains()
-        # The stock lookup runs once per source here: its TBEs' iteration counters move once a step, as
-        # stock's forward moves them, and not at all for a step that fails.
-        iters = [int(t.iter_cpu) if hasattr(t, "iter_cpu") else None for t in tbes]
         try:
-            out, kept = self.serve_and_combine(kjt, pool, epoch, release=not trains)
+            with iterations_kept(tbes):
+                out, kept = self.serve_and_combine(kjt, pool, epoch, release=not trains)
         except BaseException:
             self.release(epoch)  # no backward will come for this step
             raise
-        finally:
-            for tbe, it in zip(tbes, iters):
-                if it is not None:
-                    tbe.iter_cpu.fill_(it)
-                    tbe.iter.fill_(it)
         after = advance_tbe_iterations(tbes)
         ticket = StepTicket(epoch, kjt.stride(), pool, after, tbes, host=kept) if trains else None
         return self.forward_output(out, ticket)

@@ -17,18 +17,29 @@ from torch import nn
 def iterations_before_forward(tbes: Sequence[nn.Module], iters: Sequence[Optional[int]]) -> Iterator[None]:
     """The TBEs' iteration counters as they were before stock's forward of the replayed step (FBGEMM's
     forward adds one and hands it to the optimizer, e.g. Adam's bias correction), restored after."""
-    saved = []
-    for tbe, it in zip(tbes, iters):
-        if it is not None:
-            saved.append((tbe, int(tbe.iter_cpu)))
-            tbe.iter_cpu.fill_(it - 1)
-            tbe.iter.fill_(it - 1)
+    saved = [(tbe, int(tbe.iter_cpu)) for tbe, it in zip(tbes, iters) if it is not None]
+    _set_counts([(tbe, it - 1) for tbe, it in zip(tbes, iters) if it is not None])
     try:
         yield
     finally:
-        for tbe, it in saved:
-            tbe.iter_cpu.fill_(it)
-            tbe.iter.fill_(it)
+        _set_counts(saved)
+
+
+@contextlib.contextmanager
+def iterations_kept(tbes: Sequence[nn.Module]) -> Iterator[None]:
+    """The TBEs' iteration counters as they were, after stock lookups that must not count: the host path runs
+    one per source of a step, and a step counts once (``advance_tbe_iterations``), or not at all if it fails."""
+    saved = [(tbe, int(tbe.iter_cpu)) for tbe in tbes if hasattr(tbe, "iter_cpu")]
+    try:
+        yield
+    finally:
+        _set_counts(saved)
+
+
+def _set_counts(counts: Sequence[Tuple[nn.Module, int]]) -> None:
+    for tbe, it in counts:
+        tbe.iter_cpu.fill_(it)
+        tbe.iter.fill_(it)
 
 
 def advance_tbe_iterations(tbes: Sequence[nn.Module]) -> List[Optional[int]]:

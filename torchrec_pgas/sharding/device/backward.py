@@ -61,11 +61,18 @@ class BackwardStep(GroupMember, Protocol):
 
     def release(self, epoch: int) -> None: ...
 
-    def failed_word(self, epoch: int) -> torch.Tensor: ...
-
-    def device_step_failed(self) -> torch.Tensor: ...
-
     def device_siblings(self, epoch: int) -> Tuple["BackwardStep", ...]: ...
+
+
+def _failed_word(step: BackwardStep, epoch: int) -> torch.Tensor:
+    """The device word of ``step`` that holds the epoch of the last failed step in ``epoch``'s slot."""
+    return step.state_words[StateWord.STEP_FAILED + epoch % step.layout.num_slots]
+
+
+def _last_lookup_failed(step: BackwardStep) -> torch.Tensor:
+    """Whether the step of ``step``'s last lookup failed there: a one-element device bool (no host read)."""
+    epoch = step.state_words[StateWord.CTR_LOOKUP]
+    return step.state_words.index_select(0, (StateWord.STEP_FAILED + epoch % step.layout.num_slots).view(1)).eq(epoch)
 
 
 class DeviceBackward:
@@ -222,7 +229,7 @@ class DeviceBackward:
         ops, args, state = torch.ops.torchrec_pgas, step.state_args(), step.state_words
         epoch = state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
         if siblings:  # as _adopt_sibling_failures, from device words
-            failed = torch.cat([o.device_step_failed() for o in siblings]).any()
+            failed = torch.cat([_last_lookup_failed(o) for o in siblings]).any()
             at = (StateWord.STEP_FAILED + epoch % step.layout.num_slots).view(1)  # index_select, not [tensor]:
             state.index_put_((at,), torch.where(failed, epoch, state.index_select(0, at)))  # no read
         ops.grad_dist(self.sent_gradient(grad, batch), *args, 0, batch, gradient_divisor(step.world_size), False)
@@ -262,8 +269,8 @@ class DeviceBackward:
         siblings = self.step.device_siblings(epoch)
         if not siblings:
             return False
-        failed = torch.stack([o.failed_word(epoch) for o in siblings]).eq(epoch).any()
-        word = self.step.failed_word(epoch)
+        failed = torch.stack([_failed_word(o, epoch) for o in siblings]).eq(epoch).any()
+        word = _failed_word(self.step, epoch)
         word.copy_(torch.where(failed, epoch, word))
         return any(epoch in o.errors.gave_up for o in siblings)
 
