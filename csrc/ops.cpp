@@ -61,16 +61,10 @@ OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>&
 OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
                           const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
                           const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
-OwnerKeys owner_keys_meta(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
-                          const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
-                          const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity);
 KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
                        const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
                        bool weighted);
 KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                        const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
-                        bool weighted);
-KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
                         const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
                         bool weighted);
 OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
@@ -179,11 +173,11 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {
   m.impl("alloc", &torchrec_pgas::pgas_alloc);
 }
 
+// kept_bags and owner_keys take a CPU config beside device tensors: their fakes (and Meta kernels) are Python's,
+// torchrec_pgas/op_fakes.py (FakeTensor finds no common device for a C++ Meta kernel's inputs).
 TORCH_LIBRARY_IMPL(torchrec_pgas, Meta, m) {
   m.impl("alloc", &torchrec_pgas::alloc_meta);
   m.impl("combine_partials", &torchrec_pgas::combine_partials_meta);
-  m.impl("kept_bags", &torchrec_pgas::kept_bags_meta);
-  m.impl("owner_keys", &torchrec_pgas::owner_keys_meta);
   m.impl("sort_owner_keys", &torchrec_pgas::sort_owner_keys_meta);
 }
 

@@ -199,17 +199,6 @@ OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, co
           psw.numel() ? psw.index_select(0, order) : at::empty({0}, psw.options())};
 }
 
-OwnerKeys owner_keys_meta(const at::Tensor&, const c10::optional<at::Tensor>& weights, const at::Tensor&,
-                          const c10::optional<at::Tensor>&, const at::Tensor& offsets, const at::Tensor& feature_base,
-                          const at::Tensor&, int64_t capacity) {
-  return empty_owner_keys(offsets, feature_base, weights.has_value(), capacity);
-}
-
-KeptBags kept_bags_meta(const at::Tensor& buffer, const at::Tensor&, const at::Tensor&,
-                        const c10::optional<at::Tensor>&, const at::Tensor&, int64_t num_bags, bool weighted) {
-  return empty_kept_bags(buffer, num_bags, weighted);
-}
-
 OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t) {
   return {at::empty_like(keys), at::empty_like(bags), at::empty_like(psw)};
 }

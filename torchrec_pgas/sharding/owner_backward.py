@@ -37,6 +37,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling, step_abi
+from torchrec_pgas.op_fakes import register_fakes
 from torchrec_pgas.types import PgasError
 from torchrec_pgas.step_abi import (
     OwnerFeatureDesc,
@@ -189,6 +190,7 @@ def op_available() -> bool:
     except ImportError:
         return False
     step_abi.check_extension()
+    register_fakes()
     return hasattr(torch.ops.torchrec_pgas, "owner_update")
 
 
