@@ -281,8 +281,10 @@ MIXED_PLANS = {
     "tw-tw-rw-tw": (("pgas_table_wise@-1", "pgas_table_wise@0", "pgas_row_wise", "pgas_table_wise@-1"),
                     ("table_wise@-1", "pgas_row_wise", "pgas_table_wise@0", "row_wise")),
 }
-# The bad batch: an id past its table in a pgas_row_wise feature, in a pgas_table_wise one, or a batch above
-# max_local_batch_size (every sharding refuses it). Or a failed backward: the last rank drops the step's loss
+# The bad batch: an id past its table in a pgas_row_wise feature, in a pgas_table_wise one, or more ids than
+# max_ids_per_rank at the step's batch size (every sharding refuses it; a batch larger than its peers' would break
+# the stock shardings' collectives, as it does stock TorchRec's: the bad-batch tests refuse that one in PGAS-only
+# models). Or a failed backward: the last rank drops the step's loss
 # (every sharding's backward on the other ranks times out), or its gradient exchange fails after its first
 # put (an OOM, a lost mapping: it aborts the step, the others raise the abort). Those two not in a plan with
 # stock shardings: their backward's collectives would wait for the failed rank (gloo's timeout, not ours).
@@ -294,6 +296,7 @@ RECORDED = "recorded"
 CASES = ([(plan, what) for plan in MIXED_PLANS for what in REFUSALS] + [("rw-tw-rw-tw", f) for f in BACKWARD_FAULTS]
          + [("tw-tw-rw-tw", RECORDED)])
 REFUSED_STEP, STEPS_AFTER = 3, 5
+MATRIX_IDS = 8 * 5 * 8  # max_ids_per_rank: 8 samples of at most 5 ids in each of the model's 8 features
 BACKWARD_TIMEOUT_S = 4.0
 
 
@@ -309,7 +312,8 @@ def _refused(batch: TrainBatch, types: Dict[str, str], what: str) -> TrainBatch:
     """``batch`` with its refusal: the first id of the first feature of a table of the named kind set past
     every table's rows, or 17 samples."""
     if what == "capacity":
-        return _bad(batch, "capacity")
+        kjt = random_kjt(default_model().ebc.embedding_bag_configs(), batch.kjt.stride(), seeded(99), MATRIX_IDS)
+        return TrainBatch(kjt.to(batch.kjt.values().device), batch.wkjt)
     kind = "pgas_row_wise" if what == "id-rw" else "pgas_table_wise"
     table = next(c for c in default_tables() if types[c.name].startswith(kind))
     kjt = batch.kjt
@@ -325,7 +329,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
     model = default_model(all_sum=True, min_rows=world)
     types = _mixed_types(plan, world)
     fused = {**FUSED, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-3}
-    config = PgasConfig(max_local_batch_size=16,
+    config = PgasConfig(max_local_batch_size=16, max_ids_per_rank=MATRIX_IDS,
                         wait_timeout_s=BACKWARD_TIMEOUT_S if what in BACKWARD_FAULTS else 60)
     wrapped = LossModel(model)
     dev = rank_device(rank, device_type)

@@ -25,7 +25,11 @@ class GroupMember(Protocol):
     group: "StepGroup"
     backwards: AwaitedBackwards
 
+    issued: int
+
     def fail(self, err: PgasError, epoch: int) -> PgasError: ...
+
+    def raise_recorded(self) -> None: ...
 
     def step_failure(self, epoch: int) -> Optional[PgasError]: ...
 
@@ -90,6 +94,17 @@ class StepGroup:
 
     def _leave(self, step: GroupMember) -> None:
         self._refs = [ref for ref in self._refs if ref() is not None and ref() is not step]
+
+    def raise_records(self, step: GroupMember) -> None:
+        """Raise the finished steps' recorded errors of every sharding of the model (GPUs record them), but only
+        before the model's first index dist of a step: once another sharding has claimed the next epoch, ``step``
+        must claim it too (raising here would leave it an epoch behind); the records wait for the next step's
+        first index dist."""
+        members = self.members()
+        if any(m.issued > step.issued for m in members):
+            return
+        for member in members:
+            member.raise_recorded()
 
     def forward_failed(self, step: GroupMember, epoch: int, err: PgasError) -> None:
         """``step`` raised ``err`` for step ``epoch`` in the model's forward, which ends that forward on every

@@ -201,9 +201,8 @@ class PgasStep(abc.ABC):
 
     def consume_failed_step(self, epoch: int, err: PgasError) -> None:
         """A sibling sharding failed step ``epoch`` in the model's forward: this step's stages of it that did
-        not run will not (``forward_failed``). A backend whose forward raises (the host path) consumes them
-        here; the device path raises no step error in the forward (it gives a step up by running its stages
-        empty and raises at the backward), so it has nothing to consume."""
+        not run will not (``forward_failed``): each backend consumes them here, so that the model's shardings run
+        the next batch at the next epoch."""
 
     def claim_slot(self) -> int:
         """The epoch of the next index dist, once its buffer slot is free on this rank: the step that last
