@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import torchrec_pgas
-from torchrec_pgas.runtime import PAD_HEADER_WORDS
+from torchrec_pgas.runtime import PAD_HEADER_WORDS, one_host
 from torchrec_pgas.testing import all_tables, default_model, run_distributed, sample_batches, shard
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
@@ -150,3 +150,12 @@ def test_shutdown_destroys_the_process_group_while_python_is_whole() -> None:
     """Else gloo's threads are joined by the interpreter's teardown, where a rank could die with SIGABRT."""
     for r in run_distributed(_shutdown_destroys_the_group, 2):
         assert r["alive"] == 0 and r["threads_after"] == 0, r
+
+
+def test_a_sharding_over_ranks_on_several_hosts_is_refused_naming_table_row_wise() -> None:
+    """pgas_row_wise / pgas_table_wise reach every peer by load/store: ranks on two hosts raise our message (which
+    ranks live where, and the type that crosses nodes), before any peer pointer is taken."""
+    one_host(["a", "a"], "pgas_row_wise")
+    with pytest.raises(PgasError, match=r"pgas_table_wise needs every rank on one host.*\{'a': \[0, 1\], 'b': \[2\]\}"
+                       r".*plan pgas_table_row_wise"):
+        one_host(["a", "a", "b"], "pgas_table_wise")

@@ -19,6 +19,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.embeddingbag import PgasEmbeddingBagCollectionSharder, pgas_steps
+from torchrec_pgas.placement import rank_placement
 from torchrec_pgas.planner import pgas_row_wise, pgas_table_row_wise, with_compute_kernel
 from torchrec_pgas.testing import (
     LossModel,
@@ -27,6 +28,7 @@ from torchrec_pgas.testing import (
     default_model,
     iteration_counts,
     random_kjt,
+    rank_device,
     run_distributed,
     seeded,
     state_difference,
@@ -35,6 +37,7 @@ from torchrec_pgas.testing import (
 from torchrec_pgas.types import PgasConfig, PgasError
 
 NODE_SIZE = 2
+CPU = torch.device("cpu")
 FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False,
                          "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-3}
 STEPS, BAD_STEP = 5, 2
@@ -55,9 +58,11 @@ def _generator(kind: str, pgas: bool, table: int) -> Any:
     return pgas_row_wise() if pgas and kind.startswith("pgas") else row_wise(compute_kernel=fused)
 
 
-def _sharded(wrapped: LossModel, pgas: bool, world: int, mixed: Tuple[str, ...] = ()) -> DistributedModelParallel:
+def _sharded(wrapped: LossModel, pgas: bool, world: int, mixed: Tuple[str, ...] = (),
+             device: torch.device = CPU) -> DistributedModelParallel:
     """``wrapped`` with every table table-row-wise, table i on node i % 2 (PGAS or stock); ``mixed``: the
-    weighted EBC's tables' kinds."""
+    weighted EBC's tables' kinds. On GPUs every shard sits on its rank's device (``RankPlacement.place_shards``:
+    the plan keeps its two nodes when the ranks share a GPU)."""
     sharder = (PgasEmbeddingBagCollectionSharder(fused_params=FUSED, pgas_config=PgasConfig(max_local_batch_size=16))
                if pgas else EmbeddingBagCollectionSharder(fused_params=FUSED))
     plan = {}
@@ -65,9 +70,10 @@ def _sharded(wrapped: LossModel, pgas: bool, world: int, mixed: Tuple[str, ...] 
         kinds = mixed if mixed and name == "webc" else ("pgas_table_row_wise",) * len(MIXED)
         gens = {c.name: _generator(kinds[i], pgas, i) for i, c in enumerate(ebc.embedding_bag_configs())}
         plan[f"model.{name}"] = construct_module_sharding_plan(ebc, gens, sharder=sharder, local_size=NODE_SIZE,
-                                                              world_size=world, device_type="cpu")
+                                                              world_size=world, device_type=device.type)
+    placed = rank_placement(world, device.type).place_shards(ShardingPlan(plan))
     dmp = DistributedModelParallel(copy.deepcopy(wrapped), env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), plan=ShardingPlan(plan), sharders=[sharder])
+                                   device=device, plan=placed, sharders=[sharder])
     copy_state_dict(dmp.state_dict(), wrapped.state_dict())
     return dmp
 
@@ -90,22 +96,23 @@ def _bad(batch: TrainBatch, what: str, gen: torch.Generator, tables: Tuple[Any, 
     return TrainBatch(KeyedJaggedTensor(kjt.keys(), values, None, kjt.lengths(), stride=kjt.stride()), batch.wkjt)
 
 
-def _twrw(rank: int, world: int, mixed: bool, what: str) -> Dict[str, Any]:
+def _twrw(rank: int, world: int, mixed: bool, what: str, device_type: str = "cpu") -> Dict[str, Any]:
     """PGAS and stock TWRW trained on the same batches; the last rank's batch BAD_STEP is bad (``_bad``: every rank
     skips that step, stock never sees it). Per step: the largest output and state difference, the errors, the
     PGAS steps' epochs and the TBEs' iteration counters."""
     os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)  # TorchRec's node groups: 2 x 2
+    device = rank_device(rank, device_type)
     wrapped = LossModel(default_model(min_rows=NODE_SIZE))
     kinds = MIXED if mixed else ()
-    pgas, stock = _sharded(wrapped, True, world, kinds), _sharded(wrapped, False, world, kinds)
+    pgas, stock = _sharded(wrapped, True, world, kinds, device), _sharded(wrapped, False, world, kinds, device)
     gen = seeded(3 + rank)
     t, w = wrapped.model.ebc.embedding_bag_configs(), wrapped.model.webc.embedding_bag_configs()
     out: Dict[str, List[Any]] = {"outputs": [], "states": [], "errors": [], "epochs": [], "counters": []}
     for i in range(STEPS):
-        batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True))
+        batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)).to(device)
         if i == BAD_STEP:
             try:
-                _train(pgas, _bad(batch, what, gen, (t, w)) if rank == world - 1 else batch)
+                _train(pgas, _bad(batch, what, gen, (t, w)).to(device) if rank == world - 1 else batch)
             except PgasError as e:
                 out["errors"].append((i, type(e).__name__, str(e)))
         else:
@@ -117,13 +124,16 @@ def _twrw(rank: int, world: int, mixed: bool, what: str) -> Dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mixed,what", [(False, "id"), (True, "id"), (False, "capacity")])
-def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node(mixed: bool, what: str) -> None:
+def test_matches_stock_table_row_wise_and_refuses_a_bad_batch_on_every_node(mixed: bool, what: str,
+                                                                             device_type: str) -> None:
     """Forward and training equal to stock TWRW within fp32 rounding (every weight and optimizer state after
     every step); a bad id on one rank raises on all four (its own error there, the abort elsewhere) before
     anything moved, and the steps after it train as stock does without the batch. ``mixed``: the second EBC
-    also holds pgas_row_wise over the job and stock TWRW."""
-    results = run_distributed(_twrw, 2 * NODE_SIZE, mixed, what)
+    also holds pgas_row_wise over the job and stock TWRW. On GPUs (``cuda``): the node steps are the fused
+    kernels among each node's PEs of one NVSHMEM world of four (ranks sharing a GPU where there are fewer)."""
+    results = run_distributed(_twrw, 2 * NODE_SIZE, mixed, what, device_type, device_type=device_type)
     bad_error, bad_message = {"id": ("PgasInputError", "has id 1000000 outside"),
                               "capacity": ("PgasCapacityError", "local batch size 17 exceeds")}[what]
     for rank, r in enumerate(results):
@@ -175,9 +185,8 @@ def _in_flight(rank: int, world: int) -> List[float]:
     t, w = wrapped.model.ebc.embedding_bag_configs(), wrapped.model.webc.embedding_bag_configs()
     batches = [TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)) for _ in range(5)]
     pgas, stock = _sharded(wrapped, True, world), _sharded(wrapped, False, world)
-    cpu = torch.device("cpu")
     diffs = []
-    for _ in zip(train_steps(pgas, batches, "three_in_flight", cpu), train_steps(stock, batches, "plain", cpu)):
+    for _ in zip(train_steps(pgas, batches, "three_in_flight", CPU), train_steps(stock, batches, "plain", CPU)):
         diffs.append(state_difference(pgas, stock))
     return diffs
 

@@ -11,6 +11,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from torchrec_pgas.node_runtime import NodeRuntime
 from torchrec_pgas.nvshmem_backend import NvshmemRuntime
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.shm_backend import ShmRuntime
@@ -27,7 +28,9 @@ def init_runtime(
     device: Optional[torch.device] = None,
     heap_hint: int = 0,
 ) -> PgasRuntime:
-    """Collective: the PGAS runtime of ``pg`` (default world), created on first use.
+    """Collective: the PGAS runtime of ``pg`` (default world), created on first use. NVSHMEM starts once a
+    process, over the whole job: a smaller group (a node's) gets a view of it (``NodeRuntime``), and creating
+    its first one is collective over the job.
 
     ``backend`` defaults to ``nvshmem`` for a CUDA ``device`` and ``shm``
     otherwise. ``heap_hint``: bytes the first user will allocate, so the
@@ -52,6 +55,10 @@ def init_runtime(
         _at_exit_once()
         if backend == PgasBackendType.SHM:
             _RUNTIMES[key] = ShmRuntime(pg, device)
+        elif dist.get_world_size(pg) < dist.get_world_size():  # a node's group: a view of the one NVSHMEM world
+            world = init_runtime(None, backend, device, heap_hint)
+            assert isinstance(world, NvshmemRuntime)
+            _RUNTIMES[key] = NodeRuntime(world, pg)
         else:
             _RUNTIMES[key] = NvshmemRuntime(pg, device, heap_hint)
     return _RUNTIMES[key]

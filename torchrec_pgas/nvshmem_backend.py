@@ -22,7 +22,16 @@ import torch
 import torch.distributed as dist
 
 from torchrec_pgas import step_abi
-from torchrec_pgas.runtime import PAD_HEADER_WORDS, PgasRuntime, SignalPad, SymmetricBuffer, decode_abort, encode_abort
+from torchrec_pgas.op_fakes import register_fakes
+from torchrec_pgas.runtime import (
+    PAD_HEADER_WORDS,
+    PgasRuntime,
+    SignalPad,
+    SymmetricBuffer,
+    decode_abort,
+    encode_abort,
+    rank_hosts,
+)
 from torchrec_pgas.step_abi import DeviceStatus, PadWord
 from torchrec_pgas.types import PgasBackendType, PgasError, PgasPeerAbortError, PgasTimeoutError
 
@@ -40,6 +49,7 @@ def load_extension() -> None:
             "`pip install --no-build-isolation .` on a machine with nvcc (not TORCH_PGAS_NO_CUDA=1)"
         ) from e
     step_abi.check_extension()
+    register_fakes()
 
 
 class NvshmemRuntime(PgasRuntime):
@@ -56,6 +66,11 @@ class NvshmemRuntime(PgasRuntime):
             os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(DEFAULT_HEAP_BYTES, 4 * heap_hint))
         torch.cuda.set_device(device)
         torch.cuda.init()
+        self.hosts = rank_hosts(pg)
+        if len(set(self.hosts)) > 1:
+            # A job over several hosts: only pgas_table_row_wise's node steps run, each among one host's PEs by
+            # load/store, so NVSHMEM needs no NIC transport (the user's choice, if set, stands).
+            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         ops = torch.ops.torchrec_pgas
         uid = ops.unique_id() if self.rank == 0 else None
         box: List[object] = [uid]
@@ -111,12 +126,7 @@ class NvshmemRuntime(PgasRuntime):
         )
 
     def abort(self, pad: SignalPad, reason: str, step: int) -> None:
-        word, msg = encode_abort(self.rank, reason, step)
-        header = torch.cat([torch.tensor([word]), msg]).to(self.device)
-        for peer in range(self.world_size):
-            # Reason first, then the abort word (put completes before the signal).
-            torch.ops.torchrec_pgas.put(pad.words[PadWord.ABORT_MESSAGE:PAD_HEADER_WORDS], header[1:], peer)
-            torch.ops.torchrec_pgas.signal(pad.words[PadWord.ABORT:PadWord.ABORT + 1], word, peer)
+        abort_pes(pad, self.rank, reason, step, range(self.world_size), self.device)
 
     def barrier(self) -> None:
         torch.ops.torchrec_pgas.barrier_all()
@@ -128,3 +138,13 @@ class NvshmemRuntime(PgasRuntime):
         self._allocs.clear()
         super().finalize()
         torch.ops.torchrec_pgas.finalize()
+
+
+def abort_pes(pad: SignalPad, rank: int, reason: str, step: int, pes: Sequence[int], device: torch.device) -> None:
+    """``rank``'s abort of ``step`` into ``pad`` on every PE of ``pes``: the reason first, then the abort word (a
+    put completes before the signal that follows it)."""
+    word, msg = encode_abort(rank, reason, step)
+    header = torch.cat([torch.tensor([word]), msg]).to(device)
+    for pe in pes:
+        torch.ops.torchrec_pgas.put(pad.words[PadWord.ABORT_MESSAGE:PAD_HEADER_WORDS], header[1:], pe)
+        torch.ops.torchrec_pgas.signal(pad.words[PadWord.ABORT:PadWord.ABORT + 1], word, pe)

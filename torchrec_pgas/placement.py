@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.remote_device import _remote_device
+from torchrec.distributed.types import ShardingPlan
 
 SHARED_GPU_ENV = "TORCHREC_PGAS_SHARED_GPU"
 
@@ -38,6 +40,17 @@ class RankPlacement:
     def local_size(self, local_world_size: int) -> int:
         """The plan's ``local_size``: ranks per host, or 1 when they share a GPU (every shard on ``cuda:0``)."""
         return 1 if self.shared_gpu else local_world_size
+
+    def place_shards(self, plan: ShardingPlan) -> ShardingPlan:
+        """``plan`` with every shard on its rank's device here, whatever the plan's ``local_size``: a plan that
+        declares nodes smaller than the host (2 nodes x 2 ranks on a 4-GPU host), or whose ranks share a GPU,
+        keeps its node groups (its table-row-wise placement) and runs."""
+        for module_plan in plan.plan.values():
+            for sharding in module_plan.values():  # type: ignore[attr-defined]
+                for shard in sharding.sharding_spec.shards if sharding.sharding_spec is not None else ():
+                    rank = shard.placement.rank()
+                    shard.placement = _remote_device(f"rank:{rank}/{self.device(rank)}")
+        return plan
 
 
 def rank_placement(local_world_size: int, device_type: str = "cuda") -> RankPlacement:

@@ -22,9 +22,10 @@ reset can race with a late reader.
 """
 
 import abc
+import socket
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,7 @@ class PgasRuntime(abc.ABC):
     """One process's handle on the PGAS world of a process group."""
 
     backend_type: PgasBackendType
+    hosts: List[str]  # each rank's host name, by rank
     # Tear down at interpreter exit? Not for NVSHMEM, whose teardown is
     # collective and would hang behind a rank that already died.
     finalize_at_exit: bool = True
@@ -98,6 +100,12 @@ class PgasRuntime(abc.ABC):
         if pg is None:
             raise PgasError("the process group of this PGAS runtime was destroyed")
         return pg
+
+    def pe(self, peer: int) -> int:
+        """``peer``'s PE in the NVSHMEM world (its rank in the world's group): ``peer`` itself, except in a
+        node's view of the world (``node_runtime.NodeRuntime``)."""
+        self._check_peer(peer)
+        return peer
 
     def serves(self, pg: dist.ProcessGroup) -> bool:
         """Is this the runtime of ``pg`` (not of a destroyed group whose id ``pg`` reuses)?"""
@@ -195,6 +203,23 @@ class PgasRuntime(abc.ABC):
     def finalize(self) -> None:
         self._buffers.clear()
         self._pads.clear()
+
+
+def rank_hosts(pg: dist.ProcessGroup) -> List[str]:
+    """Collective: each rank's host name, in ``pg``'s rank order."""
+    hosts: List[object] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(hosts, socket.gethostname(), group=pg)
+    return [str(h) for h in hosts]
+
+
+def one_host(hosts: Sequence[str], kind: str) -> None:
+    """Raise unless every rank of a sharding that runs among all the job's ranks (``hosts``: theirs, by rank) is
+    on one host: the one-sided types reach peers by load/store, inside one NVLink domain."""
+    if len(set(hosts)) > 1:
+        spans = {h: [r for r, x in enumerate(hosts) if x == h] for h in dict.fromkeys(hosts)}
+        raise PgasError(f"{kind} needs every rank on one host (one NVLink domain); ranks by host: {spans}. Beyond "
+                        "one node, plan pgas_table_row_wise (torchrec_pgas.planner.pgas_table_row_wise) or a stock "
+                        "sharding type")
 
 
 def encode_abort(rank: int, reason: str, step: int) -> Tuple[int, torch.Tensor]:

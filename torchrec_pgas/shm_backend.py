@@ -52,9 +52,9 @@ class ShmRuntime(PgasRuntime):
             )
         ids: List[object] = [None] * self.world_size
         dist.all_gather_object(ids, (socket.gethostname(), uuid.uuid4().hex[:12]), group=pg)
-        hosts = {h for h, _ in ids}  # type: ignore[misc]
-        if len(hosts) != 1:
-            raise PgasError(f"the shm backend needs all ranks on one host, got {sorted(hosts)}")
+        self.hosts = [str(h) for h, _ in ids]  # type: ignore[misc]
+        if len(set(self.hosts)) != 1:
+            raise PgasError(f"the shm backend needs all ranks on one host, got {sorted(set(self.hosts))}")
         self._tag: str = ids[0][1]  # type: ignore[index]
         self._seq = 0
         self._maps: List[mmap.mmap] = []

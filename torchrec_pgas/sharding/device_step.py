@@ -30,6 +30,7 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
+from torchrec_pgas.runtime import one_host
 from torchrec_pgas.sharding.capture import record_captured_backward, record_captured_step
 from torchrec_pgas.sharding.device.backward import DeviceBackward
 from torchrec_pgas.sharding.device.errors import ErrorRecords
@@ -115,7 +116,7 @@ class DeviceStep(PgasStep):
                 self.errors.status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
-        self._raise_model_records()
+        self.group.raise_records(self)
         epoch = self.claim_slot()
         err = self.spec.input_error(kjt, self.rank)
         stream = self._await_slot(epoch)
@@ -132,16 +133,6 @@ class DeviceStep(PgasStep):
                 raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}"), epoch) from e
         self.issued = epoch
         self._dist_stream = stream
-
-    def _raise_model_records(self) -> None:
-        """Raise the finished steps' errors of every sharding of the model, but only before the model's first
-        index dist of a step: once another EBC has claimed the next epoch, this one must claim it too (raising
-        here would leave it an epoch behind); the records wait for the next step's first index dist."""
-        members = [m for m in self.group.members() if isinstance(m, DeviceStep)]
-        if any(m.issued > self.issued for m in members):
-            return
-        for step in members if self in members else members + [self]:
-            step.raise_recorded()
 
     def _await_slot(self, epoch: int) -> torch.cuda.Stream:
         """The current stream, made to wait for the last step that used ``epoch``'s slot on this rank (its
@@ -163,6 +154,26 @@ class DeviceStep(PgasStep):
         torch.ops.torchrec_pgas.index_dist(empty, torch.zeros(1, dtype=torch.int64, device=dev), weights,
                                            *self.state_args(), 0, True, False)
         self.errors.gave_up[epoch] = err
+
+    def consume_failed_step(self, epoch: int, err: PgasError) -> None:
+        """Step ``epoch`` was refused in the model's forward on every rank (``pgas_table_row_wise``'s input check),
+        or a sibling's launch failed here (the peers' kernels then see this rank's abort): run this sharding's
+        stages of it that did not run, empty (as ``_give_up``), so that its epochs stay the model's. No backward
+        comes: the lookup releases the slot, and the step's record is dropped (the forward raised its cause)."""
+        if self.looked_up >= epoch or self.issued < epoch - 1:
+            return
+        if self.issued < epoch:
+            self.claim_slot()
+            self._await_slot(epoch)
+            self._give_up(PgasError(f"{self.kind}: step {epoch} was refused: {err}"), epoch)
+            self.issued = epoch
+        self.next_lookup_epoch()
+        ops = torch.ops.torchrec_pgas
+        ops.pooled_lookup(*self.state_args(), 0, self._max_dim, self.spec.out_dtype, False, True)
+        ops.combine_partials(*self.state_args(), self._col_feature, 0, self.spec.out_dtype)
+        self._slot_free[epoch % self.layout.num_slots].record()
+        self.sync_forward(epoch)
+        self.errors.step_failure(epoch)
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -255,12 +266,13 @@ class DeviceStep(PgasStep):
 
 
 def _peer_table(step: PgasStep) -> torch.Tensor:
-    """``[2, W]``: each peer's address of this rank's buffer and signal pad (NVSHMEM peer pointers), checked
-    reachable by load/store."""
-    ops, world = torch.ops.torchrec_pgas, step.world_size
-    peers = [[ops.peer_ptr(step.buf.local, pe) for pe in range(world)],
-             [ops.peer_ptr(step.pad.words, pe) for pe in range(world)]]
-    unreachable = [pe for pe, ptr in enumerate(peers[0]) if ptr == 0]
+    """``[2, W]``: each peer's address of this rank's buffer and signal pad (NVSHMEM peer pointers of the peers'
+    PEs: a node step's peers are its node's), checked reachable by load/store."""
+    ops, rt = torch.ops.torchrec_pgas, step.rt
+    one_host(rt.hosts, step.kind)  # our message, not a null peer pointer's, for a job beyond one host
+    peers = [[ops.peer_ptr(step.buf.local, rt.pe(p)) for p in range(step.world_size)],
+             [ops.peer_ptr(step.pad.words, rt.pe(p)) for p in range(step.world_size)]]
+    unreachable = [p for p, ptr in enumerate(peers[0]) if ptr == 0]
     if unreachable:
         raise PgasError(f"ranks {unreachable} are not reachable by load/store from rank {step.rank} "
                         f"({step.kind} needs its peers in one NVLink domain; beyond it, plan pgas_table_row_wise "

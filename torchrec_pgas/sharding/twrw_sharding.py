@@ -7,7 +7,7 @@ of L ranks, local batch B:
 1. rail exchange of ids: each rank sends each node's features of its batch to the rank of the same local rank
    on that node (stock ``KJTAllToAll`` over TorchRec's cross-node group; no bucketizing), so each rank holds
    its node's features for the N·B bags of its rail;
-2. the node's row-wise step over those N·B bags (``HostRwStep`` over TorchRec's intra-node group: index dist,
+2. the node's row-wise step over those N·B bags (``row_wise_step`` over TorchRec's intra-node group: index dist,
    lookup + output, combine), as ``pgas_row_wise`` runs inside one NVLink domain;
 3. rail exchange of pooled rows: each rank's ``[N·B, D_node]`` rows go back to their requesters (stock
    ``PooledEmbeddingsAllToAll`` over the cross-node group), which concatenate the nodes' columns.
@@ -16,8 +16,10 @@ The inter-node bytes are stock TWRW's; the intra-node reduce-scatter and the buc
 backward runs the rail exchange in reverse (its gradient divided by N, as stock's) and the node step's
 backward (divided by L). Every rank's input is checked before any of the step's collectives run, and the
 verdict is shared in one all-reduce over the sharding's group: a bad batch on any rank raises on every rank of
-every node, before anything moved, so no rank waits in a rail exchange its peers left. For now the node step
-runs on the ``shm`` backend (CPU); on GPUs the sharding raises (one NVSHMEM world a process).
+every node, before anything moved, so no rank waits in a rail exchange its peers left. On GPUs the node step
+is ``pgas_row_wise``'s fused kernels among the node's PEs of the process's one NVSHMEM world
+(``node_runtime.NodeRuntime``: a peer table of the node's PEs, world-collective allocations); on CPUs, the host
+path over one ``shm`` world a node.
 """
 
 import dataclasses
@@ -40,7 +42,7 @@ from torchrec.distributed.types import Awaitable, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas.sharding.host_step import HostRwStep
+from torchrec_pgas.sharding.rw_sharding import row_wise_step
 from torchrec_pgas.sharding.stages import PgasShardingMixin, pooled_output_dtype, require_step, run_index_dist
 from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.types import (
@@ -61,8 +63,9 @@ class RailInputCheck:
     (the requester's view: its batch, its ids); ``node_capacity[n]``: the ids a rank may send node n a step."""
 
     def __init__(self, spec: StepSpec, features_per_node: List[int], node_capacity: List[int],
-                 pg: dist.ProcessGroup) -> None:
+                 pg: dist.ProcessGroup, device: torch.device) -> None:
         self._spec = spec
+        self._device = device  # of the verdict: NCCL reduces device tensors
         self._features_per_node = features_per_node
         self._node_capacity = node_capacity
         self._pg = pg
@@ -70,9 +73,11 @@ class RailInputCheck:
 
     def __call__(self, kjt: KeyedJaggedTensor) -> Optional[PgasError]:
         own = self._own_error(kjt)
-        verdict = torch.tensor([self._rank + 1 if own is not None else 0, kjt.stride(), -kjt.stride()])
+        verdict = torch.tensor([self._rank + 1 if own is not None else 0, kjt.stride(), -kjt.stride()],
+                               device=self._device)
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self._pg)
-        bad_rank, largest, smallest = int(verdict[0]) - 1, int(verdict[1]), -int(verdict[2])
+        bad, largest, negated_smallest = verdict.tolist()
+        bad_rank, smallest = bad - 1, -negated_smallest
         if own is not None:
             return own
         if bad_rank >= 0:
@@ -173,9 +178,6 @@ class PgasTwRwPooledEmbeddingSharding(PgasShardingMixin, TwRwPooledEmbeddingShar
     def _build_step(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
                     config: PgasConfig) -> PgasStep:
         assert self._device is not None and self._pg is not None and self._intra_pg is not None
-        if self._device.type != "cpu":
-            raise PgasError("pgas_table_row_wise runs on the shm backend (CPU) for now: on GPUs a process has one "
-                            "NVSHMEM world, and the per-node teams are not built yet; plan table_row_wise there")
         bounds = bounds_check_mode_from_fused_params(sharding_infos[0].fused_params)
         out_dtype = pooled_output_dtype(sharding_infos, self._kind)
         nodes = self._world_size // self._local_size
@@ -196,8 +198,8 @@ class PgasTwRwPooledEmbeddingSharding(PgasShardingMixin, TwRwPooledEmbeddingShar
         node_env = ShardingEnv.from_local(self._local_size, self._rank % self._local_size)
         node_env.process_group = self._intra_pg
         capacity = [config.ids_capacity(tuple(t.name for t in tables for _ in t.feature_names)) for tables in per_node]
-        self._check = RailInputCheck(requester, self._features_per_node(), capacity, self._pg)
-        return HostRwStep(node, node_env, self._device)
+        self._check = RailInputCheck(requester, self._features_per_node(), capacity, self._pg, self._device)
+        return row_wise_step(node, node_env, self._device)
 
     def _features_per_node(self) -> List[int]:
         return [sum(g.num_features() for g in groups) for groups in self._grouped_embedding_configs_per_node]
