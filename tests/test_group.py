@@ -71,6 +71,11 @@ def test_the_first_member_leads_the_deadlines_and_moved_steps_leave_their_group(
     assert all(s.group is model for s in (a, b, c))
 
 
+def _alone(failed: bool) -> int:
+    """The ranks' agreement of a one-rank job (``first_failed_rank``)."""
+    return 0 if failed else -1
+
+
 def test_a_failed_forward_is_consumed_by_every_other_step_of_the_model() -> None:
     a, b, c = _Step("a"), _Step("b"), _Step("c")
     model = StepGroup()
@@ -89,7 +94,7 @@ def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> N
         s.await_backward(3)
         s.tbe.iter_cpu.fill_(7)
     with pytest.raises(PgasInputError, match="bad id"):
-        model.refuse_failed_step((3,))
+        model.refuse_failed_step((3,), _alone)
     for s in (a, b, c):
         assert s.calls == [("sync", 3), ("abandon", 3)], (s.kind, s.calls)
         assert int(s.tbe.iter_cpu) == 6 and not s.backwards.awaits(3)
@@ -99,8 +104,22 @@ def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> N
     model.join(fine)
     for s in fine:
         s.await_backward(4)
-    model.refuse_failed_step((4,))
+    model.refuse_failed_step((4,), _alone)
     assert all(s.calls == [("sync", 4)] and s.backwards.awaits(4) for s in fine)
+
+
+def test_a_step_another_rank_failed_is_refused_here_too() -> None:
+    """A bad id is recorded on its own rank only: where the ranks' agreement names another rank, every step
+    awaiting the backward gives the step up here as well and the abort naming that rank is raised."""
+    a, b = _Step("a"), _Step("b")
+    model = StepGroup()
+    model.join([a, b])
+    for s in (a, b):
+        s.await_backward(4)
+    asked = []
+    with pytest.raises(PgasPeerAbortError, match="rank 1 aborted step 4"):
+        model.refuse_failed_step((4,), lambda failed: asked.append(failed) or 1)
+    assert asked == [False] and all(s.calls == [("sync", 4), ("abandon", 4)] for s in (a, b))
 
 
 def test_an_all_stock_module_checks_the_first_of_its_candidate_steps_awaiting_its_backward() -> None:
@@ -112,12 +131,12 @@ def test_an_all_stock_module_checks_the_first_of_its_candidate_steps_awaiting_it
     model.join([a, b])
     for s in (a, b):
         s.await_backward(7)
-    model.refuse_failed_step((5, 6))  # neither awaits: nothing checked, nothing given up
+    model.refuse_failed_step((5, 6), _alone)  # neither awaits: nothing checked, nothing given up
     assert a.calls == [] and b.failure is not None
     with pytest.raises(PgasInputError):
-        model.refuse_failed_step((6, 7))
+        model.refuse_failed_step((6, 7), _alone)
     assert a.calls == [("sync", 7), ("abandon", 7)] and a.backwards.epochs() == []
-    StepGroup().refuse_failed_step((1, 2))  # a model without PGAS shardings: nothing to check
+    StepGroup().refuse_failed_step((1, 2), _alone)  # a model without PGAS shardings: nothing to check
 
 
 def test_a_step_raises_its_cause_not_the_consequences_in_later_shardings() -> None:

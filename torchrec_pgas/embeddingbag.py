@@ -4,6 +4,7 @@ import functools
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingContext
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
@@ -96,12 +97,13 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def _refuse_before_backward(self, epochs: Tuple[int, ...], out: KeyedTensor) -> KeyedTensor:
         """A module holding stock shardings: the gradient of its output first checks the model's step for
-        errors its PGAS shardings' kernels recorded in the forward (``StepGroup.refuse_failed_step``), so that
-        a refused step reaches no stock sharding's fused backward (GPUs find bad ids in the kernels; on CPUs
-        they raise in the forward, and the check finds none)."""
+        errors its PGAS shardings' kernels recorded in the forward on any rank (``StepGroup.refuse_failed_step``:
+        one sync and one small all-reduce a step), so that a refused step reaches no stock sharding's fused
+        backward (GPUs find bad ids in the kernels; on CPUs they raise in the forward, and the check finds none)."""
         values, group = out.values(), self.step_group
         if values.requires_grad:
-            values.register_hook(lambda grad: group.refuse_failed_step(epochs))
+            agree = functools.partial(first_failed_rank, self._env.process_group, values.device)
+            values.register_hook(lambda grad: group.refuse_failed_step(epochs, agree))
         return out
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
@@ -138,6 +140,16 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return super().create_embedding_bag_sharding(
             infos, env, device, permute_embeddings, qcomm_codecs_registry
         )
+
+
+def first_failed_rank(pg: Optional[dist.ProcessGroup], device: torch.device, failed: bool) -> int:
+    """Collective over ``pg``: the lowest rank whose ``failed`` is True, -1 if none (on ``device``: NCCL reduces
+    device tensors)."""
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    word = torch.tensor([world - rank if failed else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(word, op=dist.ReduceOp.MAX, group=pg)
+    top = int(word.item())
+    return world - top if top else -1
 
 
 class PgasEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):

@@ -11,7 +11,7 @@ model through the one sharder it is given), so it spans a model's EBCs; give eac
 """
 
 import weakref
-from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
@@ -141,28 +141,31 @@ class StepGroup:
                     undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
         return first_cause(errors)
 
-    def refuse_failed_step(self, epochs: Sequence[int]) -> None:
+    def refuse_failed_step(self, epochs: Sequence[int], first_failed_rank: Callable[[bool], int]) -> None:
         """Raise a step's error before any sharding's backward of it runs, if the step failed in the forward of
-        any PGAS sharding of the model (its kernels' records, read after they ran); the step is the first of
-        ``epochs`` that still awaits its backward (a module with no PGAS sharding knows only that its forward
-        came after the model's step M's lookups: M or M + 1). The step is then given up in every sharding
-        (records consumed, TBE counters back, slots released). Every rank records a failed training step by the
-        end of its forward (the failing rank its error, the others the abort), so every rank raises here, and no
-        stock-sharded table of the model applies the step either."""
+        any PGAS sharding of the model on any rank (its kernels' records, read after they ran); the step is the
+        first of ``epochs`` that still awaits its backward (a module with no PGAS sharding knows only that its
+        forward came after the model's step M's lookups: M or M + 1). A bad id is recorded on its own rank only,
+        so the ranks agree (``first_failed_rank``: collective, whether this rank failed in, the lowest failed
+        rank or -1 out): every rank raises (its own error, or the abort), and no stock-sharded table of the model
+        applies the step, nor waits in its backward's collectives for a rank that refused. The step is given up
+        in every sharding (records consumed, TBE counters back, slots released)."""
         epoch = next((e for e in epochs if any(e in step.backwards.epochs() for step in self.members())), None)
-        if epoch is None:
-            return
-        awaiting = [(step, ticket) for step in self.members() for ticket in [step.backwards.ticket(epoch)]
-                    if ticket is not None]
+        awaiting = [] if epoch is None else [(step, ticket) for step in self.members()
+                                             for ticket in [step.backwards.ticket(epoch)] if ticket is not None]
         for step, _ in awaiting:
-            step.sync_forward(epoch)
+            step.sync_forward(epoch)  # type: ignore[arg-type]  # awaiting is empty without an epoch
         errors = [err for err in (step.step_failure(epoch) for step, _ in awaiting) if err is not None]
-        if not errors:
+        failed_rank = first_failed_rank(bool(errors))
+        if failed_rank < 0:
             return
+        if not errors:
+            errors = [PgasPeerAbortError(f"rank {failed_rank} aborted step {epoch} (see its error)")]
         for step, ticket in awaiting:
             undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             step.abandon_backward(epoch)
-        self._undo_stock_forwards(epoch)
+        if epoch is not None:
+            self._undo_stock_forwards(epoch)
         raise first_cause(errors)  # type: ignore[misc]  # errors is not empty
 
     def give_up_backward(self, step: GroupMember, ticket: StepTicket, err: Exception) -> None:
