@@ -77,6 +77,8 @@ class HardwareProfile:
     world_size: int
     source: str  # the command, commit and date that produced the fit
     coefficients: Dict[str, Dict[str, Coefficients]]  # mode -> backend -> coefficients
+    # The link between nodes as one GPU sees it (``inter_node.InterNodeLink``'s fields); None: not measured
+    inter_host: Optional[Dict[str, float]] = None
 
     def has(self, backend: str, mode: str = "eager") -> bool:
         return backend in self.coefficients.get(mode, {})
@@ -98,18 +100,22 @@ class HardwareProfile:
         return dataclasses.replace(self.get(backend, mode), alpha_ms=0.0)
 
     def to_json(self) -> Dict[str, object]:
-        return {
+        out: Dict[str, object] = {
             "name": self.name, "device": self.device, "world_size": self.world_size, "source": self.source,
             "coefficients": {m: {b: dataclasses.asdict(c) for b, c in bs.items()}
                              for m, bs in self.coefficients.items()},
         }
+        if self.inter_host is not None:
+            out["inter_host"] = dict(self.inter_host)
+        return out
 
     @staticmethod
     def from_json(d: Dict[str, object]) -> "HardwareProfile":
         coeffs = {m: {b: Coefficients(**c) for b, c in bs.items()}  # type: ignore[union-attr]
                   for m, bs in d["coefficients"].items()}  # type: ignore[union-attr]
+        inter_host = d.get("inter_host")
         return HardwareProfile(str(d["name"]), str(d["device"]), int(d["world_size"]),  # type: ignore[arg-type]
-                               str(d["source"]), coeffs)
+                               str(d["source"]), coeffs, dict(inter_host) if inter_host else None)  # type: ignore
 
 
 def load_profile(path: Optional[str] = None, device_name: Optional[str] = None,

@@ -66,13 +66,16 @@ from torchrec_pgas.planner.cost_model import (
     TablePrice,
     load_profile,
 )
+from torchrec_pgas.planner.inter_node import InterNodeLink, TableRowWiseCost
 from torchrec_pgas.planner.report import SHARDING_TYPE, decision_row, header
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_ROW_WISE, PGAS_TABLE_WISE
 
 logger = logging.getLogger(__name__)
 ROW_WISE = ShardingType.ROW_WISE.value
 TABLE_WISE = ShardingType.TABLE_WISE.value
-PGAS_TWIN = {ROW_WISE: PGAS_ROW_WISE, TABLE_WISE: PGAS_TABLE_WISE}  # stock type -> its PGAS twin
+TABLE_ROW_WISE = ShardingType.TABLE_ROW_WISE.value
+# stock type -> its PGAS twin
+PGAS_TWIN = {ROW_WISE: PGAS_ROW_WISE, TABLE_WISE: PGAS_TABLE_WISE, TABLE_ROW_WISE: PGAS_TABLE_ROW_WISE}
 BACKEND = {t: b for b, t in SHARDING_TYPE.items()}  # sharding type -> cost-model backend
 
 
@@ -107,6 +110,7 @@ class PgasEnumerator(EmbeddingEnumerator):
         if backends not in ("auto", "pgas", "nccl"):
             raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)
+        profile_given = profile is not None
         profile = profile or load_profile(device_name=local_gpu(topology), world_size=topology.world_size)
         self.model = CostModel(profile, topology.world_size, batch_size, mode, training)
         self.backends = backends
@@ -115,21 +119,32 @@ class PgasEnumerator(EmbeddingEnumerator):
         self._why: Dict[str, str] = {}  # table -> why it may not get them all
         self.num_tables = 0  # tables in the last enumeration (each pays 1/num_tables of a fixed cost)
         self._pgas_modules: Set[str] = set()  # sharder keys of the module types the PGAS sharder shards
-        # One-sided PGAS types need every rank in one NVLink domain: TorchRec's intra_group_size (a node, or a
-        # multi-node NVLink pod); a job beyond it is offered stock types only.
+        # pgas_row_wise and pgas_table_wise need every rank in one NVLink domain: TorchRec's intra_group_size (a
+        # node, or a multi-node NVLink pod). A job of several whole domains is offered pgas_table_row_wise beside
+        # table_row_wise instead (one-sided inside each domain), priced by ``TableRowWiseCost``.
         domain = nvlink_domain_size or getattr(topology, "intra_group_size", topology.local_world_size)
         self._beyond_domain = (f"{topology.world_size} ranks span more than one NVLink domain ({domain} ranks)"
                                if topology.world_size > domain else None)
+        self.twrw: Optional[TableRowWiseCost] = None
+        self._hbm_per_rank = [d.storage.hbm for d in topology.devices]
+        if self._beyond_domain is not None and topology.world_size % domain == 0:
+            node_profile = profile if profile_given else load_profile(device_name=local_gpu(topology),
+                                                                       world_size=domain)
+            self.twrw = TableRowWiseCost(node_profile, topology.world_size // domain, domain, batch_size,
+                                         InterNodeLink.of(node_profile, topology.inter_host_bw), mode, training)
 
     def _families(self) -> List[str]:
-        """The stock types whose PGAS twin this profile can price."""
+        """The stock types whose PGAS twin this job may get and the profile can price: row-wise and table-wise
+        inside one NVLink domain, table-row-wise beyond it (none where the job is not whole domains)."""
+        if self._beyond_domain is not None:
+            return [TABLE_ROW_WISE] if self.twrw is not None else []
         return [ROW_WISE] + ([TABLE_WISE] if self.model.profile.has(NCCL_TW, self.model.mode)
                              and self.model.profile.has(PGAS_TW, self.model.mode) else [])
 
     def _filter_sharding_types(self, name: str, allowed_sharding_types: List[str], sharder_key: str = "") -> List[str]:
         allowed = list(allowed_sharding_types)
         families = self._families()
-        if sharder_key in self._pgas_modules and self._beyond_domain is None:  # it lists stock types only (its doc)
+        if sharder_key in self._pgas_modules:  # it lists stock types only (its doc)
             allowed += [PGAS_TWIN[f] for f in families if f in allowed]
         kept = super()._filter_sharding_types(name, allowed, sharder_key)
         if self._beyond_domain is not None:
@@ -154,9 +169,9 @@ class PgasEnumerator(EmbeddingEnumerator):
         """A table whose constraints allow PGAS types only cannot be planned beyond one NVLink domain."""
         wanted = (self._constraints or {}).get(name)
         types = list(wanted.sharding_types or []) if wanted is not None else []
-        if types and all(t in PGAS_TWIN.values() for t in types):
+        if types and all(t in (PGAS_ROW_WISE, PGAS_TABLE_WISE) for t in types):
             raise ValueError(f"table {name}: its constraints allow only {types}, but {self._beyond_domain}, and "
-                             "PGAS types need every rank in one: allow a stock type too")
+                             "those need every rank in one: allow pgas_table_row_wise or a stock type too")
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
         # Only the modules the PGAS sharder shards can get PGAS types; reasons are per enumeration.
@@ -175,7 +190,7 @@ class PgasEnumerator(EmbeddingEnumerator):
                 load = loads[o.name] = _load(o)
                 for st in (t for t in offer if t in (o.sharding_type, PGAS_TWIN[o.sharding_type])):
                     opt = o if st == o.sharding_type else _clone(o, st)
-                    _price(opt, self.model.table_price(load, BACKEND[st], num_tables))
+                    _price(opt, self.table_price(load, st, num_tables))
                     out.append(opt)
                 continue
             if o.sharding_type in families and o.sharding_type not in offer:
@@ -185,6 +200,63 @@ class PgasEnumerator(EmbeddingEnumerator):
             out.append(o)
         self.decisions = [Decision(load, self._offer[name], self._why.get(name)) for name, load in loads.items()]
         return out
+
+    def table_price(self, load: TableLoad, sharding_type: str, num_tables: int) -> TablePrice:
+        """One table's price under one of the types this enumerator prices itself."""
+        if sharding_type in (TABLE_ROW_WISE, PGAS_TABLE_ROW_WISE):
+            assert self.twrw is not None  # the family is offered only with it
+            return self.twrw.table_price(load, sharding_type, num_tables)
+        return self.model.table_price(load, BACKEND[sharding_type], num_tables)
+
+    def name_pgas_table_row_wise(self, best_plan: List[ShardingOption]) -> List[ShardingOption]:
+        """A planner callback (``EmbeddingShardingPlanner(callbacks=[enumerator.name_pgas_table_row_wise])``): the
+        chosen ``PgasTableRowWiseOption``s under their own type before TorchRec writes the plan. A module's node
+        steps need a table on every node, and TorchRec's partitioner places a module's table-row-wise tables host by
+        host: where it left a node without one, the module's tables are dealt round-robin over the nodes if every
+        rank has the memory; a module that cannot cover every node keeps them ``table_row_wise``."""
+        if self.twrw is None:
+            return best_plan
+        used = [0] * self._world_size
+        for o in best_plan:
+            for shard in o.shards:
+                if shard.rank is not None and shard.storage is not None:
+                    used[shard.rank] += shard.storage.hbm
+        by_module: Dict[str, List[ShardingOption]] = {}
+        for option in best_plan:
+            if isinstance(option, PgasTableRowWiseOption):
+                by_module.setdefault(option.path, []).append(option)
+        for path, options in by_module.items():
+            if not self._cover_nodes(sorted(options, key=lambda o: o.name), used):
+                logger.info("torchrec_pgas planner: %s keeps table_row_wise for %s: its tables cannot give each of "
+                            "the %d nodes one", path, [o.name for o in options], self.twrw.nodes)
+                continue
+            for option in options:
+                option.sharding_type = PGAS_TABLE_ROW_WISE
+        return best_plan
+
+    def _cover_nodes(self, options: List[ShardingOption], used: List[int]) -> bool:
+        """Whether ``options`` (one module's) hold a table on every node, dealing them round-robin over the nodes
+        (option i to node i mod N, each shard to the same local rank there) if they do not and the ranks' HBM
+        (``used`` so far, updated) takes it."""
+        assert self.twrw is not None
+        nodes, size = self.twrw.nodes, self.twrw.local_size
+        if {shard.rank // size for o in options for shard in o.shards if shard.rank is not None} == set(range(nodes)):
+            return True
+        if len(options) < nodes:
+            return False
+        after = list(used)
+        moves = [(shard, (i % nodes) * size + shard.rank % size) for i, o in enumerate(options) for shard in o.shards
+                 if shard.rank is not None]
+        for shard, rank in moves:
+            hbm = shard.storage.hbm if shard.storage is not None else 0
+            after[shard.rank] -= hbm
+            after[rank] += hbm
+        if any(a > cap for a, cap in zip(after, self._hbm_per_rank)):
+            return False
+        for shard, rank in moves:
+            shard.rank = rank
+        used[:] = after
+        return True
 
     def _fixed_share(self, o: ShardingOption, num_tables: int) -> Tuple[float, float]:
         """Per shard (forward, backward) fixed cost of an option TorchRec prices itself: non-fused RW, TW, CW and
@@ -211,11 +283,22 @@ def _load(o: ShardingOption) -> TableLoad:
     return TableLoad(o.name, rows, dim, list(o.input_lengths), o.tensor.element_size())
 
 
+class PgasTableRowWiseOption(ShardingOption):
+    """A ``pgas_table_row_wise`` option, typed ``table_row_wise`` until the plan is made: TorchRec's partitioner
+    places a host-partitioned option only under its own types (``PgasEnumerator.name_pgas_table_row_wise``)."""
+
+    def __hash__(self) -> int:
+        return hash((super().__hash__(), PGAS_TABLE_ROW_WISE))
+
+
 def _clone(o: ShardingOption, sharding_type: str) -> ShardingOption:
     """Same shards and storage, another type (no deep copy of the table tensor)."""
     c = copy.copy(o)
-    c.sharding_type = sharding_type
     c.shards = [dataclasses.replace(s) for s in o.shards]
+    if sharding_type == PGAS_TABLE_ROW_WISE:
+        c.__class__ = PgasTableRowWiseOption
+    else:
+        c.sharding_type = sharding_type
     return c
 
 
@@ -241,9 +324,12 @@ class PgasDecisionStats(Stats):
         chosen = {o.name: o.sharding_type for o in best_plan}
         if not isinstance(enumerator, PgasEnumerator):
             return
-        model = enumerator.model
-        self.lines = [header(model.training)] + [decision_row(model, d.load, enumerator.num_tables,
-                                                              chosen.get(d.load.name, "?"), d.reason,
-                                                              [BACKEND[t] for t in d.offered])
-                                                 for d in enumerator.decisions]
+        n, model, twrw = enumerator.num_tables, enumerator.model, enumerator.twrw
+        if twrw is not None:
+            self.lines = [twrw.header()] + [twrw.decision_row(d.load, n, chosen.get(d.load.name, "?"), d.reason)
+                                            for d in enumerator.decisions]
+        else:
+            self.lines = [header(model.training)] + [decision_row(model, d.load, n, chosen.get(d.load.name, "?"),
+                                                                  d.reason, [BACKEND[t] for t in d.offered])
+                                                     for d in enumerator.decisions]
         logger.info("torchrec_pgas planner (%d plans, %.2fs):\n%s", num_plans, run_time, "\n".join(self.lines))

@@ -1,5 +1,6 @@
 """The planner extension on CPU: cost-model arithmetic, the fit, PgasEnumerator in TorchRec's planner."""
 
+import copy
 import dataclasses
 import glob
 import json
@@ -7,13 +8,16 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 from torchrec_pgas import PgasConfig, PgasEmbeddingBagCollectionSharder
 from torchrec_pgas.planner.calibrate import TRAIN_COLUMNS, fit, prediction_table, validate
@@ -34,9 +38,18 @@ from torchrec_pgas.planner.cost_model import (
     load_profile,
     table_bytes,
 )
+from torchrec_pgas.placement import rank_placement
 from torchrec_pgas.planner.enumerator import PgasDecisionStats, PgasEnumerator
 from torchrec_pgas.planner.explain import explain
-from torchrec_pgas.testing import default_model, random_kjt, run_distributed, seeded, shard
+from torchrec_pgas.planner.inter_node import (
+    PGAS_TABLE_ROW_WISE,
+    TABLE_ROW_WISE,
+    InterNodeLink,
+    StepShape,
+    TableRowWiseCost,
+    inter_node_bytes,
+)
+from torchrec_pgas.testing import copy_state_dict, default_model, random_kjt, run_distributed, seeded, shard
 
 
 def _planner(topo: Topology, batch: int, **kwargs: Any) -> EmbeddingShardingPlanner:
@@ -485,21 +498,89 @@ def test_enumerator_prices_both_and_honours_constraints_and_modes() -> None:
         PgasEnumerator(Topology(world_size=2, compute_device="cuda"), 8, backends="mpi")
 
 
-def test_beyond_one_nvlink_domain_only_stock_types_are_offered() -> None:
-    """Two nodes of two GPUs (TorchRec's intra_group_size 2, world 4): the one-sided types need every rank in one
-    NVLink domain, so the planner offers stock types only and its decision table says why; a table constrained to
-    PGAS types only raises, named."""
+def _plan_beyond_one_node(constraints: Dict[str, ParameterConstraints],
+                          model: Optional[nn.Module] = None) -> Tuple[Dict[str, Any], List[str]]:
+    """Two nodes of two GPUs (TorchRec's intra_group_size 2, world 4), at 4096 bags a GPU: the plan's
+    ParameterShardings by table, and the decision table."""
     topo = Topology(world_size=4, local_world_size=2, compute_device="cuda")
-    free = {k: v for k, v in CONSTRAINTS.items() if k != "t3"}
     stats = PgasDecisionStats()
-    enumerator = PgasEnumerator(topo, 8, constraints=free, profile=load_profile(world_size=2))
-    plan = _planner(topo, 8, enumerator=enumerator, constraints=free, stats=[stats]).plan(
-        default_model(), [PgasEmbeddingBagCollectionSharder()])
-    types = {t: ps.sharding_type for m in plan.plan.values() for t, ps in m.items()}
-    assert types and not any(t.startswith("pgas") for t in types.values()), types
-    reasons = {line.split()[0]: line for line in stats.lines[1:]}
-    assert "4 ranks span more than one NVLink domain (2 ranks)" in reasons["w0"], reasons["w0"]
-    with pytest.raises(ValueError, match=r"table t3: its constraints allow only \['pgas_row_wise'\]"):
+    enumerator = PgasEnumerator(topo, 4096, constraints=constraints, profile=load_profile(world_size=2))
+    plan = _planner(topo, 4096, enumerator=enumerator, constraints=constraints, stats=[stats],
+                    callbacks=[enumerator.name_pgas_table_row_wise]).plan(model or default_model(),
+                                                                          [PgasEmbeddingBagCollectionSharder()])
+    return {t: ps for m in plan.plan.values() for t, ps in m.items()}, stats.lines
+
+
+def test_beyond_one_nvlink_domain_table_row_wise_and_its_pgas_twin_are_priced() -> None:
+    """Beyond one NVLink domain the one-sided row-wise and table-wise types are never offered; table_row_wise and
+    pgas_table_row_wise are, priced by the inter-node model (the node's row-wise step at N·B bags, the rail bytes
+    over the link): the planner picks pgas_table_row_wise for the tables it prices lower,
+    each on the two ranks of one node, and its decision table shows both prices. (Each table is constrained to the
+    pair: the test model's tables are small enough to be data parallel otherwise.)"""
+    pair = ParameterConstraints(sharding_types=["table_row_wise", "pgas_table_row_wise"])
+    shardings, lines = _plan_beyond_one_node({t: pair for t in [*(f"t{i}" for i in range(4)),
+                                                                 *(f"w{i}" for i in range(4))]})
+    types = {t: ps.sharding_type for t, ps in shardings.items()}
+    assert not {"pgas_row_wise", "pgas_table_wise"} & set(types.values()), types
+    assert "pgas_table_row_wise" in types.values(), types
+    for module in ("t", "w"):  # every node holds a table of each module's node steps (dealt over the nodes)
+        nodes = {ps.ranks[0] // 2 for t, ps in shardings.items() if t.startswith(module)}
+        assert nodes == {0, 1}, (module, shardings)
+    assert all(sorted(ps.ranks) in ([0, 1], [2, 3]) for ps in shardings.values()), shardings
+    assert "table_row_wise ms" in lines[0] and "pgas_table_row_wise ms" in lines[0], lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    for t, cells in rows.items():
+        twrw, pgas = float(cells[5]), float(cells[6])
+        assert cells[-1] == ("pgas_table_row_wise" if pgas < twrw else types[t]), (t, cells)
+
+
+def test_a_module_that_cannot_give_every_node_a_table_keeps_table_row_wise() -> None:
+    """One table of a module may be table-row-wise (the others data parallel): its node step would leave the other
+    node without a table, so the plan keeps it stock table_row_wise."""
+    constraints = {f"w{i}": ParameterConstraints(sharding_types=["data_parallel"]) for i in range(1, 4)}
+    constraints["w0"] = ParameterConstraints(sharding_types=["table_row_wise", "pgas_table_row_wise"])
+    shardings, _ = _plan_beyond_one_node(constraints)
+    assert shardings["w0"].sharding_type == "table_row_wise", shardings["w0"]
+
+
+def _run_planned_table_row_wise(rank: int, world: int) -> Dict[str, float]:
+    """The planner's 2 x 2 plan (every table offered the table-row-wise pair) sharded on CPUs (four processes
+    declared two nodes), against the unsharded model."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    pair = ParameterConstraints(sharding_types=["table_row_wise", "pgas_table_row_wise"])
+    model = default_model(min_rows=2)
+    shardings, _ = _plan_beyond_one_node({c.name: pair for e in (model.ebc, model.webc)
+                                          for c in e.embedding_bag_configs()}, model)
+    plan = ShardingPlan({name: {t: ps for t, ps in shardings.items() if t in {c.name for c in ebc.embedding_bag_configs()}}
+                         for name, ebc in (("ebc", model.ebc), ("webc", model.webc))})
+    plan = rank_placement(world, "cpu").place_shards(plan)
+    sharder = PgasEmbeddingBagCollectionSharder(pgas_config=PgasConfig(max_local_batch_size=8))
+    sharded = DistributedModelParallel(copy.deepcopy(model), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                       device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    copy_state_dict(sharded.state_dict(), model.state_dict())
+    gen = seeded(rank)
+    kjt = random_kjt(model.ebc.embedding_bag_configs(), 8, gen)
+    wkjt = random_kjt(model.webc.embedding_bag_configs(), 8, gen, weighted=True)
+    with torch.no_grad():
+        out, ref = sharded(kjt, wkjt), model(kjt, wkjt)
+    assert {ps.sharding_type for ps in shardings.values()} == {"pgas_table_row_wise"}, shardings
+    return {k: float((out[k] - ref[k]).abs().max()) for k in ref}
+
+
+def test_the_planned_table_row_wise_plan_runs_on_two_nodes() -> None:
+    for rank, diffs in enumerate(run_distributed(_run_planned_table_row_wise, 4)):
+        assert max(diffs.values()) < 1e-5, (rank, diffs)
+
+
+def test_beyond_one_nvlink_domain_a_table_constrained_to_one_node_types_raises() -> None:
+    """Constraints that allow only pgas_row_wise beyond one NVLink domain raise, naming the table and the types
+    that cross nodes; the stock-only constrained tables stay stock."""
+    free = {k: v for k, v in CONSTRAINTS.items() if k != "t3"}
+    shardings, _ = _plan_beyond_one_node(free)
+    assert not any(ps.sharding_type.startswith("pgas") for ps in shardings.values()), shardings
+    topo = Topology(world_size=4, local_world_size=2, compute_device="cuda")
+    with pytest.raises(ValueError, match=r"table t3: its constraints allow only \['pgas_row_wise'\].*allow "
+                                         "pgas_table_row_wise or a stock type"):
         PgasEnumerator(topo, 8, constraints=CONSTRAINTS, profile=load_profile(world_size=2)).enumerate(
             default_model(), [PgasEmbeddingBagCollectionSharder()])
 
@@ -741,3 +822,36 @@ def test_inter_node_bytes_follow_the_shardings_data_movement() -> None:
     assert twrw["ids"] == pgas["ids"] == rw["ids"]
     assert pgas["lengths"] * 8 == twrw["lengths"] and rw["lengths"] == 2 * twrw["lengths"]
     assert inter_node_bytes(shape, "table_row_wise", 1, 8)["pooled"] == 0.0  # one node: nothing leaves it
+
+
+def test_table_row_wise_prices_add_the_node_step_and_the_rail_bytes() -> None:
+    """A table-row-wise table costs its node's row-wise step over the rail's N·B bags (the single-node model at
+    the node's size) plus the bytes each GPU sends off its node over the link and the rail all-to-alls' fixed cost
+    (PGAS: one more, the input check), shared over the tables."""
+    profile, link = load_profile(world_size=2), InterNodeLink(bytes_per_ms=1e6, alpha_ms=0.1)
+    cost = TableRowWiseCost(profile, 2, 2, 1024, link)
+    t = TableLoad("t", 10**6, 64, [4.0])
+    for sharding, backend, exchanges in ((TABLE_ROW_WISE, NCCL_RW, 2), (PGAS_TABLE_ROW_WISE, PGAS_RW, 3)):
+        node = CostModel(profile, 2, 2048).table_price(t, backend, 10)
+        moved = inter_node_bytes(StepShape("t", 1024, 1, 64, 4.0), sharding, 2, 2)
+        price = cost.table_price(t, sharding, 10)
+        assert price.fwd_compute == node.fwd_compute and price.bwd_compute == price.bwd_comms == 0.0
+        wire = (moved["ids"] + moved["lengths"] + moved["pooled"] + moved["check"]) / 1e6
+        assert price.fwd_comms == pytest.approx(node.fwd_comms + wire + exchanges * 0.1 / 10)
+
+
+def test_explain_two_nodes() -> None:
+    """The 2 x 8 example: each table priced under both table-row-wise types with its choice, and the inter-node
+    bytes a GPU sends under row_wise over the job against the table-row-wise types (an order of magnitude more)."""
+    import yaml
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "examples", "planner", "two_nodes.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    lines = explain(cfg).splitlines()
+    assert "2 nodes x 8 GPUs" in lines[0] and "pgas_table_row_wise ms f+b" in lines[1]
+    rows = {line.split()[0]: line.split() for line in lines[2:-1]}
+    assert set(rows) == {t["name"] for t in cfg["tables"]}
+    for cells in rows.values():
+        assert cells[-1] == ("pgas_table_row_wise" if float(cells[6]) < float(cells[5]) else "table_row_wise")
+    moved = dict(re.findall(r"(\w+) ([\d,.]+)", lines[-1].split(":", 1)[1]))
+    assert float(moved["row_wise"].replace(",", "")) > 10 * float(moved["table_row_wise"].replace(",", ""))

@@ -67,7 +67,7 @@ from torchrec_pgas.planner import (
     pgas_table_row_wise,
     with_compute_kernel,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_ROW_WISE
 from torchrec_pgas.testing import fill_embeddings_
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -88,11 +88,14 @@ def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLR
                           over_arch_layer_sizes=[128, 64, 1], dense_device=device))
 
 
-def table_constraints(model: DLRMTrain) -> Dict[str, ParameterConstraints]:
-    """What the plan knows of each table: row-wise (stock or PGAS), fused, and its pooling factor: every
-    feature is one-hot (one id a bag), which both the planner's estimates and the PGAS buffers' capacity use."""
-    rw_types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
-    return {c.name: ParameterConstraints(sharding_types=rw_types, compute_kernels=["fused"], pooling_factors=[1.0])
+def table_constraints(model: DLRMTrain, nodes: int = 1) -> Dict[str, ParameterConstraints]:
+    """What the plan knows of each table: row-wise (stock or PGAS; beyond one node table-row-wise too), fused,
+    and its pooling factor: every feature is one-hot (one id a bag), which both the planner's estimates and the
+    PGAS buffers' capacity use."""
+    types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
+    if nodes > 1:
+        types += [ShardingType.TABLE_ROW_WISE.value, PGAS_TABLE_ROW_WISE]
+    return {c.name: ParameterConstraints(sharding_types=types, compute_kernels=["fused"], pooling_factors=[1.0])
             for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()}
 
 
@@ -102,16 +105,17 @@ def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
     Planned by ``collective_plan`` (rank 0 plans, every rank gets its plan) on a CUDA topology, which is a
     dry run that needs no GPU: TorchRec enumerates no row-wise options for a CPU topology.
     """
-    constraints = table_constraints(model)
     world = dist.get_world_size()
     host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    constraints = table_constraints(model, world // host_ranks)
     topology = Topology(world_size=world, compute_device="cuda",
                         local_world_size=rank_placement(world).local_size(host_ranks))
     stats = PgasDecisionStats()
+    enumerator = PgasEnumerator(topology, batch, constraints=constraints, training=train,
+                                nvlink_domain_size=host_ranks)  # ranks sharing a GPU: local_size 1
     planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch, constraints=constraints, stats=[stats],
-        enumerator=PgasEnumerator(topology, batch, constraints=constraints, training=train,
-                                  nvlink_domain_size=host_ranks),  # ranks sharing a GPU: local_size 1
+        topology=topology, batch_size=batch, constraints=constraints, stats=[stats], enumerator=enumerator,
+        callbacks=[enumerator.name_pgas_table_row_wise],  # beyond one node: its pgas_table_row_wise choices
         # TorchRec's default reservation warns from 1.9 on (FutureWarning); this is its recommended one.
         storage_reservation=FixedPercentageStorageReservation(percentage=0.15))
     plan = planner.collective_plan(model, [PgasEmbeddingBagCollectionSharder()], dist.group.WORLD)
@@ -125,31 +129,33 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int, tra
     """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``."""
     world = dist.get_world_size()
     node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # TorchRec's nodes (--node-size sets it)
-    local_size = rank_placement(node_size, device.type).local_size(node_size)
     ebc = model.model.sparse_arch.embedding_bag_collection
     if train:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
     names = [c.name for c in ebc.embedding_bag_configs()]
     generators = {t: plan_generator(types[t] if types else sharding, i, world // node_size) for i, t in enumerate(names)}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
-    if sharding == "pgas" or (types and PGAS_ROW_WISE in types.values()):
+    if sharding == "pgas" or (types and any(t.startswith("pgas") for t in types.values())):
         config = PgasConfig(max_local_batch_size=batch, training=PgasTrainingConfig() if train else None,
                             pooling_capacity=pooling_capacity_from_constraints(table_constraints(model)))
         sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)  # inference: no backward buffers
-    plan = construct_module_sharding_plan(ebc, generators, sharder=sharder, local_size=local_size, world_size=world,
+    plan = construct_module_sharding_plan(ebc, generators, sharder=sharder, local_size=node_size, world_size=world,
                                           device_type=device.type)
+    # every shard on its rank's device (ranks may share a GPU), the plan's nodes kept
+    placed = rank_placement(world, device.type).place_shards(ShardingPlan({EBC_PATH: plan}))
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
-                                   plan=ShardingPlan({EBC_PATH: plan}), sharders=[sharder])
+                                   plan=placed, sharders=[sharder])
     fill_embeddings_(dmp)  # the same tables under either sharding
     return dmp
 
 
 def plan_generator(choice: str, table: int, nodes: int) -> ParameterShardingGenerator:
     """Table ``table``'s plan: "pgas" / "nccl" (row-wise in one node; beyond it table-row-wise, the table on node
-    ``table % nodes``), or a planned type (row-wise or PGAS row-wise)."""
+    ``table % nodes``), or a planned type (row-wise or PGAS row-wise; beyond one node the planner's table-row-wise
+    choice, placed on node ``table % nodes`` too)."""
     fused = EmbeddingComputeKernel.FUSED.value
-    if nodes > 1 and choice in ("pgas", "nccl"):
-        return (pgas_table_row_wise(table % nodes) if choice == "pgas"
+    if nodes > 1 and choice in ("pgas", "nccl", PGAS_TABLE_ROW_WISE, "table_row_wise"):
+        return (pgas_table_row_wise(table % nodes) if choice in ("pgas", PGAS_TABLE_ROW_WISE)
                 else with_compute_kernel(table_row_wise(host_index=table % nodes), fused))
     return pgas_row_wise() if choice in ("pgas", PGAS_ROW_WISE) else row_wise(compute_kernel=fused)
 
