@@ -5,7 +5,8 @@
 
 For each workload: one EBC (meta device, fp32), sharded twice with DMP (stock
 ``row_wise`` and ``pgas_row_wise``, or with ``--pair tw`` stock ``table_wise``
-and ``pgas_table_wise``, tables round-robin over the ranks) from the same
+and ``pgas_table_wise``, tables round-robin over the ranks; ``--pair twrw --node-size L``
+stock ``table_row_wise`` and ``pgas_table_row_wise``, table i on node i % N) from the same
 weights; both get the same
 per-rank inputs and must agree before anything is timed. Then:
 
@@ -74,7 +75,12 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -84,7 +90,8 @@ from tqdm import tqdm
 from torchrec_pgas import CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
-from torchrec_pgas.planner import pgas_row_wise, pgas_table_wise
+from torchrec_pgas.placement import rank_placement
+from torchrec_pgas.planner import pgas_row_wise, pgas_table_row_wise, pgas_table_wise, with_compute_kernel
 from torchrec_pgas.testing import fill_embeddings_, local_state
 from torchrec_pgas.types import OwnerBackward, PgasTrainingConfig
 
@@ -111,7 +118,21 @@ PAIRS: Dict[str, Pair] = {
     "tw": Pair("table_wise", "pgas_table_wise", lambda i, w: table_wise(rank=i % w, compute_kernel="fused"),
                lambda i, w: pgas_table_wise(i % w), ("splits_launch", "splits_a2a", "values_a2a", "lookup",
                                                      "output_dist")),
+    # Beyond one node (--node-size: the ranks of a node), table i on node i % N.
+    "twrw": Pair("table_row_wise", "pgas_table_row_wise",
+                 lambda i, w: with_compute_kernel(table_row_wise(host_index=i % nodes(w)), "fused"),
+                 lambda i, w: pgas_table_row_wise(i % nodes(w)),
+                 ("bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist")),
 }
+
+
+def node_size(world: int) -> int:
+    """The ranks of a node: TorchRec's ``LOCAL_WORLD_SIZE`` (``--node-size`` sets it), else the whole job."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def nodes(world: int) -> int:
+    return world // node_size(world)
 AB_BLOCK = 10  # --layout-ab: steps per block, the two layouts' blocks alternating
 ATOL, RTOL = 1e-4, 1e-5  # fp32 sums of up to 128 rows from ranks in different orders
 # --optimizer: FBGEMM's optimizer and its state bytes per row of dimension d (fp32 state), for the floor.
@@ -269,15 +290,23 @@ class Traffic:
         return int(self.hbm.max()), int(self.nvlink[r]), int(self.out[r])
 
 
+def id_owners(w: Workload, x: KeyedJaggedTensor, world: int, pair: str) -> torch.Tensor:
+    """The rank that looks up each id of ``x``: RW, its row block; TW, its table's rank; TWRW, its row block of
+    its table's node (table i on node i % N)."""
+    if pair == "rw":
+        return x.values() // ((w.rows + world - 1) // world)
+    table = torch.repeat_interleave(torch.arange(w.tables, device=x.values().device),
+                                    torch.tensor(x.length_per_key(), device=x.values().device))
+    if pair == "tw":
+        return table % world
+    size = node_size(world)
+    return (table % nodes(world)) * size + x.values() // ((w.rows + size - 1) // size)
+
+
 def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: str) -> Traffic:
-    block = (w.rows + world - 1) // world
     counts = torch.zeros(world, dtype=torch.float64, device=inputs[0].values().device)
-    table_owner = torch.arange(w.tables, device=counts.device) % world
     for x in inputs:
-        if pair == "rw":  # the owner of an id is its row block
-            counts += torch.bincount(x.values() // block, minlength=world).double()
-        else:  # the owner of an id is its table's rank
-            counts.index_add_(0, table_owner, x.lengths().view(w.tables, -1).sum(1).double())
+        counts += torch.bincount(id_owners(w, x, world, pair), minlength=world).double()
     counts /= len(inputs)
     matrix = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(matrix, counts)
@@ -288,6 +317,13 @@ def traffic(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, pair: 
         bags = w.tables * w.batch_per_gpu
         out = torch.full_like(remote_ids, (world - 1) * bags * row_bytes)
         nvlink = remote_ids * 8 + (world - 1) * bags * 12 + out
+        grad_sent = out
+    elif pair == "twrw":  # a row-wise step over the node's N·B rail bags, then the rail's pooled rows
+        n, size = nodes(world), node_size(world)
+        node_bags = w.tables / n * w.batch_per_gpu * n
+        out = torch.full_like(remote_ids, (size - 1) * node_bags * row_bytes + (n - 1) / n * w.tables
+                              * w.batch_per_gpu * row_bytes)
+        nvlink = remote_ids * 8 + (size - 1) * node_bags * 12 + out
         grad_sent = out
     else:
         own = torch.tensor([len(range(r, w.tables, world)) for r in range(world)], dtype=torch.float64)
@@ -313,8 +349,12 @@ def distinct_rows(w: Workload, inputs: Sequence[KeyedJaggedTensor], world: int, 
         hits = seen.view(w.tables, w.rows).sum(0 if pair == "rw" else 1, dtype=torch.float64).cpu()
         if pair == "rw":  # hits per row index; the owner of a row is its block
             per_owner += torch.zeros(world, dtype=torch.float64).index_add_(0, torch.arange(w.rows) // block, hits)
-        else:  # hits per table; the owner of a table is its rank
+        elif pair == "tw":  # hits per table; the owner of a table is its rank
             per_owner += torch.zeros(world, dtype=torch.float64).index_add_(0, torch.arange(w.tables) % world, hits)
+        else:  # a table's hits spread over its node's ranks (uniform rows: a sketch, not per row block)
+            size, table_node = node_size(world), torch.arange(w.tables) % nodes(world)
+            for local in range(size):
+                per_owner.index_add_(0, table_node * size + local, hits / size)
     return per_owner / len(inputs)
 
 
@@ -342,9 +382,10 @@ def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: to
     world = dist.get_world_size()
     plan = construct_module_sharding_plan(
         ebc, {f"t{i}": gen(i, world) for i in range(w.tables)}, sharder=sharder,
-        local_size=world, world_size=world, device_type=device.type)
+        local_size=node_size(world), world_size=world, device_type=device.type)
+    placed = rank_placement(world, device.type).place_shards(ShardingPlan({"": plan}))  # a GPU a rank, nodes kept
     dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
-                                   plan=ShardingPlan({"": plan}), sharders=[sharder])
+                                   plan=placed, sharders=[sharder])
     fill_embeddings_(dmp)  # the same weights under either sharding
     return dmp
 
@@ -869,6 +910,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default quick")
     parser.add_argument("--pair", default="rw", choices=sorted(PAIRS))
+    parser.add_argument("--node-size", type=int, default=None,
+                        help="--pair twrw: the ranks of a node (LOCAL_WORLD_SIZE), e.g. 2 to run 2 x 2 on 4 GPUs")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--sets", type=int, default=4, help="input sets rotated through")
@@ -905,6 +948,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "<side>.txt (rank 0)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
     args = parser.parse_args(argv)
+    if args.node_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.node_size)  # TorchRec's node groups, read at sharding
     if args.mode == "train" and args.inference_only:
         parser.error("--mode train needs the training layout: drop --inference-only")
     if args.train_graph and (args.mode != "train" or args.owner_backward != "pgas" or not args.no_graph

@@ -16,6 +16,8 @@
 #   tests      every GPU test (tests/ -m gpu; TEST_FILES: some files) at PGAS_TEST_WORLD ranks; quick-tests: a few
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
+#   bench-twrw the same for table_row_wise vs pgas_table_row_wise, nodes of NODE_SIZE ranks (default 2); training:
+#              bench-train with TRAIN_PAIRS=twrw and TRAIN_ARGS holding --node-size
 #   bench-train benchmarks.embedding --mode train, TRAIN_PAIRS (default both), with each of TRAIN_OWNER_BACKWARDS (default
 #              "fbgemm pgas": PgasConfig.owner_backward), at each of TRAIN_WORLDS (default 1) GPUs, into
 #              train-<pair>-<owner backward>-w<n>; TRAIN_ARGS (default s004, s000-weak, s000-strong, 50 steps,
@@ -354,6 +356,8 @@ for n in ${BENCH_WORLDS:-$PGAS_TEST_WORLD}; do
   [ -n "${BENCH_WORLDS:-}" ] && suffix="-w$n"
   has bench-rw && bench "$n" "bench-rw$suffix" --pair rw "$@"
   has bench-tw && bench "$n" "bench-tw$suffix" --pair tw "$@"
+  # table-row-wise: the job as nodes of NODE_SIZE ranks (default 2: 2 x 2 on four GPUs)
+  has bench-twrw && bench "$n" "bench-twrw$suffix" --pair twrw --node-size "${NODE_SIZE:-2}" "$@"
 done
 
 if has bench-train; then

@@ -80,6 +80,24 @@ def test_table_wise_pair(tmp_path: Any) -> None:
         assert row["hbm_bytes"] == int((per_owner * 4 * w.dim).max())
 
 
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_table_row_wise_pair(tmp_path: Any) -> None:
+    """--pair twrw --node-size 2 at four ranks: stock table_row_wise vs pgas_table_row_wise (table i on node i % 2,
+    rows in two blocks there), agreeing within the fp32 rounding of other summation orders; HBM bytes = the ids
+    of the busiest owner, the row block of its node's tables."""
+    out = _run(str(tmp_path), 4, "--pair", "twrw", "--node-size", "2", "--mode", "train")
+    for row, w in zip(out["rows"], PRESETS["smoke"](4)):
+        assert (row["stock"], row["pgas"]) == ("table_row_wise", "pgas_table_row_wise") and row["max_abs_err"] <= 1e-4
+        k, block = PRESETS["smoke"](4).index(w), (w.rows + 1) // 2
+        per_owner = torch.zeros(4, dtype=torch.float64)
+        for rank in range(4):
+            for x in make_inputs(w, w.tables, w.batch_per_gpu, 4, seed=1000 * rank + k, device=torch.device("cpu")):
+                table = torch.repeat_interleave(torch.arange(w.tables), torch.tensor(x.length_per_key()))
+                owner = (table % 2) * 2 + x.values() // block
+                per_owner += torch.bincount(owner, minlength=4).double() / 4
+        assert row["hbm_bytes"] == int((per_owner * 4 * w.dim).max())
+
 
 STOCK_TRAIN_STAGES = [*STOCK_STAGES, "grad_output_dist", "owner_backward"]
 PGAS_TRAIN_STAGES = [*PGAS_STAGES, "grad_exchange", "kept_ids", "replay_lookup", "owner_backward"]
