@@ -28,9 +28,13 @@ the replayed lookup), ``Perf.bwd_comms`` the pooled gradient's way back (stock: 
 PGAS: one-sided, row-wise only to the owners that served each bag). The other types keep TorchRec's
 forward + backward estimates, plus shares of stock's fixed costs (forward and backward) as the priced options carry.
 
-The PGAS types need every rank in one NVLink domain: a job larger than ``nvlink_domain_size`` (default TorchRec's
-``Topology.intra_group_size``: a node, or a multi-node NVLink pod) is offered stock types only. Give it where the
-topology's ``local_world_size`` is not the host's, as when ranks share one GPU (``local_size=1`` plans).
+``pgas_row_wise`` and ``pgas_table_wise`` need every rank in one NVLink domain: a job larger than
+``nvlink_domain_size`` (default TorchRec's ``Topology.intra_group_size``: a node, or a multi-node NVLink pod) is
+offered neither. Give it where the topology's ``local_world_size`` is not the host's, as when ranks share one GPU
+(``local_size=1`` plans). A job of several nodes (TorchRec's hosts, ``intra_group_size`` ranks each) is offered
+``pgas_table_row_wise`` next to ``table_row_wise`` instead, both priced by ``inter_node.TableRowWiseCost``; its
+options stay typed ``table_row_wise`` through TorchRec's partitioner, and the planner callback
+``name_pgas_table_row_wise`` names them (pass ``callbacks=[enumerator.name_pgas_table_row_wise]``).
 """
 
 import copy
@@ -106,6 +110,7 @@ class PgasEnumerator(EmbeddingEnumerator):
         backends: str = "auto",
         training: bool = False,
         nvlink_domain_size: Optional[int] = None,
+        storage_reservation: float = 0.15,
     ) -> None:
         if backends not in ("auto", "pgas", "nccl"):
             raise ValueError(f"PgasEnumerator: backends must be 'auto', 'pgas' or 'nccl', got {backends!r}")
@@ -125,12 +130,15 @@ class PgasEnumerator(EmbeddingEnumerator):
         domain = nvlink_domain_size or getattr(topology, "intra_group_size", topology.local_world_size)
         self._beyond_domain = (f"{topology.world_size} ranks span more than one NVLink domain ({domain} ranks)"
                                if topology.world_size > domain else None)
+        # Table-row-wise nodes are TorchRec's hosts (intra_group_size), as its partitioner places them and the
+        # sharding's node groups run them.
+        node = topology.intra_group_size
         self.twrw: Optional[TableRowWiseCost] = None
-        self._hbm_per_rank = [d.storage.hbm for d in topology.devices]
-        if self._beyond_domain is not None and topology.world_size % domain == 0:
-            node_profile = profile if profile_given else load_profile(device_name=local_gpu(topology),
-                                                                       world_size=domain)
-            self.twrw = TableRowWiseCost(node_profile, topology.world_size // domain, domain, batch_size,
+        # what the partitioner could use of each rank's HBM (the planner's FixedPercentageStorageReservation)
+        self._hbm_per_rank = [int(d.storage.hbm * (1 - storage_reservation)) for d in topology.devices]
+        if self._beyond_domain is not None and node > 1 and topology.world_size % node == 0:
+            node_profile = profile if profile_given else load_profile(device_name=local_gpu(topology), world_size=node)
+            self.twrw = TableRowWiseCost(node_profile, topology.world_size // node, node, batch_size,
                                          InterNodeLink.of(node_profile, topology.inter_host_bw), mode, training)
 
     def _families(self) -> List[str]:
@@ -212,8 +220,11 @@ class PgasEnumerator(EmbeddingEnumerator):
         """A planner callback (``EmbeddingShardingPlanner(callbacks=[enumerator.name_pgas_table_row_wise])``): the
         chosen ``PgasTableRowWiseOption``s under their own type before TorchRec writes the plan. A module's node
         steps need a table on every node, and TorchRec's partitioner places a module's table-row-wise tables host by
-        host: where it left a node without one, the module's tables are dealt round-robin over the nodes if every
-        rank has the memory; a module that cannot cover every node keeps them ``table_row_wise``."""
+        host: where it left a node without one, the module's tables are dealt round-robin over the nodes (option i
+        to node i mod N, each shard to the same local rank there) if every rank's HBM still fits (less the storage
+        reservation, ``storage_reservation``: the planner's ``FixedPercentageStorageReservation`` percentage); the
+        modules' deals are tried together, then one by one. A module that cannot cover every node keeps them
+        ``table_row_wise``."""
         if self.twrw is None:
             return best_plan
         used = [0] * self._world_size
@@ -222,31 +233,43 @@ class PgasEnumerator(EmbeddingEnumerator):
                 if shard.rank is not None and shard.storage is not None:
                     used[shard.rank] += shard.storage.hbm
         by_module: Dict[str, List[ShardingOption]] = {}
-        for option in best_plan:
+        for option in sorted(best_plan, key=lambda o: o.name):
             if isinstance(option, PgasTableRowWiseOption):
                 by_module.setdefault(option.path, []).append(option)
+        deals = {path: self._deal(options) for path, options in by_module.items()}
+        together = [m for moves in deals.values() if moves for m in moves]
+        if not self._move(together, used):
+            for moves in deals.values():
+                if moves and not self._move(moves, used):
+                    moves.clear()
         for path, options in by_module.items():
-            if not self._cover_nodes(sorted(options, key=lambda o: o.name), used):
+            if deals[path] or self._covers(options):
+                for option in options:
+                    option.sharding_type = PGAS_TABLE_ROW_WISE
+            else:
                 logger.info("torchrec_pgas planner: %s keeps table_row_wise for %s: its tables cannot give each of "
                             "the %d nodes one", path, [o.name for o in options], self.twrw.nodes)
-                continue
-            for option in options:
-                option.sharding_type = PGAS_TABLE_ROW_WISE
         return best_plan
 
-    def _cover_nodes(self, options: List[ShardingOption], used: List[int]) -> bool:
-        """Whether ``options`` (one module's) hold a table on every node, dealing them round-robin over the nodes
-        (option i to node i mod N, each shard to the same local rank there) if they do not and the ranks' HBM
-        (``used`` so far, updated) takes it."""
+    def _covers(self, options: List[ShardingOption]) -> bool:
+        """Whether ``options`` (one module's) hold a table on every node."""
+        assert self.twrw is not None
+        size = self.twrw.local_size
+        return {s.rank // size for o in options for s in o.shards if s.rank is not None} == set(range(self.twrw.nodes))
+
+    def _deal(self, options: List[ShardingOption]) -> List[Tuple[Any, int]]:
+        """(shard, new rank) that deal a module's options round-robin over the nodes; none where they cover every
+        node already, or are too few to."""
         assert self.twrw is not None
         nodes, size = self.twrw.nodes, self.twrw.local_size
-        if {shard.rank // size for o in options for shard in o.shards if shard.rank is not None} == set(range(nodes)):
-            return True
-        if len(options) < nodes:
-            return False
+        if self._covers(options) or len(options) < nodes:
+            return []
+        return [(shard, (i % nodes) * size + shard.rank % size) for i, o in enumerate(options) for shard in o.shards
+                if shard.rank is not None]
+
+    def _move(self, moves: List[Tuple[Any, int]], used: List[int]) -> bool:
+        """Apply ``moves`` (updating ``used``) if every rank's HBM still fits."""
         after = list(used)
-        moves = [(shard, (i % nodes) * size + shard.rank % size) for i, o in enumerate(options) for shard in o.shards
-                 if shard.rank is not None]
         for shard, rank in moves:
             hbm = shard.storage.hbm if shard.storage is not None else 0
             after[shard.rank] -= hbm

@@ -6,7 +6,7 @@ this module imports the backends, never the other way round.
 
 import atexit
 import gc
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,10 @@ def init_runtime(
         if backend == PgasBackendType.SHM:
             _RUNTIMES[key] = ShmRuntime(pg, device)
         elif dist.get_world_size(pg) < dist.get_world_size():  # a node's group: a view of the one NVSHMEM world
-            world = init_runtime(None, backend, device, heap_hint)
+            # every PE sizes its heap alike: a node view allocates the largest size any node asks for
+            hints: List[object] = [None] * dist.get_world_size()
+            dist.all_gather_object(hints, heap_hint)
+            world = init_runtime(None, backend, device, max(int(h) for h in hints))  # type: ignore[call-overload]
             assert isinstance(world, NvshmemRuntime)
             _RUNTIMES[key] = NodeRuntime(world, pg)
         else:

@@ -66,11 +66,10 @@ class NvshmemRuntime(PgasRuntime):
             os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(DEFAULT_HEAP_BYTES, 4 * heap_hint))
         torch.cuda.set_device(device)
         torch.cuda.init()
+        # Before NVSHMEM starts: a sharding whose peers span hosts raises our message (``runtime.one_host``). Over
+        # several hosts only pgas_table_row_wise's node steps run (load/store among one host's PEs); NVSHMEM's own
+        # collectives (allocation, barriers, teardown) still span the job and use its remote transport.
         self.hosts = rank_hosts(pg)
-        if len(set(self.hosts)) > 1:
-            # A job over several hosts: only pgas_table_row_wise's node steps run, each among one host's PEs by
-            # load/store, so NVSHMEM needs no NIC transport (the user's choice, if set, stands).
-            os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         ops = torch.ops.torchrec_pgas
         uid = ops.unique_id() if self.rank == 0 else None
         box: List[object] = [uid]

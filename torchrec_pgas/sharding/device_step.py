@@ -22,7 +22,7 @@ from the device. Those kernels also serve eager steps that follow their own forw
 records ``device/errors.py``, the comm timeline ``device/tracing.py``.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from torchrec_pgas.sharding.device.features import (
     column_features,
     feature_descs,
 )
+from torchrec_pgas.sharding.device.slots import SlotEvents
 from torchrec_pgas.sharding.device.tracing import CommTrace
 from torchrec_pgas.sharding.step import BackwardGraphStats, PgasStep, StepSpec
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations
@@ -85,11 +86,11 @@ class DeviceStep(PgasStep):
         self._tbe_key: List[int] = [-1]
         # The stream of this step's last index dist if no lookup was issued since (see lookup).
         self._dist_stream: Optional[torch.cuda.Stream] = None
-        # Recorded after each combine, per slot (see index_dist).
-        self._slot_free = [torch.cuda.Event() for _ in range(lay.num_slots)]
+        self._slots = SlotEvents(lay.num_slots, device)  # free again after a combine or a backward's release
         self.backward_runner = DeviceBackward(self)
         self.comm_trace = CommTrace(self.state_words, self._set_trace)  # torchrec_pgas.trace_comm
         self._deadline_owner: Optional[torch.Tensor] = None  # the state whose deadline words the waits use
+        self._owed_lookups: Set[int] = set()  # refused steps whose (empty) lookup waits for an earlier one
 
     def share_deadlines(self, leader: PgasStep) -> None:
         """The waits use the deadline words of ``leader``'s state (csrc/step_protocol.cuh: one deadline a step
@@ -119,7 +120,7 @@ class DeviceStep(PgasStep):
         self.group.raise_records(self)
         epoch = self.claim_slot()
         err = self.spec.input_error(kjt, self.rank)
-        stream = self._await_slot(epoch)
+        stream = self._slots.wait(epoch)
         if err is not None:
             self._give_up(err, epoch)
         else:
@@ -133,14 +134,6 @@ class DeviceStep(PgasStep):
                 raise self.fail(PgasError(f"{self.kind} index dist failed to launch: {e}"), epoch) from e
         self.issued = epoch
         self._dist_stream = stream
-
-    def _await_slot(self, epoch: int) -> torch.cuda.Stream:
-        """The current stream, made to wait for the last step that used ``epoch``'s slot on this rank (its
-        combine, or its backward): TorchRec's train pipelines run the input dist on their own stream."""
-        stream = torch.cuda.current_stream(self.device)
-        if not torch.cuda.is_current_stream_capturing():
-            stream.wait_event(self._slot_free[epoch % self.layout.num_slots])
-        return stream
 
     def _give_up(self, err: PgasError, epoch: int) -> None:
         """Give step ``epoch`` up on every rank, as device-side errors are: abort it, then run its stages with
@@ -158,22 +151,30 @@ class DeviceStep(PgasStep):
     def consume_failed_step(self, epoch: int, err: PgasError) -> None:
         """Step ``epoch`` was refused in the model's forward on every rank (``pgas_table_row_wise``'s input check),
         or a sibling's launch failed here (the peers' kernels then see this rank's abort): run this sharding's
-        stages of it that did not run, empty (as ``_give_up``), so that its epochs stay the model's. No backward
-        comes: the lookup releases the slot, and the step's record is dropped (the forward raised its cause)."""
+        stages of it that did not run, empty (as ``_give_up``), so that its epochs stay the model's."""
         if self.looked_up >= epoch or self.issued < epoch - 1:
             return
         if self.issued < epoch:
             self.claim_slot()
-            self._await_slot(epoch)
+            self._slots.wait(epoch)
             self._give_up(PgasError(f"{self.kind}: step {epoch} was refused: {err}"), epoch)
             self.issued = epoch
-        self.next_lookup_epoch()
+        self._owed_lookups.add(epoch)
+        self._look_up_owed()
+
+    def _look_up_owed(self) -> None:
+        """Look up, empty, the refused steps next in epoch order (a train pipeline's input dist runs a step ahead
+        of the lookup: a refused step waits behind the pending one). No backward comes: the lookup releases the
+        slot, and the step's record is dropped (the forward raised its cause)."""
         ops = torch.ops.torchrec_pgas
-        ops.pooled_lookup(*self.state_args(), 0, self._max_dim, self.spec.out_dtype, False, True)
-        ops.combine_partials(*self.state_args(), self._col_feature, 0, self.spec.out_dtype)
-        self._slot_free[epoch % self.layout.num_slots].record()
-        self.sync_forward(epoch)
-        self.errors.step_failure(epoch)
+        while self.looked_up + 1 in self._owed_lookups:
+            epoch = self.next_lookup_epoch()
+            self._owed_lookups.discard(epoch)
+            ops.pooled_lookup(*self.state_args(), 0, self._max_dim, self.spec.out_dtype, False, True)
+            ops.combine_partials(*self.state_args(), self._col_feature, 0, self.spec.out_dtype)
+            self._slots.record(epoch)
+            self.sync_forward(epoch)
+            self.errors.step_failure(epoch)
 
     def _bind_weights(self, tbes: Sequence[nn.Module]) -> None:
         """Point the feature table at the TBEs' weight storage (again only if it moved).
@@ -189,6 +190,7 @@ class DeviceStep(PgasStep):
         self._tbe_key = key
 
     def lookup(self, kjt: KeyedJaggedTensor, pool: PoolFn, tbes: Sequence[nn.Module]) -> torch.Tensor:
+        self._look_up_owed()
         epoch = self.next_lookup_epoch()
         trains = self.trains()
         batch = 0 if epoch in self.errors.gave_up else kjt.stride()
@@ -211,8 +213,7 @@ class DeviceStep(PgasStep):
             raise self.fail(e, epoch)
         except RuntimeError as e:
             raise self.fail(PgasError(f"{self.kind} lookup failed to launch: {e}"), epoch) from e
-        if not torch.cuda.is_current_stream_capturing():
-            self._slot_free[epoch % self.layout.num_slots].record()
+        self._slots.record(epoch)
         iters = advance_tbe_iterations(tbes)
         if torch.cuda.is_current_stream_capturing():
             record_captured_step(self, tbes, iters)
@@ -241,14 +242,12 @@ class DeviceStep(PgasStep):
     def sync_forward(self, epoch: int) -> None:
         """Wait for step ``epoch``'s combine (the event recorded after it; its error record is then on the
         host). Not under a CUDA graph's capture, which records no errors to read."""
-        if not torch.cuda.is_current_stream_capturing():
-            self._slot_free[epoch % self.layout.num_slots].synchronize()
+        self._slots.synchronize(epoch)
 
     def release(self, epoch: int) -> None:
-        stream = self._await_slot(epoch)
+        stream = self._slots.wait(epoch)
         torch.ops.torchrec_pgas.release_sources(*self.state_args(), epoch)
-        if not torch.cuda.is_current_stream_capturing():
-            self._slot_free[epoch % self.layout.num_slots].record(stream)
+        self._slots.record(epoch, stream)
 
     def _set_trace(self, on: bool) -> None:
         """Launch the kernels' comm-timeline builds (or not) from the next step on."""

@@ -150,6 +150,8 @@ class StepGroup:
         rank or -1 out): every rank raises (its own error, or the abort), and no stock-sharded table of the model
         applies the step, nor waits in its backward's collectives for a rank that refused. The step is given up
         in every sharding (records consumed, TBE counters back, slots released)."""
+        if not self.members():  # a model with no PGAS sharding (the same on every rank: the plan's)
+            return
         epoch = next((e for e in epochs if any(e in step.backwards.epochs() for step in self.members())), None)
         awaiting = [] if epoch is None else [(step, ticket) for step in self.members()
                                              for ticket in [step.backwards.ticket(epoch)] if ticket is not None]
