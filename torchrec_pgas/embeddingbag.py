@@ -71,6 +71,11 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.step_group.join(steps)
         self._first_step: Optional[PgasStep] = steps[0] if steps else None
         self._holds_stock = any(not isinstance(s, PgasShardingMixin) for s in self._embedding_shardings)
+        # Where a refused step could reach a backward on some ranks only: stock tables (their collectives), or GPU
+        # node steps (a failure the kernels record stays on its node).
+        self._agrees_before_backward = self._holds_stock or (
+            any(isinstance(s, PgasTwRwPooledEmbeddingSharding) for s in self._embedding_shardings)
+            and any(isinstance(step, DeviceStep) for step in steps))
         self.stock_counters = StockForwardCounters([
             tbe for sharding, lookup in zip(self._embedding_shardings, self._lookups)
             if not isinstance(sharding, PgasShardingMixin) for tbe in counting_tbes(lookup)])
@@ -82,7 +87,7 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._holds_stock:
             self.stock_counters.before_forward(self._step_epochs(ahead=1))
         awaitable = super().compute_and_output_dist(ctx, input)  # the lookups ran: their epoch is this step's
-        if self._holds_stock:
+        if self._agrees_before_backward:
             awaitable.callbacks.append(functools.partial(self._refuse_before_backward, self._step_epochs(ahead=0)))
         return awaitable
 
@@ -96,10 +101,11 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return (last, last + 1)
 
     def _refuse_before_backward(self, epochs: Tuple[int, ...], out: KeyedTensor) -> KeyedTensor:
-        """A module holding stock shardings: the gradient of its output first checks the model's step for
-        errors its PGAS shardings' kernels recorded in the forward on any rank (``StepGroup.refuse_failed_step``:
-        one sync and one small all-reduce a step), so that a refused step reaches no stock sharding's fused
-        backward (GPUs find bad ids in the kernels; on CPUs they raise in the forward, and the check finds none)."""
+        """A module holding stock shardings (or GPU node steps): the gradient of its output first checks the
+        model's step for errors its PGAS shardings' kernels recorded in the forward on any rank
+        (``StepGroup.refuse_failed_step``: one sync and one small all-reduce a step), so that a refused step reaches
+        no stock sharding's fused backward, nor another node's update (GPUs find bad ids in the kernels; on CPUs
+        they raise in the forward, and the check finds none)."""
         values, group = out.values(), self.step_group
         if values.requires_grad:
             agree = functools.partial(first_failed_rank, self._env.process_group, values.device)
