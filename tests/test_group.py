@@ -106,6 +106,9 @@ def test_a_step_that_failed_in_the_forward_is_refused_before_any_backward() -> N
         s.await_backward(4)
     model.refuse_failed_step((4,), _alone)
     assert all(s.calls == [("sync", 4)] and s.backwards.awaits(4) for s in fine)
+    asked: List[bool] = []  # the model's next module checking step 4: agreed already, no sync, no collective
+    model.refuse_failed_step((4,), lambda failed: asked.append(failed) or -1)
+    assert asked == [] and all(s.calls == [("sync", 4)] for s in fine)
 
 
 def test_a_step_another_rank_failed_is_refused_here_too() -> None:

@@ -58,6 +58,7 @@ class StepGroup:
     def __init__(self) -> None:
         self._refs: List["weakref.ref[GroupMember]"] = []  # in joining order: the first live one leads
         self._stock: List["weakref.ref[StockForwardCounters]"] = []  # the model's stock-sharded TBEs' counters
+        self._agreed_whole = 0  # the last step the ranks agreed no rank failed (``refuse_failed_step``)
 
     def __reduce__(self) -> Tuple[type, Tuple[()]]:
         """A copied or pickled group (of a copied or pickled sharder) is a new, empty one: steps belong to the
@@ -149,10 +150,14 @@ class StepGroup:
         so the ranks agree (``first_failed_rank``: collective, whether this rank failed in, the lowest failed
         rank or -1 out): every rank raises (its own error, or the abort), and no stock-sharded table of the model
         applies the step, nor waits in its backward's collectives for a rank that refused. The step is given up
-        in every sharding (records consumed, TBE counters back, slots released)."""
+        in every sharding (records consumed, TBE counters back, slots released). The model's other modules that
+        check the same step find it agreed (its forward had ended everywhere: its records were final), so a
+        model step costs one sync and one all-reduce, whatever its number of modules."""
         if not self.members():  # a model with no PGAS sharding (the same on every rank: the plan's)
             return
         epoch = next((e for e in epochs if any(e in step.backwards.epochs() for step in self.members())), None)
+        if epoch is not None and epoch == self._agreed_whole:  # every rank's check of it followed the same path
+            return
         awaiting = [] if epoch is None else [(step, ticket) for step in self.members()
                                              for ticket in [step.backwards.ticket(epoch)] if ticket is not None]
         for step, _ in awaiting:
@@ -160,6 +165,7 @@ class StepGroup:
         errors = [err for err in (step.step_failure(epoch) for step, _ in awaiting) if err is not None]
         failed_rank = first_failed_rank(bool(errors))
         if failed_rank < 0:
+            self._agreed_whole = epoch or self._agreed_whole
             return
         if not errors:
             errors = [PgasPeerAbortError(f"rank {failed_rank} aborted step {epoch} (see its error)")]

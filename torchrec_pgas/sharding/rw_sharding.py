@@ -26,7 +26,6 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.sharding.device.features import FeatureOwners
 from torchrec_pgas.sharding.device_step import DeviceStep
@@ -53,23 +52,11 @@ class PgasRwPooledEmbeddingSharding(PgasShardingMixin, RwPooledEmbeddingSharding
     def _build_step(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
                     config: PgasConfig) -> PgasStep:
         tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]
-        per_feature = [t for t in tables for _ in t.feature_names]
-        hash_sizes = self._get_feature_hash_sizes()
         # Allocation is collective and DMP shards in the same order on every rank.
         PgasRwPooledEmbeddingSharding._instances += 1
-        spec = StepSpec(
-            name=f"pgas_rw.{PgasRwPooledEmbeddingSharding._instances}",
-            kind=PGAS_ROW_WISE,
-            feature_names=tuple(self.feature_names()),
-            feature_tables=tuple(t.name for t in per_feature),
-            hash_sizes=tuple(hash_sizes),
-            dims=tuple(t.embedding_dim for t in per_feature),
-            is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
-            shard_rows=tuple((n + env.world_size - 1) // env.world_size for n in hash_sizes),
-            weighted=any(t.is_weighted for t in tables),
-            config=config,
-            bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
-            out_dtype=pooled_output_dtype(sharding_infos, self._kind),
-        )
+        spec = StepSpec.over_tables(f"pgas_rw.{PgasRwPooledEmbeddingSharding._instances}", PGAS_ROW_WISE, tables,
+                                    env.world_size, config,
+                                    bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
+                                    pooled_output_dtype(sharding_infos, self._kind))
         assert self._device is not None
         return row_wise_step(spec, env, self._device)

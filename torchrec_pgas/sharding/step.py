@@ -18,13 +18,15 @@ import bisect
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 from torchrec.distributed import comm_ops
+from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.bootstrap import init_runtime
@@ -57,7 +59,7 @@ class StepSpec:
     are in the sharding's feature order (TorchRec's grouping; table-wise: rank by rank)."""
 
     name: str  # unique per sharding: names its collective allocations
-    kind: str  # PGAS_ROW_WISE or PGAS_TABLE_WISE
+    kind: str  # PGAS_ROW_WISE, PGAS_TABLE_WISE or PGAS_TABLE_ROW_WISE
     feature_names: Tuple[str, ...]
     feature_tables: Tuple[str, ...]
     hash_sizes: Tuple[int, ...]
@@ -71,6 +73,29 @@ class StepSpec:
     features_per_rank: Tuple[int, ...] = ()  # table-wise: how many features each rank owns, in rank order
     dim_sum_per_rank: Tuple[int, ...] = ()  # table-wise: their output columns per rank
 
+    @staticmethod
+    def over_tables(name: str, kind: str, tables: Sequence[ShardedEmbeddingTable], owners: int, config: PgasConfig,
+                    bounds_check_mode: BoundsCheckMode, out_dtype: torch.dtype, **table_wise: Tuple[int, ...]
+                    ) -> "StepSpec":
+        """The spec over ``tables``' features in order (TorchRec's grouped configs list them so), each table's rows
+        in ``owners`` blocks of ``ceil(N / owners)`` (1: whole tables); ``table_wise``: its per-rank fields."""
+        per_feature = [t for t in tables for _ in t.feature_names]
+        return StepSpec(
+            name=name,
+            kind=kind,
+            feature_names=tuple(f for t in tables for f in t.feature_names),
+            feature_tables=tuple(t.name for t in per_feature),
+            hash_sizes=tuple(t.num_embeddings for t in per_feature),
+            dims=tuple(t.embedding_dim for t in per_feature),
+            is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
+            shard_rows=tuple((t.num_embeddings + owners - 1) // owners for t in per_feature),
+            weighted=any(t.is_weighted for t in tables),
+            config=config,
+            bounds_check_mode=bounds_check_mode,
+            out_dtype=out_dtype,
+            **table_wise,
+        )
+
     @property
     def num_features(self) -> int:
         return len(self.feature_names)
@@ -81,17 +106,20 @@ class StepSpec:
         return self.config.ids_capacity(self.feature_tables)
 
     @functools.cached_property
-    def _hash_size_tensor(self) -> torch.Tensor:
-        """``hash_sizes`` as a host tensor (built once: every step's check reads it)."""
-        return torch.tensor(self.hash_sizes, dtype=torch.int64)
+    def _hash_size_tensors(self) -> Dict[torch.device, torch.Tensor]:
+        """``hash_sizes`` as a tensor per device (each built once: every step's check reads it)."""
+        return {}
 
     def bad_ids(self, kjt: KeyedJaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[Tuple[int, int]]]:
         """``kjt``'s ids (int64, features in this spec's order), which of them lie outside their feature's table,
         and the first such (feature, id), if any: a host read of the ids (the CPU path's check)."""
         values = kjt.values().to(torch.int64)
         per_feature = kjt.length_per_key()
-        hash_per_id = torch.repeat_interleave(self._hash_size_tensor.to(values.device),
-                                              torch.tensor(per_feature, dtype=torch.int64, device=values.device))
+        sizes = self._hash_size_tensors.get(values.device)
+        if sizes is None:
+            sizes = self._hash_size_tensors[values.device] = torch.tensor(self.hash_sizes, device=values.device)
+        hash_per_id = torch.repeat_interleave(sizes, torch.tensor(per_feature, dtype=torch.int64, device=values.device),
+                                              output_size=values.numel())
         bad = (values < 0) | (values >= hash_per_id)
         if not bool(bad.any()):
             return values, bad, None

@@ -104,8 +104,5 @@ class StockForwardCounters:
         moved on)."""
         if epoch not in self._epochs:
             return
-        for tbe, count in zip(self._tbes, self._before):
-            if int(tbe.iter_cpu) == count + 1:
-                tbe.iter_cpu.fill_(count)
-                tbe.iter.fill_(count)
+        _set_counts([(tbe, count) for tbe, count in zip(self._tbes, self._before) if int(tbe.iter_cpu) == count + 1])
         self._epochs, self._before = (), []

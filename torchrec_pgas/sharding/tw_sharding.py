@@ -16,7 +16,6 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import PoolingType
 
 from torchrec_pgas.sharding.device.features import FeatureOwners
 from torchrec_pgas.sharding.device_step import DeviceStep
@@ -43,24 +42,12 @@ class PgasTwPooledEmbeddingSharding(PgasShardingMixin, TwPooledEmbeddingSharding
     def _build_step(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
                     config: PgasConfig) -> PgasStep:
         tables = self.embedding_tables()  # in feature_names() order: rank by rank
-        per_feature = [t for t in tables for _ in t.feature_names]
         # Allocation is collective and DMP shards in the same order on every rank.
         PgasTwPooledEmbeddingSharding._instances += 1
-        spec = StepSpec(
-            name=f"pgas_tw.{PgasTwPooledEmbeddingSharding._instances}",
-            kind=PGAS_TABLE_WISE,
-            feature_names=tuple(self.feature_names()),
-            feature_tables=tuple(t.name for t in per_feature),
-            hash_sizes=tuple(t.num_embeddings for t in per_feature),
-            dims=tuple(t.embedding_dim for t in per_feature),
-            is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
-            shard_rows=tuple(t.num_embeddings for t in per_feature),
-            weighted=any(t.is_weighted for t in tables),
-            config=config,
-            bounds_check_mode=bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
-            out_dtype=pooled_output_dtype(sharding_infos, self._kind),
-            features_per_rank=tuple(self.features_per_rank()),
-            dim_sum_per_rank=tuple(self._dim_sum_per_rank()),
-        )
+        spec = StepSpec.over_tables(f"pgas_tw.{PgasTwPooledEmbeddingSharding._instances}", PGAS_TABLE_WISE, tables,
+                                    1, config, bounds_check_mode_from_fused_params(sharding_infos[0].fused_params),
+                                    pooled_output_dtype(sharding_infos, self._kind),
+                                    features_per_rank=tuple(self.features_per_rank()),
+                                    dim_sum_per_rank=tuple(self._dim_sum_per_rank()))
         assert self._device is not None
         return table_wise_step(spec, env, self._device)

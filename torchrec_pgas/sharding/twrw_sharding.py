@@ -39,7 +39,6 @@ from torchrec.distributed.embedding_sharding import (
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.rw_sharding import row_wise_step
@@ -187,14 +186,15 @@ class PgasTwRwPooledEmbeddingSharding(PgasShardingMixin, TwRwPooledEmbeddingShar
             raise PgasError(f"pgas_table_row_wise: nodes {empty} hold none of this module's pgas_table_row_wise "
                             "tables; the node step needs one on every node: plan at least one table on each node, "
                             "or plan these table_row_wise")
-        requester = _spec("requester", [t for tables in per_node for t in tables], 1, config, bounds, out_dtype)
+        requester = StepSpec.over_tables("requester", self._kind, [t for tables in per_node for t in tables], 1, config,
+                                         bounds, out_dtype)
         _check_row_blocks([t for tables in per_node for t in tables], self._local_size)
         node_tables = [t for g in self._grouped_embedding_configs for t in g.embedding_tables]  # this rank's shards
         node_config = dataclasses.replace(config, max_local_batch_size=config.max_local_batch_size * nodes,
                                           max_ids_per_rank=config.max_ids_per_rank and config.max_ids_per_rank * nodes)
         PgasTwRwPooledEmbeddingSharding._instances += 1  # allocation is collective: every rank shards alike
-        node = _spec(f"pgas_twrw.{PgasTwRwPooledEmbeddingSharding._instances}", node_tables, self._local_size,
-                     node_config, bounds, out_dtype)
+        node = StepSpec.over_tables(f"pgas_twrw.{PgasTwRwPooledEmbeddingSharding._instances}", self._kind,
+                                    node_tables, self._local_size, node_config, bounds, out_dtype)
         node_env = ShardingEnv.from_local(self._local_size, self._rank % self._local_size)
         node_env.process_group = self._intra_pg
         capacity = [config.ids_capacity(tuple(t.name for t in tables for _ in t.feature_names)) for tables in per_node]
@@ -214,26 +214,6 @@ class PgasTwRwPooledEmbeddingSharding(PgasShardingMixin, TwRwPooledEmbeddingShar
         assert self._cross_pg is not None
         return PgasTwRwPooledEmbeddingDist(self._cross_pg, self._dim_sum_per_node(),
                                            device if device is not None else self._device or torch.device("cpu"))
-
-
-def _spec(name: str, tables: List, owners: int, config: PgasConfig, bounds: BoundsCheckMode,
-          out_dtype: torch.dtype) -> StepSpec:
-    """A step spec over ``tables``' features, their rows in ``owners`` blocks."""
-    per_feature = [t for t in tables for _ in t.feature_names]
-    return StepSpec(
-        name=name,
-        kind=PGAS_TABLE_ROW_WISE,
-        feature_names=tuple(f for t in tables for f in t.feature_names),
-        feature_tables=tuple(t.name for t in per_feature),
-        hash_sizes=tuple(t.num_embeddings for t in per_feature),
-        dims=tuple(t.embedding_dim for t in per_feature),
-        is_mean=tuple(t.pooling == PoolingType.MEAN for t in per_feature),
-        shard_rows=tuple((t.num_embeddings + owners - 1) // owners for t in per_feature),
-        weighted=any(t.is_weighted for t in tables),
-        config=config,
-        bounds_check_mode=bounds,
-        out_dtype=out_dtype,
-    )
 
 
 def _check_row_blocks(tables: List, local_size: int) -> None:
