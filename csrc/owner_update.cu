@@ -1,10 +1,10 @@
 // The owner update on the GPU: the two phases of owner_update.h, a kernel
-// each, with a group of a warp's lanes per chunk of sorted positions
-// (grid-stride over the chunks, their size set by the used positions and the
-// resident groups). A group's lanes read a batch of its width of positions'
-// fields one a lane, then walk the positions together, splitting each row's
-// columns. Phase 2 starts after phase 1's grid completes (stream order): the
-// partials it reads are written.
+// each, with a warp per chunk of sorted positions (grid-stride over the
+// chunks, their size set by the used positions and the resident warps). The
+// warp's lanes read a batch of 32 positions' fields one a lane, then walk the
+// positions together, splitting each row's columns (in vectors of contiguous
+// columns where the rows are aligned). Phase 2 starts after phase 1's grid
+// completes (stream order): the partials it reads are written.
 // No host sync: the id count is the tensors' size (or a device word), the
 // hyper-parameters are read on the device.
 #include <ATen/ATen.h>
@@ -18,39 +18,32 @@ namespace torchrec_pgas {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kVecColumns = 4;  // a lane's contiguous columns: 16 bytes of fp32
+constexpr int kWarps = kThreads / 32;
 
-// kLanes lanes of a warp as the walk's lanes (a warp holds 32 / kLanes walkers, each with its own chunks):
-// kVectors vectors of kVec columns a lane (dim <= kLanes * kVectors * kVec, sized by the widest table of the
-// launch), and as many ids' rows in flight (kDepth) as registers allow at kMinBlocks CTAs per SM. The groups
-// of a warp may diverge (their walks differ): every shuffle, ballot and barrier names the group's lanes only.
-// A narrow table's row is a few vectors: a group as wide as the row, so that one warp instruction serves
-// 32 / kLanes ids (four columns a lane in one 16-byte load) where a warp with a column a lane served one.
-template <int kLanes, int kVectors, int kVecColumns>
-struct GroupLanes {
-  static constexpr int kCount = kLanes;
+// A warp as the walk's lanes: kVectors vectors of kVec columns a lane (dim <= 32 * kVectors * kVec, sized by
+// the widest table of the launch), and as many ids' rows in flight (kDepth) as registers allow at kMinBlocks
+// CTAs per SM. Chosen by measurement (benchmarks/archive/NOTES-2026-11.md §33, §35): up to two columns a lane,
+// 4 CTAs at 64 registers beat 3 CTAs without spills; wider rows spill nothing. Narrower groups (16 lanes of 4
+// columns at dim 64) needed 115 registers, half the warps resident, and walked 25-60% slower (NOTES).
+template <int kVectors, int kVecColumns>
+struct WarpLanes {
+  static constexpr int kCount = 32;
   static constexpr int kVec = kVecColumns;
   static constexpr int kMaxColumns = kVectors * kVecColumns;
-  static constexpr int kDepth = kMaxColumns <= 4 ? 2 : 1;
-  static constexpr int kMinBlocks = kMaxColumns <= 4 ? 2 : 1;
-  int lane;  // in the group
-  int first_lane;  // the group's first lane in the warp
-  unsigned mask;  // the group's lanes in the warp
-  __device__ explicit GroupLanes(int warp_lane)
-      : lane(warp_lane % kLanes),
-        first_lane(warp_lane - warp_lane % kLanes),
-        mask((kLanes == 32 ? 0xffffffffu : (1u << kLanes) - 1u) << (warp_lane - warp_lane % kLanes)) {}
+  static constexpr int kDepth = kMaxColumns == 1 ? 3 : kMaxColumns <= 4 ? 2 : 1;
+  static constexpr int kMinBlocks = kMaxColumns <= 2 ? 4 : kMaxColumns <= 4 ? 2 : 1;
+  int lane;
   __device__ constexpr int columns(int) const { return kMaxColumns; }  // unrolled; column(j) < dim guards
-  __device__ int column(int j) const { return ((j / kVec) * kLanes + lane) * kVec + j % kVec; }
+  __device__ int column(int j) const { return ((j / kVec) * kCount + lane) * kVec + j % kVec; }
   __device__ float sum(float x) const {
-    for (int o = kLanes / 2; o > 0; o >>= 1) x += __shfl_xor_sync(mask, x, o, kLanes);
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
   }
-  __device__ unsigned ballot(bool flag) const { return (__ballot_sync(mask, flag) & mask) >> first_lane; }
+  __device__ unsigned ballot(bool flag) const { return __ballot_sync(0xffffffffu, flag); }
   __device__ int first(unsigned bits) const { return __ffs(bits) - 1; }
   template <typename T>
-  __device__ T broadcast(T x, int from) const { return __shfl_sync(mask, x, from, kLanes); }
-  __device__ void sync() const { __syncwarp(mask); }
+  __device__ T broadcast(T x, int from) const { return __shfl_sync(0xffffffffu, x, from); }
+  __device__ void sync() const { __syncwarp(); }
 };
 
 // The walkers' loop over the chunks of the used positions (grid-stride: an eager launch sized to its ids and a
@@ -58,12 +51,10 @@ struct GroupLanes {
 template <typename Lanes, typename Walk>
 __device__ __forceinline__ void for_each_chunk(const OwnerUpdateParams& p, Walk&& walk) {
   if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
-  const Lanes lanes(static_cast<int>(threadIdx.x % 32));
-  constexpr int kPerCta = kThreads / Lanes::kCount;
+  const Lanes lanes{static_cast<int>(threadIdx.x % 32)};
   const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
-  const int64_t chunks = (used + size - 1) / size, stride = static_cast<int64_t>(gridDim.x) * kPerCta;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kPerCta + threadIdx.x / Lanes::kCount; c < chunks;
-       c += stride) {
+  const int64_t chunks = (used + size - 1) / size, stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks; c += stride) {
     walk(c, size, used, lanes);
   }
 }
@@ -88,15 +79,14 @@ __global__ void __launch_bounds__(kThreads, Lanes::kMinBlocks) owner_finish_kern
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, typename Lanes>
 void launch(OwnerUpdateParams p, int64_t max_dim) {
   const auto walk = owner_walk_kernel<weight_t, grad_t, kOptimizer, Lanes>;
-  constexpr int kPerCta = kThreads / Lanes::kCount;
   const int resident = resident_ctas(walk, kThreads);
-  p.walkers = static_cast<int64_t>(resident) * kPerCta;
+  p.walkers = static_cast<int64_t>(resident) * kWarps;
   const int64_t cols = (max_dim + 31) / 32 * 32;
   p.partial_stride = 2 * cols + 1;
   const at::Tensor partials = at::empty({max_chunks(p.n, p.walkers) * p.partial_stride},
                                         at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
   p.partials = partials.data_ptr<float>();
-  const int64_t needed = (p.n + kPerCta * 32 - 1) / (kPerCta * 32);
+  const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   walk<<<blocks, kThreads, 0, stream>>>(p);
@@ -118,23 +108,23 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, apply, used, on_device);
   const int64_t max_dim = widest_dim(weights);
-  const bool vectors = rows_in_vectors(kVecColumns, grad, weights, momentum1, momentum2, features, p.config);
+  const bool vectors = rows_in_vectors(4, grad, weights, momentum1, momentum2, features, p.config);
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
                         [&](auto weight, auto grad_type, auto optimizer) {
     if (p.n == 0) return;
     using weight_t = decltype(weight);
     using grad_t = decltype(grad_type);
     constexpr Optimizer kOptimizer = decltype(optimizer)::value;
-    if (!vectors) {  // a column a lane: any dim, any alignment
-      launch<weight_t, grad_t, kOptimizer, GroupLanes<32, kOwnerMaxDim / 32, 1>>(p, max_dim);
-    } else if (max_dim <= 8 * kVecColumns) {
-      launch<weight_t, grad_t, kOptimizer, GroupLanes<8, 1, kVecColumns>>(p, max_dim);
-    } else if (max_dim <= 16 * kVecColumns) {
-      launch<weight_t, grad_t, kOptimizer, GroupLanes<16, 1, kVecColumns>>(p, max_dim);
-    } else if (max_dim <= 32 * kVecColumns) {
-      launch<weight_t, grad_t, kOptimizer, GroupLanes<32, 1, kVecColumns>>(p, max_dim);
+    if (max_dim <= 32) {  // a column a lane: any alignment
+      launch<weight_t, grad_t, kOptimizer, WarpLanes<1, 1>>(p, max_dim);
+    } else if (!vectors) {
+      launch<weight_t, grad_t, kOptimizer, WarpLanes<kOwnerMaxDim / 32, 1>>(p, max_dim);
+    } else if (max_dim <= 64) {  // 8-byte vectors of fp32
+      launch<weight_t, grad_t, kOptimizer, WarpLanes<1, 2>>(p, max_dim);
+    } else if (max_dim <= 128) {  // 16-byte vectors of fp32
+      launch<weight_t, grad_t, kOptimizer, WarpLanes<1, 4>>(p, max_dim);
     } else {
-      launch<weight_t, grad_t, kOptimizer, GroupLanes<32, kOwnerMaxDim / (32 * kVecColumns), kVecColumns>>(p, max_dim);
+      launch<weight_t, grad_t, kOptimizer, WarpLanes<kOwnerMaxDim / 128, 4>>(p, max_dim);
     }
   });
 }

@@ -254,20 +254,29 @@ struct IdMeta {
   bool beyond;  // its key is past every table's rows, as are all after it (sorted): nothing left to update
 };
 
+// Whether `key` lies past every table's rows (a captured step's padding sorts there).
+PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
+  const OwnerTable& last = p.tables[p.num_tables - 1];
+  return key >= last.key_base + last.rows;
+}
+
+// The key's table is its bag's feature's (what an id's own table check needs anyway: one dependent load after
+// the bag's), searched among the tables' key ranges only where the bag is bad or names another table.
 PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
-  const int64_t key = key_at(p, q);
-  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key, false};
-  const int64_t t = table_of(p, key);
+  const int64_t key = key_at(p, q), bag = p.bags[q];
+  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key, past_tables(p, key)};
+  const bool bag_ok = bag >= 0 && bag < p.num_features * p.config.batch;
+  const int64_t f = bag_ok ? static_cast<int32_t>(bag) / static_cast<int32_t>(p.config.batch) : 0;  // < 2^31
+  const int64_t bag_table = bag_ok ? p.features[f].table : -1;
+  const bool in_bag_table = bag_ok && key >= p.tables[bag_table].key_base &&
+                            key - p.tables[bag_table].key_base < p.tables[bag_table].rows;
+  const int64_t t = in_bag_table ? bag_table : table_of(p, key);
   const int64_t row = key - p.tables[t].key_base;
-  m.beyond = t == p.num_tables - 1 && row >= p.tables[t].rows;
   if (row < 0 || row >= p.tables[t].rows) return m;
   m.table = static_cast<int32_t>(t);
   m.row = static_cast<int32_t>(row);
   m.dim = static_cast<int32_t>(p.tables[t].dim);
-  const int64_t bag = p.bags[q];
-  if (bag < 0 || bag >= p.num_features * p.config.batch) return m;
-  const int64_t f = static_cast<int32_t>(bag) / static_cast<int32_t>(p.config.batch);  // both < 2^31: host-checked
-  if (p.features[f].table != t) return m;
+  if (!in_bag_table) return m;  // a bad bag, or a feature of another table than the key's
   const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
   m.src = (bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col;
   m.weight = p.config.weighted ? p.psw[q] : 1.f;
@@ -492,12 +501,6 @@ PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi
       }
     }
   }
-}
-
-// Whether `key` lies past every table's rows (a captured step's padding sorts there).
-PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
-  const OwnerTable& last = p.tables[p.num_tables - 1];
-  return key >= last.key_base + last.rows;
 }
 
 // A chunk where no run starts, inside one long run (not one of keys past the tables or before them): summed
