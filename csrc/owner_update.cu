@@ -31,7 +31,7 @@ struct WarpLanes {
   static constexpr int kVec = kVecColumns;
   static constexpr int kMaxColumns = kVectors * kVecColumns;
   static constexpr int kDepth = kMaxColumns == 1 ? 3 : kMaxColumns <= 4 ? 2 : 1;
-  static constexpr int kMinBlocks = kMaxColumns <= 2 ? 4 : kMaxColumns <= 4 ? 2 : 1;
+  static constexpr int kMinBlocks = kMaxColumns <= 2 ? 3 : kMaxColumns <= 4 ? 2 : 1;
   int lane;
   __device__ constexpr int columns(int) const { return kMaxColumns; }  // unrolled; column(j) < dim guards
   __device__ int column(int j) const { return ((j / kVec) * kCount + lane) * kVec + j % kVec; }
