@@ -2,9 +2,8 @@
 // each, with a warp per chunk of sorted positions (grid-stride over the
 // chunks, their size set by the used positions and the resident warps). The
 // warp's lanes read a batch of 32 positions' fields one a lane, then walk the
-// positions together, splitting each row's columns (in vectors of contiguous
-// columns where the rows are aligned). Phase 2 starts after phase 1's grid
-// completes (stream order): the partials it reads are written.
+// positions together, splitting each row's columns. Phase 2 starts after
+// phase 1's grid completes (stream order): the partials it reads are written.
 // No host sync: the id count is the tensors' size (or a device word), the
 // hyper-parameters are read on the device.
 #include <ATen/ATen.h>
@@ -20,38 +19,37 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// A warp as the walk's lanes: kVectors vectors of kVec columns a lane (dim <= 32 * kVectors * kVec, sized by
-// the widest table of the launch), and as many ids' rows in flight (kDepth) as registers allow at kMinBlocks
-// CTAs per SM. Chosen by measurement (benchmarks/archive/NOTES-2026-11.md §33, §35): up to two columns a lane,
-// 4 CTAs at 64 registers beat 3 CTAs without spills; wider rows spill nothing. Narrower groups (16 lanes of 4
-// columns at dim 64) needed 115 registers, half the warps resident, and walked 25-60% slower (NOTES).
-template <int kVectors, int kVecColumns>
+// A warp as the walk's lanes: kColumns columns a lane (dim <= 32 * kColumns,
+// sized by the widest table of the launch), and as many ids' rows in flight
+// (kDepth) as registers allow at kMinBlocks CTAs per SM. Chosen by measurement
+// (benchmarks/archive/NOTES-2026-11.md §33, §35): up to dim 64, 4 CTAs at 64 registers, where
+// ptxas (nvcc 13.0, sm_90a, -Xptxas -v) spills up to 60 bytes in some
+// instantiations, beat 3 CTAs without spills; wider rows spill nothing.
+template <int kColumns>
 struct WarpLanes {
   static constexpr int kCount = 32;
-  static constexpr int kVec = kVecColumns;
-  static constexpr int kMaxColumns = kVectors * kVecColumns;
-  static constexpr int kDepth = kMaxColumns == 1 ? 3 : kMaxColumns <= 4 ? 2 : 1;
-  static constexpr int kMinBlocks = kMaxColumns <= 2 ? 3 : kMaxColumns <= 4 ? 2 : 1;
+  static constexpr int kMaxColumns = kColumns;
+  static constexpr int kDepth = kColumns == 1 ? 3 : kColumns == 2 ? 2 : kColumns <= 4 ? 2 : 1;
+  static constexpr int kMinBlocks = kColumns <= 2 ? 4 : kColumns <= 4 ? 2 : 1;
   int lane;
-  __device__ constexpr int columns(int) const { return kMaxColumns; }  // unrolled; column(j) < dim guards
-  __device__ int column(int j) const { return ((j / kVec) * kCount + lane) * kVec + j % kVec; }
+  __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; d < dim guards
   __device__ float sum(float x) const {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
   }
   __device__ unsigned ballot(bool flag) const { return __ballot_sync(0xffffffffu, flag); }
-  __device__ int first(unsigned bits) const { return __ffs(bits) - 1; }
+  __device__ int first(unsigned mask) const { return __ffs(mask) - 1; }
   template <typename T>
   __device__ T broadcast(T x, int from) const { return __shfl_sync(0xffffffffu, x, from); }
   __device__ void sync() const { __syncwarp(); }
 };
 
 // The walkers' loop over the chunks of the used positions (grid-stride: an eager launch sized to its ids and a
-// captured one sized to the capacity cut the same chunks, from `used` and the resident walkers).
-template <typename Lanes, typename Walk>
+// captured one sized to the capacity cut the same chunks, from `used` and the resident warps).
+template <int kColumns, typename Walk>
 __device__ __forceinline__ void for_each_chunk(const OwnerUpdateParams& p, Walk&& walk) {
   if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
-  const Lanes lanes{static_cast<int>(threadIdx.x % 32)};
+  const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
   const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
   const int64_t chunks = (used + size - 1) / size, stride = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks; c += stride) {
@@ -59,26 +57,28 @@ __device__ __forceinline__ void for_each_chunk(const OwnerUpdateParams& p, Walk&
   }
 }
 
-template <typename weight_t, typename grad_t, Optimizer kOptimizer, typename Lanes>
-__global__ void __launch_bounds__(kThreads, Lanes::kMinBlocks) owner_walk_kernel(OwnerUpdateParams p) {
-  for_each_chunk<Lanes>(p, [&](int64_t c, int64_t size, int64_t used, Lanes lanes) {
-    walk_chunk<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
+template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
+__global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
+    owner_walk_kernel(OwnerUpdateParams p) {
+  for_each_chunk<kColumns>(p, [&](int64_t c, int64_t size, int64_t used, WarpLanes<kColumns> lanes) {
+    walk_chunk<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
   });
 }
 
-template <typename weight_t, typename grad_t, Optimizer kOptimizer, typename Lanes>
-__global__ void __launch_bounds__(kThreads, Lanes::kMinBlocks) owner_finish_kernel(OwnerUpdateParams p) {
-  for_each_chunk<Lanes>(p, [&](int64_t c, int64_t size, int64_t used, Lanes lanes) {
-    finish_run<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
+template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
+__global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
+    owner_finish_kernel(OwnerUpdateParams p) {
+  for_each_chunk<kColumns>(p, [&](int64_t c, int64_t size, int64_t used, WarpLanes<kColumns> lanes) {
+    finish_run<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
   });
 }
 
 // Both phases on the update's stream, as many CTAs as the positions fill with 32-id chunks, at most the
 // resident ones (a captured step's capacity: every resident CTA, each reading how many positions are used).
 // The partials live in the launch's own allocation (the stream's caching allocator; a capture's graph pool).
-template <typename weight_t, typename grad_t, Optimizer kOptimizer, typename Lanes>
+template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
 void launch(OwnerUpdateParams p, int64_t max_dim) {
-  const auto walk = owner_walk_kernel<weight_t, grad_t, kOptimizer, Lanes>;
+  const auto walk = owner_walk_kernel<weight_t, grad_t, kOptimizer, kColumns>;
   const int resident = resident_ctas(walk, kThreads);
   p.walkers = static_cast<int64_t>(resident) * kWarps;
   const int64_t cols = (max_dim + 31) / 32 * 32;
@@ -91,7 +91,7 @@ void launch(OwnerUpdateParams p, int64_t max_dim) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   walk<<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
-  owner_finish_kernel<weight_t, grad_t, kOptimizer, Lanes><<<blocks, kThreads, 0, stream>>>(p);
+  owner_finish_kernel<weight_t, grad_t, kOptimizer, kColumns><<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -108,23 +108,20 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, apply, used, on_device);
   const int64_t max_dim = widest_dim(weights);
-  const bool vectors = rows_in_vectors(4, grad, weights, momentum1, momentum2, features, p.config);
   dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
                         [&](auto weight, auto grad_type, auto optimizer) {
     if (p.n == 0) return;
     using weight_t = decltype(weight);
     using grad_t = decltype(grad_type);
     constexpr Optimizer kOptimizer = decltype(optimizer)::value;
-    if (max_dim <= 32) {  // a column a lane: any alignment
-      launch<weight_t, grad_t, kOptimizer, WarpLanes<1, 1>>(p, max_dim);
-    } else if (!vectors) {
-      launch<weight_t, grad_t, kOptimizer, WarpLanes<kOwnerMaxDim / 32, 1>>(p, max_dim);
-    } else if (max_dim <= 64) {  // 8-byte vectors of fp32
-      launch<weight_t, grad_t, kOptimizer, WarpLanes<1, 2>>(p, max_dim);
-    } else if (max_dim <= 128) {  // 16-byte vectors of fp32
-      launch<weight_t, grad_t, kOptimizer, WarpLanes<1, 4>>(p, max_dim);
+    if (max_dim <= 32) {
+      launch<weight_t, grad_t, kOptimizer, 1>(p, max_dim);
+    } else if (max_dim <= 64) {
+      launch<weight_t, grad_t, kOptimizer, 2>(p, max_dim);
+    } else if (max_dim <= 128) {
+      launch<weight_t, grad_t, kOptimizer, 4>(p, max_dim);
     } else {
-      launch<weight_t, grad_t, kOptimizer, WarpLanes<kOwnerMaxDim / 128, 4>>(p, max_dim);
+      launch<weight_t, grad_t, kOptimizer, kOwnerMaxDim / 32>(p, max_dim);
     }
   });
 }

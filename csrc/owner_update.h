@@ -189,54 +189,14 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
   return {fmaf(-h.lr, step, w), m1, m2};
 }
 
-// Lanes (a group of a warp's lanes, or one CPU thread) play two parts in the
-// walk below. Over a row, a lane holds kMaxColumns columns (columns(dim) of
-// them in use) in vectors of kVec contiguous ones: element j of its arrays is
-// column(j) = ((j / kVec) * kCount + lane) * kVec + j % kVec, so a vector is
-// one load or store and the lanes' vectors tile the row. Over the sorted
-// positions, a batch of kCount positions is read lane-per-position, then each
-// position's fields are broadcast. sum adds a value over the lanes, ballot
-// gathers a flag per lane (lane i: bit i), sync orders the lanes' reads of a
-// row's state before a write. kDepth: the ids whose gradient rows (and, at a
-// run's start, weight row) are loaded before the first of them is summed. A
-// walk with kVec > 1 is given only rows whose dims, gradient columns and row
-// strides are multiples of kVec at addresses aligned to a vector
-// (rows_in_vectors), so a vector lies in its row or past its end whole.
-
-// kVec values of T, aligned as one load or store of them.
-template <int kVec, typename T>
-struct alignas(sizeof(T) * kVec) ColumnVector {
-  T v[kVec];
-};
-
-// The lane's columns of a row of `dim` values of T as fp32: zeros past the row's end.
-template <typename Lanes, typename T>
-PGAS_UPDATE_FN void load_columns(const T* row, int dim, Lanes lanes, float* out) {
-  constexpr int kVec = Lanes::kVec;
-  PGAS_UNROLL
-  for (int j = 0; j < lanes.columns(dim); j += kVec) {
-    const int d = lanes.column(j);
-    ColumnVector<kVec, T> v{};
-    if (d < dim) v = *reinterpret_cast<const ColumnVector<kVec, T>*>(row + d);
-    PGAS_UNROLL
-    for (int i = 0; i < kVec; ++i) out[j + i] = d < dim ? static_cast<float>(v.v[i]) : 0.f;
-  }
-}
-
-// Stores the lane's columns of a row, rounded to T (to nearest).
-template <typename Lanes, typename T>
-PGAS_UPDATE_FN void store_columns(T* row, int dim, Lanes lanes, const float* in) {
-  constexpr int kVec = Lanes::kVec;
-  PGAS_UNROLL
-  for (int j = 0; j < lanes.columns(dim); j += kVec) {
-    const int d = lanes.column(j);
-    if (d >= dim) continue;
-    ColumnVector<kVec, T> v;
-    PGAS_UNROLL
-    for (int i = 0; i < kVec; ++i) v.v[i] = static_cast<T>(in[j + i]);
-    *reinterpret_cast<ColumnVector<kVec, T>*>(row + d) = v;
-  }
-}
+// Lanes (a warp, or one CPU thread) play two parts in the walk below. Over a
+// row, lane l holds columns l, l + kCount, ... in arrays of kMaxColumns
+// (columns(dim) of them in use); over the sorted positions, a batch of kCount
+// positions is read lane-per-position, then each position's fields are
+// broadcast. sum adds a value over the lanes, ballot gathers a flag per lane
+// (lane i: bit i), sync orders the lanes' reads of a row's state before a
+// write. kDepth: the ids whose gradient rows (and, at a run's start, weight
+// row) are loaded before the first of them is summed.
 
 // What the walk needs of sorted position q, read lane-per-position: its row
 // (table -1: a key outside every table's rows, whose run is skipped), whether it
@@ -254,29 +214,20 @@ struct IdMeta {
   bool beyond;  // its key is past every table's rows, as are all after it (sorted): nothing left to update
 };
 
-// Whether `key` lies past every table's rows (a captured step's padding sorts there).
-PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
-  const OwnerTable& last = p.tables[p.num_tables - 1];
-  return key >= last.key_base + last.rows;
-}
-
-// The key's table is its bag's feature's (what an id's own table check needs anyway: one dependent load after
-// the bag's), searched among the tables' key ranges only where the bag is bad or names another table.
 PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
-  const int64_t key = key_at(p, q), bag = p.bags[q];
-  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key, past_tables(p, key)};
-  const bool bag_ok = bag >= 0 && bag < p.num_features * p.config.batch;
-  const int64_t f = bag_ok ? static_cast<int32_t>(bag) / static_cast<int32_t>(p.config.batch) : 0;  // < 2^31
-  const int64_t bag_table = bag_ok ? p.features[f].table : -1;
-  const bool in_bag_table = bag_ok && key >= p.tables[bag_table].key_base &&
-                            key - p.tables[bag_table].key_base < p.tables[bag_table].rows;
-  const int64_t t = in_bag_table ? bag_table : table_of(p, key);
+  const int64_t key = key_at(p, q);
+  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key, false};
+  const int64_t t = table_of(p, key);
   const int64_t row = key - p.tables[t].key_base;
+  m.beyond = t == p.num_tables - 1 && row >= p.tables[t].rows;
   if (row < 0 || row >= p.tables[t].rows) return m;
   m.table = static_cast<int32_t>(t);
   m.row = static_cast<int32_t>(row);
   m.dim = static_cast<int32_t>(p.tables[t].dim);
-  if (!in_bag_table) return m;  // a bad bag, or a feature of another table than the key's
+  const int64_t bag = p.bags[q];
+  if (bag < 0 || bag >= p.num_features * p.config.batch) return m;
+  const int64_t f = bag / p.config.batch;
+  if (p.features[f].table != t) return m;
   const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
   m.src = (bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col;
   m.weight = p.config.weighted ? p.psw[q] : 1.f;
@@ -346,7 +297,6 @@ template <typename Lanes, typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const OwnerHyper& h,
                                const OwnerUpdateConfig& config, Lanes lanes, const float* g,
                                const RowBefore<Lanes::kMaxColumns>& before) {
-  constexpr int kColumns = Lanes::kMaxColumns;
   const int dim = static_cast<int>(table.dim);
   weight_t* w = static_cast<weight_t*>(table.weights) + row * dim;
   RowStep step{h.lr, 1.f};  // SGD
@@ -354,7 +304,7 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
     float squares = 0.f;
     PGAS_UNROLL
     for (int j = 0; j < lanes.columns(dim); ++j) {
-      const int d = lanes.column(j);
+      const int d = lanes.lane + j * Lanes::kCount;
       const float gd = d < dim ? adagrad_decayed(g[j], before.w[j], h, config.weight_decay_mode) : 0.f;
       squares = fmaf(gd, gd, squares);
     }
@@ -363,58 +313,37 @@ PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const Owner
     if (lanes.lane == 0) table.momentum1[row] = m;
     step = adagrad_row_step(m, h, config.weight_decay_mode);
   }
-  float after[kColumns];
-  if (kOptimizer != Optimizer::kAdam) {
-    PGAS_UNROLL
-    for (int j = 0; j < lanes.columns(dim); ++j) after[j] = fmaf(-step.multiplier, g[j], step.correction * before.w[j]);
-    return store_columns(w, dim, lanes, after);
-  }
-  float* m1 = table.momentum1 + row * dim;
-  float* m2 = table.momentum2 + row * dim;
-  float m1_row[kColumns], m2_row[kColumns];
-  load_columns(m1, dim, lanes, m1_row);
-  load_columns(m2, dim, lanes, m2_row);
+  float* m1 = kOptimizer == Optimizer::kAdam ? table.momentum1 + row * dim : nullptr;
+  float* m2 = kOptimizer == Optimizer::kAdam ? table.momentum2 + row * dim : nullptr;
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
-    const AdamColumn c = adam_column(before.w[j], g[j], m1_row[j], m2_row[j], h);
-    after[j] = c.w;
-    m1_row[j] = c.m1;
-    m2_row[j] = c.m2;
+    const int d = lanes.lane + j * Lanes::kCount;
+    if (d >= dim) continue;
+    if (m1 == nullptr) {
+      w[d] = static_cast<weight_t>(fmaf(-step.multiplier, g[j], step.correction * before.w[j]));
+      continue;
+    }
+    const AdamColumn c = adam_column(before.w[j], g[j], m1[d], m2[d], h);
+    w[d] = static_cast<weight_t>(c.w);
+    m1[d] = c.m1;
+    m2[d] = c.m2;
   }
-  store_columns(w, dim, lanes, after);
-  store_columns(m1, dim, lanes, m1_row);
-  store_columns(m2, dim, lanes, m2_row);
-}
-
-// What every lane needs of position i's term (IdMeta's fields, from the lane that read them): where its
-// gradient row starts and, where the update uses them, its weight and MEAN factor (else 1: no shuffle spent).
-struct TermSource {
-  int64_t src;
-  float weight;
-  float inv_length;
-};
-
-template <typename Lanes>
-PGAS_UPDATE_FN TermSource term_source(const OwnerUpdateParams& p, const IdMeta& mine, int i, Lanes lanes) {
-  TermSource s{lanes.broadcast(mine.src, i), 1.f, 1.f};
-  if (p.config.weighted) s.weight = lanes.broadcast(mine.weight, i);
-  if (p.config.mean) s.inv_length = lanes.broadcast(mine.inv_length, i);
-  return s;
 }
 
 // One id's gradient row (the lane's columns), as FBGEMM's GPU backward forms
 // its term: a MEAN bag's gradient times 1/length rounded to the gradient's
-// dtype, then times the per-sample weight; zeros where the id adds nothing
-// (adds false).
+// dtype, then times the per-sample weight; zeros where the id adds nothing.
 template <typename Lanes, typename grad_t>
-PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, const TermSource& s, bool adds, int dim, Lanes lanes,
-                              float* term) {
-  const grad_t* grad = static_cast<const grad_t*>(p.grad) + (adds ? s.src : 0);
-  load_columns(grad, adds ? dim : 0, lanes, term);
+PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, int64_t src, int dim, float weight, float inv_length,
+                              Lanes lanes, float* term) {
+  const grad_t* grad = static_cast<const grad_t*>(p.grad);
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
-    if (p.config.mean) term[j] = static_cast<float>(static_cast<grad_t>(mul_rn(term[j], s.inv_length)));
-    if (p.config.weighted) term[j] = mul_rn(term[j], s.weight);
+    const int d = lanes.lane + j * Lanes::kCount;
+    float s = src >= 0 && d < dim ? static_cast<float>(grad[src + d]) : 0.f;
+    if (p.config.mean) s = static_cast<float>(static_cast<grad_t>(mul_rn(s, inv_length)));
+    if (p.config.weighted) s = mul_rn(s, weight);
+    term[j] = s;
   }
 }
 
@@ -424,7 +353,12 @@ PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64
                                 RowBefore<Lanes::kMaxColumns>& before) {
   const OwnerTable& t = p.tables[table < 0 ? 0 : table];
   const int dim = table < 0 ? 0 : static_cast<int>(t.dim);
-  load_columns(static_cast<const weight_t*>(t.weights) + row * dim, dim, lanes, before.w);
+  const weight_t* w = static_cast<const weight_t*>(t.weights) + row * dim;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    before.w[j] = d < dim ? static_cast<float>(w[d]) : 0.f;
+  }
   before.momentum =
       table >= 0 && kOptimizer == Optimizer::kRowwiseAdagrad ? t.momentum1[row] : 0.f;
 }
@@ -446,7 +380,7 @@ PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t chunk, int
   const int64_t cols = (p.partial_stride - 1) / 2;
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
-    const int d = lanes.column(j);
+    const int d = lanes.lane + j * Lanes::kCount;
     if (d < dim) {
       out[d] = g[j];
       out[cols + d] = carry[j];
@@ -463,7 +397,7 @@ PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t chunk, int d
   const int64_t cols = (p.partial_stride - 1) / 2;
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
-    const int d = lanes.column(j);
+    const int d = lanes.lane + j * Lanes::kCount;
     if (d < dim) {
       add_compensated(g[j], carry[j], in[d]);
       add_compensated(g[j], carry[j], -in[cols + d]);
@@ -488,9 +422,11 @@ PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi
       bool adds[kDepth];
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only
-        const TermSource source = term_source(p, mine, i0 + k < count ? i0 + k : count - 1, lanes);
-        adds[k] = i0 + k < count && source.src >= 0;
-        load_term<Lanes, grad_t>(p, source, adds[k], dim, lanes, term[k]);
+        const int i = i0 + k < count ? i0 + k : count - 1;
+        const int64_t src = lanes.broadcast(mine.src, i);
+        const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
+        adds[k] = i0 + k < count && src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dim, weight, inv_length, lanes, term[k]);
       }
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {
@@ -501,6 +437,12 @@ PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi
       }
     }
   }
+}
+
+// Whether `key` lies past every table's rows (a captured step's padding sorts there).
+PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
+  const OwnerTable& last = p.tables[p.num_tables - 1];
+  return key >= last.key_base + last.rows;
 }
 
 // A chunk where no run starts, inside one long run (not one of keys past the tables or before them): summed
@@ -541,7 +483,6 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
   run.added = false;
   run.row = 0;
   bool opened = false;  // a run of this chunk has started
-  int loading_dim = 0;  // the dim of the run the ids being loaded belong to (set as their run's first id loads)
   for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
     const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true, true};
@@ -554,7 +495,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
     for (int i0 = 0; i0 < end; i0 += kDepth) {
       float term[kDepth][kColumns];
       RowBefore<kColumns> before[kDepth];
-      int32_t tables[kDepth], rows[kDepth], dims[kDepth];
+      int32_t tables[kDepth], dims[kDepth], rows[kDepth];
       bool adds[kDepth], opens[kDepth];
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
@@ -562,15 +503,13 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
         // a live id belongs to a run of this chunk: one opened before, or at or before it in this batch
         const bool live = i0 + k < end && (opened || (starts & (~0u >> (31 - i))) != 0);
         opens[k] = live && ((starts >> i) & 1u) != 0;
-        if (opens[k]) {  // a run's row, table and dim: broadcast once, at its first id
-          tables[k] = lanes.broadcast(mine.table, i);
-          rows[k] = lanes.broadcast(mine.row, i);
-          loading_dim = lanes.broadcast(mine.dim, i);
-        }
-        dims[k] = loading_dim;
-        const TermSource source = term_source(p, mine, i, lanes);
-        adds[k] = live && source.src >= 0;
-        load_term<Lanes, grad_t>(p, source, adds[k], dims[k], lanes, term[k]);
+        tables[k] = lanes.broadcast(mine.table, i);
+        dims[k] = lanes.broadcast(mine.dim, i);
+        rows[k] = lanes.broadcast(mine.row, i);
+        const int64_t src = lanes.broadcast(mine.src, i);
+        const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
+        adds[k] = live && src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dims[k], weight, inv_length, lanes, term[k]);
         if (opens[k]) load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, before[k]);
       }
       PGAS_UNROLL
@@ -649,12 +588,6 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
                                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
                                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used,
                                       std::vector<at::Tensor>& on_device);
-
-// Whether every row the update reads or writes can be read in vectors of `vec` columns (Lanes::kVec): the
-// tables' dims, the features' gradient columns and the gradient's row stride are multiples of it, and the
-// gradient, weights and Adam states start at addresses aligned to a vector of their dtype.
-bool rows_in_vectors(int64_t vec, const at::Tensor& grad, at::TensorList weights, at::TensorList momentum1,
-                     at::TensorList momentum2, const at::Tensor& features, const OwnerUpdateConfig& config);
 
 // The widest table's dim: it sizes the GPU lanes' columns and the partials.
 inline int64_t widest_dim(at::TensorList weights) {

@@ -124,12 +124,10 @@ at::Tensor device_copy(const at::Tensor& host, const at::Device& device) {
 
 struct HostLanes {
   static constexpr int kCount = 1;
-  static constexpr int kVec = 1;
   static constexpr int kMaxColumns = kOwnerMaxDim;
   static constexpr int kDepth = 1;
   int lane = 0;
   int columns(int dim) const { return dim; }
-  int column(int j) const { return j; }
   float sum(float x) const { return x; }
   unsigned ballot(bool flag) const { return flag ? 1u : 0u; }
   int first(unsigned) const { return 0; }
@@ -213,30 +211,6 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
   };
 }
 
-namespace {
-
-// Whether t's data starts at an address aligned to `vec` of its elements.
-bool aligned(const at::Tensor& t, int64_t vec) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % static_cast<uintptr_t>(vec * t.element_size()) == 0;
-}
-
-}  // namespace
-
-bool rows_in_vectors(int64_t vec, const at::Tensor& grad, at::TensorList weights, at::TensorList momentum1,
-                     at::TensorList momentum2, const at::Tensor& features, const OwnerUpdateConfig& config) {
-  if (grad.stride(0) % vec != 0 || !aligned(grad, vec)) return false;
-  const auto* f = reinterpret_cast<const OwnerFeatureDesc*>(features.data_ptr<int64_t>());
-  for (int64_t i = 0; i < features.size(0); ++i) {
-    if (f[i].grad_col % vec != 0) return false;
-  }
-  for (size_t t = 0; t < weights.size(); ++t) {  // a row starts at row * dim of its table's storage
-    if (weights[t].size(1) % vec != 0 || !aligned(weights[t], vec)) return false;
-    if (config.optimizer == Optimizer::kAdam && !(aligned(momentum1[t], vec) && aligned(momentum2[t], vec))) {
-      return false;
-    }
-  }
-  return true;
-}
 
 // CPU implementation of torchrec_pgas::owner_update (the same algorithm as the CUDA kernel).
 void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
