@@ -1,5 +1,5 @@
 // What one GPU's HBM delivers to a random-row gather, next to streaming reads and
-// a copy (benchmarks/archive/NOTES-2026-11.md §20): the ceiling the PGAS lookup is measured against.
+// a copy (benchmarks/archive/NOTES-2026-11.md.gz §20): the ceiling the PGAS lookup is measured against.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/gather_ceiling.cu -o /tmp/gather_ceiling && /tmp/gather_ceiling
 //

@@ -1,5 +1,5 @@
 // SM stores into a peer GPU's memory over NVLink: bandwidth by store width and
-// run length, next to the copy engine and local HBM (benchmarks/archive/NOTES-2026-11.md §14).
+// run length, next to the copy engine and local HBM (benchmarks/archive/NOTES-2026-11.md.gz §14).
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/p2p_stores.cu -o /tmp/p2p_stores && /tmp/p2p_stores
 //
