@@ -5,7 +5,9 @@ then every weight and optimizer state compared. fp32 within rtol 1e-5 (the sums'
 trains with SGD and the Adagrads only, ignores row-wise Adagrad's weight decay and rounds fp16 SGD
 stochastically, so those cases (and Adam) are compared on GPUs."""
 
+import contextlib
 import itertools
+import time
 import warnings
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torchrec_pgas import pooling_capacity_from_constraints
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_apply import OwnerApply
+from torchrec_pgas.sharding.owner_choice import TIMED_TRIALS, UNTIMED_TRIALS, OwnerBackwardTrial
 from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
 from torchrec_pgas.testing import (
     LossModel,
@@ -266,10 +269,11 @@ def test_a_row_of_100k_ids_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precis
              hot_ids=LONG_RUN, rtol=LONG_RUN_RTOL)
 
 
-def _counting_owner_paths(counts: Dict[str, int]) -> Callable[[], None]:
+def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTrial]) -> Callable[[], None]:
     """Count the owner updates applied at capacity (``OwnerApply.update_at_capacity``) and the owner rebuilds at
-    the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``; returns the undo."""
-    at_capacity, at_count = OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids
+    the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``, and collect the shardings'
+    ``owner_backward='auto'`` trials into ``trials``; returns the undo."""
+    at_capacity, at_count, init = OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids, OwnerApply.__init__
 
     def capacity(*args: Any, **kwargs: Any) -> bool:
         taken = at_capacity(*args, **kwargs)
@@ -280,16 +284,24 @@ def _counting_owner_paths(counts: Dict[str, int]) -> Callable[[], None]:
         counts["count"] += 1
         return at_count(*args, **kwargs)
 
+    def collecting(apply: OwnerApply, *args: Any, **kwargs: Any) -> None:
+        init(apply, *args, **kwargs)
+        if apply.trial is not None:
+            trials.append(apply.trial)
+
     OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = capacity, count  # type: ignore[method-assign]
+    OwnerApply.__init__ = collecting  # type: ignore[method-assign]
 
     def undo() -> None:
         OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = at_capacity, at_count  # type: ignore[method-assign]
+        OwnerApply.__init__ = init  # type: ignore[method-assign]
     return undo
 
 
 def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float]]:
     """Both PGAS shardings trained with owner_backward="pgas" against stock (FBGEMM) on the same batches:
-    SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags.
+    SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags;
+    and with owner_backward="auto", whose 8 steps are its trial of both backwards (alternating).
     Each step lays the kept ids out at their capacity (as GPU eager and captured steps do) where the extension
     is built (the GPUs' default bound, set here: a CPU's reads the count), except with ``max_padded_eager_ids=0``
     (the ``count`` case), where it reads their count."""
@@ -300,8 +312,10 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
         for opt, dtype, path in ((EmbOptimType.EXACT_SGD, "fp32", "capacity"),
                                  (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "capacity"),
                                  (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "count"),
-                                 (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp16", "capacity")):
-            config = with_training(base, max_padded_eager_ids=0) if path == "count" else base
+                                 (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp16", "capacity"),
+                                 (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "fp32", "auto")):
+            config = {"count": with_training(base, max_padded_eager_ids=0),
+                      "auto": with_training(base, owner_backward="auto")}.get(path, base)
             model = default_model(seed=5, min_rows=world)
             if dtype == "fp16":
                 for ebc in (model.ebc, model.webc):
@@ -314,7 +328,8 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
             types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
             fused = {"optimizer": opt, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
             counts = {"capacity": 0, "count": 0}
-            undo = _counting_owner_paths(counts)
+            trials: List[OwnerBackwardTrial] = []
+            undo = _counting_owner_paths(counts, trials)
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -324,7 +339,10 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                 undo()
             fallbacks = [str(w.message) for w in caught if "owner_backward" in str(w.message)]
             assert not fallbacks, fallbacks  # FBGEMM's path would have served (and warned)
-            if path == "count" or not op_available():
+            if path == "auto":  # the 8 steps are the trial: both backwards ran, and a choice was made
+                assert counts["count"] > 0 and (counts["capacity"] > 0 or not op_available()), counts
+                assert trials and all(t.chosen is not None for t in trials), "owner_backward='auto' chose nothing"
+            elif path == "count" or not op_available():
                 assert counts["capacity"] == 0 and counts["count"] > 0, counts
             else:
                 assert counts["capacity"] > 0 and counts["count"] == 0, counts
@@ -343,13 +361,37 @@ def test_training_with_owner_backward_matches_stock() -> None:
 
 
 def test_owner_backward_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"must be one of \['pgas', 'fbgemm', 'reference'\], got 'fused'"):
+    with pytest.raises(ValueError, match=r"must be one of \['pgas', 'fbgemm', 'auto', 'reference'\], got 'fused'"):
         PgasTrainingConfig(owner_backward="fused")
     with pytest.raises(ValueError, match="max_padded_eager_ids must be >= 0, got -1"):
         PgasTrainingConfig(owner_backward="pgas", max_padded_eager_ids=-1)
     with pytest.raises(ValueError, match="takes a PgasTrainingConfig, or None for inference-only shardings; got False"):
         PgasConfig(training=False)  # type: ignore[arg-type]
     assert PgasTrainingConfig(owner_backward="fbgemm").owner_backward is OwnerBackward.FBGEMM
+
+
+@pytest.mark.parametrize("slower", [OwnerBackward.PGAS, OwnerBackward.FBGEMM])
+def test_auto_times_both_backwards_alternating_then_keeps_the_faster(slower: OwnerBackward) -> None:
+    """``owner_backward='auto'``'s trial on a CPU (host-timed applies): the schedule alternates the two
+    backwards, the untimed first pair included; an apply that raises is not counted and runs again; the faster
+    median is chosen as the last timed apply ends, and every later apply runs it untimed."""
+    trial = OwnerBackwardTrial("pgas_row_wise", torch.device("cpu"))
+    ran = []
+    failed = False
+    while trial.deciding():
+        with contextlib.suppress(RuntimeError), trial.timed() as path:
+            ran.append(path)
+            if len(ran) == 3 and not failed:
+                failed = True
+                raise RuntimeError("a failed step")
+            time.sleep(0.004 if path == slower else 0.0)
+    pairs = UNTIMED_TRIALS + TIMED_TRIALS
+    assert ran == [OwnerBackward.PGAS, OwnerBackward.FBGEMM, OwnerBackward.PGAS] + [
+        OwnerBackward.PGAS, OwnerBackward.FBGEMM] * (pairs - 1)
+    faster = OwnerBackward.FBGEMM if slower == OwnerBackward.PGAS else OwnerBackward.PGAS
+    assert trial.chosen == faster and trial.path() == faster
+    with trial.timed() as path:
+        assert path == faster and not trial.deciding()
 
 
 def test_the_defaults_are_the_owner_update_at_capacity_on_gpus_only() -> None:

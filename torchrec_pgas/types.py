@@ -46,6 +46,11 @@ class OwnerBackward(str, Enum):
     FBGEMM = "fbgemm"
     """FBGEMM's fused backward and optimizer, as in stock TorchRec: every optimizer and option; slower (a host
     sync and a second lookup a step)."""
+    AUTO = "auto"
+    """Each sharding's owners time both of the above on their first eager steps (alternating, after the
+    gradient exchange, without a host sync on GPUs) and keep the faster, each rank for its own rows; a captured
+    step runs the owner update. A choice made from timings may differ between runs: pin one for bitwise
+    reproducibility."""
     REFERENCE = "reference"
     """The owner update's algorithm in torch ops with float64 sums (FBGEMM's GPU semantics on any device):
     slow, eager only; a reference for tests."""

@@ -141,8 +141,8 @@ class HostStep(PgasStep):
             try:
                 self._wait(lay.release_signal, range(self.world_size), epoch - lay.num_slots, epoch,
                            "the release of this rank's blocks")
-            except PgasError as err:  # a peer gave the step up (its abort wakes this wait) or died
-                raise self._give_up(err, epoch)
+            except PgasError as peer_err:  # a peer gave the step up (its abort wakes this wait) or died
+                raise self._give_up(peer_err, epoch)
         self.issued = epoch
         return epoch, values
 
@@ -257,19 +257,24 @@ class HostStep(PgasStep):
             self._send_gradients(ticket, grad, slot)
             self._await_gradients(epoch)
             profiling.mark("grad_exchange")
-            rows, block_features, columns, batches = self.owner_view(ticket)
-            # the host path raised any failure of the step before its backward: the step is whole here
-            if (block_features[1] and rows > 0 and self.owner_apply.at_capacity(ticket)
-                    and self.owner_apply.update_at_capacity(ticket, slot, rows, block_features, columns, batches,
-                                                            torch.ones((), dtype=torch.bool), ticket.tbe_iters)):
-                sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
-                return
-            kjt = self.received.kept_ids(epoch, rows, block_features, batches)
-            profiling.mark("kept_ids")
-            grads = self.received.kept_grads(slot, rows, columns, self.spec.out_dtype)
-            self.owner_apply.apply_at_count(ticket, kjt, grads)
+            with self.owner_apply.applying():
+                self._apply(ticket, slot)
         finally:
             self.release(epoch)
+
+    def _apply(self, ticket: StepTicket, slot: int) -> None:
+        """The owner update at capacity where it serves, else the kept ids at their count and their apply (the
+        host path raised any failure of the step before its backward: the step is whole here)."""
+        rows, block_features, columns, batches = self.owner_view(ticket)
+        if (block_features[1] and rows > 0 and self.owner_apply.at_capacity(ticket)
+                and self.owner_apply.update_at_capacity(ticket, slot, rows, block_features, columns, batches,
+                                                        torch.ones((), dtype=torch.bool), ticket.tbe_iters)):
+            sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+            return
+        kjt = self.received.kept_ids(ticket.epoch, rows, block_features, batches)
+        profiling.mark("kept_ids")
+        grads = self.received.kept_grads(slot, rows, columns, self.spec.out_dtype)
+        self.owner_apply.apply_at_count(ticket, kjt, grads)
 
     def _send_gradients(self, ticket: StepTicket, grad: torch.Tensor, slot: int) -> None:
         """Put this rank's gradient rows into every owner's gradient block, then signal the owners: only once

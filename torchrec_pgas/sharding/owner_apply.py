@@ -1,9 +1,11 @@
 """How an owner applies the gradients its sources sent for a step: the owner update op over the kept ids at
 their fixed capacity (no host sync), or over the ids at their count, or FBGEMM's backward through a replay of
-stock's lookup, whichever ``PgasConfig.owner_backward`` and the TBEs allow (``owner_backward.py``)."""
+stock's lookup, whichever ``PgasConfig.owner_backward`` (``AUTO``: the faster of the first two measured,
+``owner_choice.py``) and the TBEs allow (``owner_backward.py``)."""
 
+import contextlib
 import warnings
-from typing import Optional, Sequence, Tuple, Union
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
+from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial
 from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, padded_owner_backward
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.sharding.tbe_counters import iterations_before_forward, sync_tbe_iterations
@@ -32,6 +35,32 @@ class OwnerApply:
         self._slot_bases = slot_bases
         self.gap: Optional[str] = None  # what the owner backward does not cover, once known
         self._op_refused = False  # the update op refused a TBE at capacity: read the count instead
+        self.trial = OwnerBackwardTrial(kind, device) if training.owner_backward == OwnerBackward.AUTO else None
+        self._applying: Optional[OwnerBackward] = None  # the path of the apply in progress (AUTO)
+
+    def path(self) -> OwnerBackward:
+        """The owner backward this sharding runs now: the configured one, or under ``AUTO`` the trial's."""
+        if self.trial is None:
+            return self.training.owner_backward
+        return self._applying or self.trial.path()
+
+    def timing(self) -> bool:
+        """Whether ``AUTO`` is still timing its applies (each must run on its own: not replayed in a graph)."""
+        return self.trial is not None and self.trial.deciding()
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        """One step's apply, from the end of its gradient exchange: under ``AUTO``, timed for the trial, with
+        :meth:`path` fixed for it."""
+        if self.trial is None:
+            yield
+            return
+        with self.trial.timed() as path:
+            self._applying = path
+            try:
+                yield
+            finally:
+                self._applying = None
 
     def at_capacity(self, ticket: StepTicket) -> bool:
         """Whether an eager step's owner update lays the kept ids out at their fixed capacity, as a captured one
@@ -41,8 +70,7 @@ class OwnerApply:
         # each TBE sorts the capacity
         positions = len(ticket.tbes) * self.received.world_size * self.received.layout.ids_capacity
         return (positions <= self.training.padded_eager_ids(self.device.type) and not self._op_refused
-                and self.training.owner_backward == OwnerBackward.PGAS and self.covers(ticket.tbes)
-                and op_available())
+                and self.path() == OwnerBackward.PGAS and self.covers(ticket.tbes) and op_available())
 
     def update_at_capacity(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
                            block_features: Tuple[int, int, int], columns: Tuple[int, int, int],
@@ -86,10 +114,13 @@ class OwnerApply:
         profiling.mark("owner_backward")
 
     def covers(self, tbes: Sequence[nn.Module]) -> bool:
-        """Whether the owner update (``OwnerBackward.PGAS`` or ``REFERENCE``) covers every TBE of this sharding;
-        the first time it does not, a warning says why (FBGEMM's replay serves the sharding then)."""
-        if self.training.owner_backward == OwnerBackward.FBGEMM:
-            return False
+        """Whether the owner update (``OwnerBackward.PGAS`` or ``REFERENCE``, or ``AUTO``'s trial or choice of it)
+        applies this step to every TBE of this sharding (:meth:`update_covers`)."""
+        return self.path() != OwnerBackward.FBGEMM and self.update_covers(tbes)
+
+    def update_covers(self, tbes: Sequence[nn.Module]) -> bool:
+        """Whether the owner update takes every TBE of this sharding; the first time it does not, a warning says
+        why (FBGEMM's replay serves the sharding then)."""
         if self.gap is None:
             reasons = [r for r in map(unsupported_update, tbes) if r is not None]
             self.gap = "; ".join(reasons)

@@ -116,12 +116,17 @@ class DeviceBackward:
         profiling.mark("grad_exchange")
         whole = (step.grad_flags == 0).all()
         step.grad_flags_host.copy_(step.grad_flags, non_blocking=True)
-        f_lo, f_hi = step.lookup_features
         # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
         rows = lay.max_batch if step.owners.variable_batch else batch
+        with step.owner_apply.applying():
+            self._apply(ticket, slot, rows, whole, gave_up)
+
+    def _apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor, gave_up: bool) -> None:
+        """The owner update at capacity where it serves (launched before the sources' flags are read, it applies
+        nothing unless ``whole``: the host waits for the exchange only, not for the update), else at the count."""
+        step, epoch = self.step, ticket.epoch
+        f_lo, f_hi = step.lookup_features
         if f_hi > f_lo and rows > 0 and not gave_up and step.owner_apply.at_capacity(ticket):
-            # The update is launched before the sources' flags are read and applies nothing unless ``whole``:
-            # the host waits for the exchange only, not for the update.
             exchanged = torch.cuda.current_stream(step.device).record_event()
             if self.update_held(ticket, slot, rows, whole, ticket.tbe_iters):
                 self.raise_problem(epoch, exchanged)
@@ -207,11 +212,12 @@ class DeviceBackward:
         the next check). Only the owner update op can run so (FBGEMM's backward needs the id count)."""
         step = self.step
         owner_backward = step.owner_apply.training.owner_backward
-        if owner_backward != OwnerBackward.PGAS or not step.owner_apply.covers(ticket.tbes):
+        if owner_backward not in (OwnerBackward.PGAS, OwnerBackward.AUTO) or not step.owner_apply.update_covers(
+                ticket.tbes):
             gap = step.owner_apply.gap or f"owner_backward={owner_backward.value!r}"
             raise PgasError(f"{step.kind}: a training step captured in a CUDA graph needs "
-                            f"PgasTrainingConfig(owner_backward='pgas') covering every TBE ({gap}): FBGEMM's "
-                            "backward reads the step's id count on the host")
+                            f"PgasTrainingConfig(owner_backward='pgas' or 'auto') covering every TBE ({gap}): "
+                            "FBGEMM's backward reads the step's id count on the host")
         if ticket.epoch in step.errors.gave_up:
             raise step.errors.gave_up.pop(ticket.epoch)
         if ticket.epoch != step.looked_up or step.backwards.pending():  # the kernels take the last lookup's epoch
@@ -291,7 +297,7 @@ class BackwardReplay:
         capture reads), and a step whose kernels may take the device's epoch: it follows its own forward in this
         sharding and in every sibling awaiting it, and no sharding gave it up on the host."""
         step, epoch = self.backward.step, ticket.epoch
-        if not step.owner_apply.training.eager_backward_graphs or self.cache.failed:
+        if not step.owner_apply.training.eager_backward_graphs or self.cache.failed or step.owner_apply.timing():
             return False
         if not (self.cache.serves([storage_key(t) for t in ticket.tbes])
                 and epoch == step.looked_up and not step.backwards.pending() and epoch not in step.errors.gave_up

@@ -1,0 +1,102 @@
+"""``OwnerBackward.AUTO``: which owner backward applies a sharding's gradients on this rank, chosen by timing both.
+
+Neither path wins everywhere: the owner update sorts and walks the kept ids (its cost follows the ids, their
+skew and the row width), FBGEMM's backward re-runs a lookup and reads the id count on the host (fixed costs a
+step). So a sharding's first eager backwards alternate them, each apply timed from the end of the gradient
+exchange (the same for both) to the end of its update, and the faster median serves every later step. On GPUs
+the times are CUDA events on the backward's stream, read once they have completed (``Event.query``): the choice
+adds no host sync, and steps run the owner update while the last trials are still in flight. On CPUs the apply
+is synchronous and timed on the host.
+
+Each rank chooses for its own rows: its owners' ids and skew are its own, and the two paths update the same rows
+alike (within the sums' rounding), so ranks may differ. A choice made from timings may differ between two runs;
+``OwnerBackward.PGAS`` or ``FBGEMM`` pins it."""
+
+import contextlib
+import logging
+import statistics
+import time
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from torchrec_pgas.types import OwnerBackward
+
+logger = logging.getLogger(__name__)
+
+# Each path runs this many untimed backwards (first-step costs: descriptor uploads, allocator growth) and then
+# TIMED_TRIALS timed ones, the two paths alternating so that drift (clocks, the cache) falls on both alike.
+UNTIMED_TRIALS = 1
+TIMED_TRIALS = 3
+_PATHS = (OwnerBackward.PGAS, OwnerBackward.FBGEMM)
+
+_Timing = Union[Tuple[torch.cuda.Event, torch.cuda.Event], float]
+
+
+class OwnerBackwardTrial:
+    """One sharding's trial of the two owner backwards on one rank (``kind``: the sharding's, for the log)."""
+
+    def __init__(self, kind: str, device: torch.device) -> None:
+        self.kind = kind
+        self.device = device
+        self._schedule = list(_PATHS) * (UNTIMED_TRIALS + TIMED_TRIALS)
+        self._next = 0  # the schedule's next backward
+        self._timings: Dict[OwnerBackward, List[_Timing]] = {p: [] for p in _PATHS}
+        self.chosen: Optional[OwnerBackward] = None  # once every timed trial has completed
+
+    def path(self) -> OwnerBackward:
+        """The owner backward of the next apply: the schedule's while it lasts, then the choice (the owner update
+        while the last trials' events are still in flight)."""
+        if self.chosen is None and self._next >= len(self._schedule):
+            self._choose()
+        if self.chosen is not None:
+            return self.chosen
+        return self._schedule[self._next] if self._next < len(self._schedule) else OwnerBackward.PGAS
+
+    def deciding(self) -> bool:
+        """Whether backwards are still being timed (the apply must then run on its own, not inside a graph)."""
+        return self._next < len(self._schedule)
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[OwnerBackward]:
+        """Run one apply of :meth:`path`'s backward, timed if the schedule times it; an apply that raises is not
+        counted (its step failed, and the trial goes on with the next)."""
+        path, index = self.path(), self._next
+        if not self.deciding():
+            yield path
+            return
+        timed = index >= len(_PATHS) * UNTIMED_TRIALS
+        start = self._mark()
+        yield path
+        end = self._mark()
+        self._next += 1
+        if timed:
+            self._timings[path].append(end - start if isinstance(start, float) else (start, end))  # type: ignore
+        if not self.deciding():
+            self._choose()
+
+    def _mark(self) -> Union[torch.cuda.Event, float]:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _choose(self) -> None:
+        """Choose the faster median once every timed trial has completed (no wait: a trial still in flight
+        leaves the choice to a later step)."""
+        medians = {}
+        for path, timings in self._timings.items():
+            ms: List[float] = []
+            for t in timings:
+                if isinstance(t, float):
+                    ms.append(t * 1e3)
+                elif not t[1].query():
+                    return
+                else:
+                    ms.append(t[0].elapsed_time(t[1]))
+            medians[path] = statistics.median(ms)
+        self.chosen = min(_PATHS, key=lambda p: medians[p])  # the owner update on a tie
+        other = next(p for p in _PATHS if p != self.chosen)
+        logger.info("%s: owner_backward='auto' chose %r (median apply %.3f ms; %r: %.3f ms)", self.kind,
+                    self.chosen.value, medians[self.chosen], other.value, medians[other])
