@@ -761,6 +761,13 @@ def backward_graph_counts(dmp: DistributedModelParallel) -> Tuple[int, int]:
     return sum(s.captured for s in stats), sum(s.replays for s in stats)
 
 
+def owner_backward_choices(dmp: DistributedModelParallel) -> List[Optional[str]]:
+    """``owner_backward='auto'``'s choice in each PGAS sharding of ``dmp`` on this rank (None: still timing);
+    empty under another owner backward."""
+    trials = [step.owner_apply.trial for step in pgas_steps(dmp) if step.owner_apply.trial is not None]
+    return [t.chosen.value if t.chosen is not None else None for t in trials]
+
+
 def train_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
                    inputs: List[KeyedJaggedTensor], flows: Traffic, args: argparse.Namespace, device: torch.device,
                    bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
@@ -788,6 +795,7 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
     row["pgas_backward_graphs_captured"], row["pgas_backward_graph_replays"] = (
         after - before for after, before in zip(backward_graph_counts(pgas), graphs_before))
     row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
+    row["pgas_owner_backward_chosen"] = owner_backward_choices(pgas)
     for side, step in steps.items():  # after the timed steps, so that cProfile's cost stays out of them
         row[f"{side}_train_host_p50_ms"] = None
         if args.host_profile:
@@ -938,7 +946,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="--mode train: the tables' fused optimizer (adam: GPUs only, as FBGEMM's CPU TBE)")
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
     parser.add_argument("--owner-backward", default=OwnerBackward.PGAS.value, choices=[o.value for o in OwnerBackward],
-                        help="--mode train: PgasTrainingConfig.owner_backward (who applies the owner's gradients)")
+                        help="--mode train: PgasTrainingConfig.owner_backward (who applies the owner's gradients; "
+                        "auto: its trial takes the first 8 steps of a sharding, so keep --warmup at 8 or more)")
     parser.add_argument("--launched-backward", action="store_true",
                         help="--mode train --owner-backward pgas: PgasTrainingConfig(eager_backward_graphs=False), the "
                              "eager backward's kernels launched one by one, not replayed as CUDA graphs (its A/B)")

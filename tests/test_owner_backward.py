@@ -53,6 +53,7 @@ from torchrec_pgas.types import (
     PGAS_TABLE_WISE,
     OwnerBackward,
     PgasConfig,
+    PgasPeerAbortError,
     PgasTrainingConfig,
 )
 
@@ -373,25 +374,38 @@ def test_owner_backward_settings_are_checked() -> None:
 @pytest.mark.parametrize("slower", [OwnerBackward.PGAS, OwnerBackward.FBGEMM])
 def test_auto_times_both_backwards_alternating_then_keeps_the_faster(slower: OwnerBackward) -> None:
     """``owner_backward='auto'``'s trial on a CPU (host-timed applies): the schedule alternates the two
-    backwards, the untimed first pair included; an apply that raises is not counted and runs again; the faster
-    median is chosen as the last timed apply ends, and every later apply runs it untimed."""
+    backwards, the untimed first pair included; an apply that raises, or that updated no row, is not counted and
+    its turn comes again; the faster median is chosen as the last timed apply ends, and every later apply runs
+    it untimed."""
     trial = OwnerBackwardTrial("pgas_row_wise", torch.device("cpu"))
     ran = []
-    failed = False
     while trial.deciding():
-        with contextlib.suppress(RuntimeError), trial.timed() as path:
-            ran.append(path)
-            if len(ran) == 3 and not failed:
-                failed = True
-                raise RuntimeError("a failed step")
-            time.sleep(0.004 if path == slower else 0.0)
+        with contextlib.suppress(PgasPeerAbortError), trial.timed() as apply:
+            ran.append(apply.path)
+            if len(ran) == 3:
+                raise PgasPeerAbortError("a peer gave the step up")
+            apply.updated = len(ran) != 4
+            time.sleep(0.004 if apply.path == slower else 0.0)
     pairs = UNTIMED_TRIALS + TIMED_TRIALS
-    assert ran == [OwnerBackward.PGAS, OwnerBackward.FBGEMM, OwnerBackward.PGAS] + [
+    assert ran == [OwnerBackward.PGAS, OwnerBackward.FBGEMM, OwnerBackward.PGAS, OwnerBackward.PGAS] + [
         OwnerBackward.PGAS, OwnerBackward.FBGEMM] * (pairs - 1)
     faster = OwnerBackward.FBGEMM if slower == OwnerBackward.PGAS else OwnerBackward.PGAS
     assert trial.chosen == faster and trial.path() == faster
-    with trial.timed() as path:
-        assert path == faster and not trial.deciding()
+    with trial.timed() as apply:
+        assert apply.path == faster and not trial.deciding()
+
+
+def test_auto_keeps_the_owner_update_where_fbgemms_backward_fails() -> None:
+    """FBGEMM's backward raising for another reason than the step's failure (a configuration it does not train)
+    settles the trial on the owner update, with a warning; the failed apply still raises."""
+    trial = OwnerBackwardTrial("pgas_row_wise", torch.device("cpu"))
+    with trial.timed() as apply:
+        assert apply.path == OwnerBackward.PGAS
+    with pytest.raises(RuntimeError, match="no fp16 Adam"), pytest.warns(UserWarning, match="chose 'pgas'"):
+        with trial.timed() as apply:
+            assert apply.path == OwnerBackward.FBGEMM
+            raise RuntimeError("no fp16 Adam")
+    assert trial.chosen == OwnerBackward.PGAS and not trial.deciding()
 
 
 def test_the_defaults_are_the_owner_update_at_capacity_on_gpus_only() -> None:

@@ -48,9 +48,10 @@ class OwnerBackward(str, Enum):
     sync and a second lookup a step)."""
     AUTO = "auto"
     """Each sharding's owners time both of the above on their first eager steps (alternating, after the
-    gradient exchange, without a host sync on GPUs) and keep the faster, each rank for its own rows; a captured
-    step runs the owner update. A choice made from timings may differ between runs: pin one for bitwise
-    reproducibility."""
+    gradient exchange, without a host sync on GPUs) and keep the faster, each rank for its own rows; the owner
+    update where FBGEMM's backward fails. A captured step runs the owner update (capture after an eager step ran
+    it since the TBEs' storage last moved). A choice made from timings may differ between runs: pin one for
+    bitwise reproducibility."""
     REFERENCE = "reference"
     """The owner update's algorithm in torch ops with float64 sums (FBGEMM's GPU semantics on any device):
     slow, eager only; a reference for tests."""

@@ -257,7 +257,7 @@ class HostStep(PgasStep):
             self._send_gradients(ticket, grad, slot)
             self._await_gradients(epoch)
             profiling.mark("grad_exchange")
-            with self.owner_apply.applying():
+            with self.owner_apply.applying(ticket.tbes):
                 self._apply(ticket, slot)
         finally:
             self.release(epoch)

@@ -13,7 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
-from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial
+from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial, TrialApply
 from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, padded_owner_backward
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.sharding.tbe_counters import iterations_before_forward, sync_tbe_iterations
@@ -36,27 +36,31 @@ class OwnerApply:
         self.gap: Optional[str] = None  # what the owner backward does not cover, once known
         self._op_refused = False  # the update op refused a TBE at capacity: read the count instead
         self.trial = OwnerBackwardTrial(kind, device) if training.owner_backward == OwnerBackward.AUTO else None
-        self._applying: Optional[OwnerBackward] = None  # the path of the apply in progress (AUTO)
+        self._applying: Optional[TrialApply] = None  # the apply in progress (AUTO)
 
     def path(self) -> OwnerBackward:
         """The owner backward this sharding runs now: the configured one, or under ``AUTO`` the trial's."""
         if self.trial is None:
             return self.training.owner_backward
-        return self._applying or self.trial.path()
+        return self._applying.path if self._applying is not None else self.trial.path()
 
-    def timing(self) -> bool:
-        """Whether ``AUTO`` is still timing its applies (each must run on its own: not replayed in a graph)."""
-        return self.trial is not None and self.trial.deciding()
+    def choosing(self) -> bool:
+        """Whether ``AUTO`` has not chosen yet: its owner updates run launched (no backward graph is captured for
+        a path that may not be kept)."""
+        return self.trial is not None and self.trial.chosen is None
 
     @contextlib.contextmanager
-    def applying(self) -> Iterator[None]:
+    def applying(self, tbes: Sequence[nn.Module]) -> Iterator[None]:
         """One step's apply, from the end of its gradient exchange: under ``AUTO``, timed for the trial, with
-        :meth:`path` fixed for it."""
+        :meth:`path` fixed for it (a sharding whose TBEs the owner update does not take settles on FBGEMM's
+        backward at once)."""
         if self.trial is None:
             yield
             return
-        with self.trial.timed() as path:
-            self._applying = path
+        if self.trial.chosen is None and not self.update_covers(tbes):
+            self.trial.settle(OwnerBackward.FBGEMM, f"the owner update does not cover {self.gap}")
+        with self.trial.timed() as apply:
+            self._applying = apply
             try:
                 yield
             finally:
@@ -100,6 +104,8 @@ class OwnerApply:
         TBE module builds those arguments itself. The re-run costs one more pooled lookup of the owner's rows
         (about the forward's own lookup) and follows every optimizer FBGEMM ships, bit for bit."""
         if kjt.values().numel() == 0:
+            if self._applying is not None:
+                self._applying.updated = False
             return  # no row to update
         if self.covers(ticket.tbes):
             owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters,

@@ -3,10 +3,14 @@
 Neither path wins everywhere: the owner update sorts and walks the kept ids (its cost follows the ids, their
 skew and the row width), FBGEMM's backward re-runs a lookup and reads the id count on the host (fixed costs a
 step). So a sharding's first eager backwards alternate them, each apply timed from the end of the gradient
-exchange (the same for both) to the end of its update, and the faster median serves every later step. On GPUs
-the times are CUDA events on the backward's stream, read once they have completed (``Event.query``): the choice
-adds no host sync, and steps run the owner update while the last trials are still in flight. On CPUs the apply
-is synchronous and timed on the host.
+exchange (the same for both) to the end of its update, host gaps included, and the faster median serves every
+later step. On GPUs the times are CUDA events on the backward's stream, read once they have completed
+(``Event.query``): the choice adds no host sync, and steps run the owner update, launched, until it is made (its
+kernels are launched one by one in the trial too: an eager backward replayed as a graph saves their launch cost,
+tens of microseconds, which the trial counts against it). On CPUs the apply is synchronous and timed on the host.
+An apply that updates no row (no ids kept this step) is not a measure and is not counted; an apply that raises is
+not counted either, and where FBGEMM's backward raises for another reason than the step's failure (it does not
+train this configuration: FBGEMM 1.6's GPU Adam with fp16 weights) the owner update is chosen at once.
 
 Each rank chooses for its own rows: its owners' ids and skew are its own, and the two paths update the same rows
 alike (within the sums' rounding), so ranks may differ. A choice made from timings may differ between two runs;
@@ -16,11 +20,13 @@ import contextlib
 import logging
 import statistics
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from torchrec_pgas.types import OwnerBackward
+from torchrec_pgas.types import OwnerBackward, PgasError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,14 @@ TIMED_TRIALS = 3
 _PATHS = (OwnerBackward.PGAS, OwnerBackward.FBGEMM)
 
 _Timing = Union[Tuple[torch.cuda.Event, torch.cuda.Event], float]
+
+
+@dataclass
+class TrialApply:
+    """One apply under the trial: its path, and whether it updated rows (the apply says when it did not)."""
+
+    path: OwnerBackward
+    updated: bool = True
 
 
 class OwnerBackwardTrial:
@@ -54,24 +68,36 @@ class OwnerBackwardTrial:
         return self._schedule[self._next] if self._next < len(self._schedule) else OwnerBackward.PGAS
 
     def deciding(self) -> bool:
-        """Whether backwards are still being timed (the apply must then run on its own, not inside a graph)."""
+        """Whether backwards are still being timed."""
         return self._next < len(self._schedule)
 
+    def settle(self, path: OwnerBackward, why: str) -> None:
+        """Choose ``path`` now, ending the trial."""
+        self.chosen, self._next = path, len(self._schedule)
+        self._timings = {p: [] for p in _PATHS}
+        warnings.warn(f"{self.kind}: owner_backward='auto' chose {path.value!r}: {why}")
+
     @contextlib.contextmanager
-    def timed(self) -> Iterator[OwnerBackward]:
-        """Run one apply of :meth:`path`'s backward, timed if the schedule times it; an apply that raises is not
-        counted (its step failed, and the trial goes on with the next)."""
-        path, index = self.path(), self._next
+    def timed(self) -> Iterator[TrialApply]:
+        """Run one apply of :meth:`path`'s backward, timed if the schedule times it and counted if it updated
+        rows and did not raise (module docstring)."""
+        apply, index = TrialApply(self.path()), self._next
         if not self.deciding():
-            yield path
+            yield apply
             return
-        timed = index >= len(_PATHS) * UNTIMED_TRIALS
         start = self._mark()
-        yield path
+        try:
+            yield apply
+        except Exception as e:
+            if apply.path == OwnerBackward.FBGEMM and not isinstance(e, PgasError):
+                self.settle(OwnerBackward.PGAS, f"FBGEMM's backward failed here ({e})")
+            raise
         end = self._mark()
+        if not apply.updated:
+            return
         self._next += 1
-        if timed:
-            self._timings[path].append(end - start if isinstance(start, float) else (start, end))  # type: ignore
+        if index >= len(_PATHS) * UNTIMED_TRIALS:
+            self._timings[apply.path].append(end - start if isinstance(start, float) else (start, end))  # type: ignore
         if not self.deciding():
             self._choose()
 
@@ -97,6 +123,7 @@ class OwnerBackwardTrial:
                     ms.append(t[0].elapsed_time(t[1]))
             medians[path] = statistics.median(ms)
         self.chosen = min(_PATHS, key=lambda p: medians[p])  # the owner update on a tie
+        self._timings = {p: [] for p in _PATHS}
         other = next(p for p in _PATHS if p != self.chosen)
         logger.info("%s: owner_backward='auto' chose %r (median apply %.3f ms; %r: %.3f ms)", self.kind,
                     self.chosen.value, medians[self.chosen], other.value, medians[other])

@@ -118,7 +118,7 @@ class DeviceBackward:
         step.grad_flags_host.copy_(step.grad_flags, non_blocking=True)
         # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
         rows = lay.max_batch if step.owners.variable_batch else batch
-        with step.owner_apply.applying():
+        with step.owner_apply.applying(ticket.tbes):
             self._apply(ticket, slot, rows, whole, gave_up)
 
     def _apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor, gave_up: bool) -> None:
@@ -297,7 +297,7 @@ class BackwardReplay:
         capture reads), and a step whose kernels may take the device's epoch: it follows its own forward in this
         sharding and in every sibling awaiting it, and no sharding gave it up on the host."""
         step, epoch = self.backward.step, ticket.epoch
-        if not step.owner_apply.training.eager_backward_graphs or self.cache.failed or step.owner_apply.timing():
+        if not step.owner_apply.training.eager_backward_graphs or self.cache.failed or step.owner_apply.choosing():
             return False
         if not (self.cache.serves([storage_key(t) for t in ticket.tbes])
                 and epoch == step.looked_up and not step.backwards.pending() and epoch not in step.errors.gave_up
