@@ -72,6 +72,9 @@ CASES = [
     # ... with the eager step reading the kept ids' count (the path past PgasConfig.max_padded_eager_ids)
     Case("pgas_row_wise", EmbOptimType.ADAM, owner_backward="pgas", max_padded_eager_ids=0),
     Case("pgas_table_wise", pooling="mixed", owner_backward="pgas", max_padded_eager_ids=0),
+    # owner_backward="auto": the two backwards alternate through its trial (no eager backward graph until it chose)
+    Case("pgas_row_wise", EmbOptimType.ADAM, owner_backward="auto"),
+    Case("pgas_table_wise", pooling="mixed", owner_backward="auto", loop="sparse_dist"),
 ]
 
 

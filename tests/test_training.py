@@ -76,7 +76,7 @@ class Case:
         """0 (bit-exact; fp16 weights too, stochastic rounding off) unless a row-wise EBC has a MEAN table
         (module docstring); the owner backward sums in its own order."""
         fp16 = self.output_dtype == SparseType.FP16 or self.data_type == DataType.FP16
-        if self.owner_backward == "pgas" or self.twin == "reference":  # its own sums' order: fp32 rounding,
+        if self.owner_backward in ("pgas", "auto") or self.twin == "reference":  # its own sums' order: fp32 rounding,
             # or one fp16 ulp
             return 1e-3 if fp16 else 1e-5
         if self.pooling != "mixed" or self.kind == PGAS_TABLE_WISE:
