@@ -60,10 +60,12 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
 @pytest.mark.stacks
 def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) -> None:
     """--pipeline sparse_dist: both sides train through TorchRec's TrainPipelineSparseDist on the same batches,
-    still equal to stock step by step; the report carries both samples/s."""
+    still equal to stock step by step (with --owner-backward auto: the two owner backwards alternate); the
+    report carries both samples/s."""
     report = tmp_path / "dlrm_pipeline.json"
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--pipeline", "sparse_dist",
-                   "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate", "--report", str(report))
+                   "--owner-backward", "auto", "--batch-size", "32", "--steps", "6", "--max-rows", "2000",
+                   "--validate", "--report", str(report))
     assert any(line.startswith("samples/s (sparse_dist loop): pgas ") and "nccl twin" in line for line in out), out
     assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
     got = json.loads(report.read_text())

@@ -10,7 +10,9 @@
 
 Inference by default; --train trains (fused SGD for the tables, SGD for the dense
 layers), in a plain loop or, with --pipeline sparse_dist, through TorchRec's
-TrainPipelineSparseDist (the next batch's input dist overlaps this one's step).
+TrainPipelineSparseDist (the next batch's input dist overlaps this one's step);
+--owner-backward picks who applies an owner's gradients (pgas, fbgemm, or auto:
+the faster of the two, timed on the first 8 steps).
 Prints samples/s (global) and AUC / log loss over the run. --validate shards the
 same model the other way: for inference it compares the first steps' predictions;
 with --train it trains that twin on the same batches (and the same loop) and
@@ -52,6 +54,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from examples.dlrm.data import SyntheticCriteo, table_rows
 from torchrec_pgas import (
+    OwnerBackward,
     PgasConfig,
     PgasEmbeddingBagCollectionSharder,
     PgasTrainingConfig,
@@ -124,19 +127,21 @@ def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
     return {table: ps.sharding_type for table, ps in plan.plan[EBC_PATH].items()}  # type: ignore[union-attr]
 
 
-def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int, train: bool, lr: float,
+def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int,
+          training: Optional[PgasTrainingConfig], lr: float,
           types: Optional[Dict[str, str]] = None) -> DistributedModelParallel:
-    """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``."""
+    """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``;
+    ``training``: how PGAS tables train (None: inference only)."""
     world = dist.get_world_size()
     node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # TorchRec's nodes (--node-size sets it)
     ebc = model.model.sparse_arch.embedding_bag_collection
-    if train:
+    if training is not None:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
     names = [c.name for c in ebc.embedding_bag_configs()]
     generators = {t: plan_generator(types[t] if types else sharding, i, world // node_size) for i, t in enumerate(names)}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
     if sharding == "pgas" or (types and any(t.startswith("pgas") for t in types.values())):
-        config = PgasConfig(max_local_batch_size=batch, training=PgasTrainingConfig() if train else None,
+        config = PgasConfig(max_local_batch_size=batch, training=training,
                             pooling_capacity=pooling_capacity_from_constraints(table_constraints(model)))
         sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)  # inference: no backward buffers
     plan = construct_module_sharding_plan(ebc, generators, sharder=sharder, local_size=node_size, world_size=world,
@@ -290,7 +295,8 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
     model = build_model(args.embedding_dim, args.max_rows, device, args.seed)
     reference = copy.deepcopy(model) if args.validate else None
     types = planned_types(model, args.batch_size, args.train) if args.sharding == "auto" else None
-    dmp = shard(model, args.sharding, device, args.batch_size, args.train, args.lr, types)
+    training = PgasTrainingConfig(owner_backward=args.owner_backward) if args.train else None
+    dmp = shard(model, args.sharding, device, args.batch_size, training, args.lr, types)
     data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
 
     result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline)
@@ -309,7 +315,7 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
               f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
               f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
     if reference is not None:
-        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, args.train, args.lr)
+        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, training, args.lr)
         return (validate_training(result, m, twin, data, device, args) if args.train
                 else validate_inference(dmp, twin, device, args))
     return True
@@ -325,6 +331,10 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=100_000, help="cap on every table's rows")
     parser.add_argument("--train", action="store_true", help="train (embeddings and dense layers)")
     parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--owner-backward", choices=[o.value for o in OwnerBackward if o != OwnerBackward.REFERENCE],
+                        default=OwnerBackward.PGAS.value,
+                        help="with --train: PgasTrainingConfig.owner_backward (auto: its trial takes a sharding's "
+                        "first 8 steps; raise --warmup to keep it out of samples/s)")
     parser.add_argument("--pipeline", choices=["plain", "sparse_dist"], default="plain",
                         help="with --train: the training loop (sparse_dist: TorchRec's TrainPipelineSparseDist)")
     parser.add_argument("--validate", action="store_true",
