@@ -339,7 +339,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
                   stock=True, path="model.")
     gen = seeded(11 + rank)
     t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
-    errors, diffs, epochs, counters = [], [], [], []
+    errors, diffs, epochs, counters, messages = [], [], [], [], []
     for i in range(REFUSED_STEP + 1 + STEPS_AFTER):
         batch = TrainBatch(random_kjt(t, 8, gen, 5), random_kjt(w, 8, gen, 5, weighted=True)).to(dev)
         try:
@@ -359,6 +359,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
                 _train(pgas, batch)
         except PgasError as e:
             errors.append((i, type(e).__name__))
+            messages.append(str(e)[:300])  # for the report of a failed check
         if what == "backward" and i == REFUSED_STEP:
             dist.barrier()  # the last rank waits out the others' deadline before its next step
         if i != REFUSED_STEP:
@@ -366,7 +367,7 @@ def _refusal(rank: int, world: int, plan: str, what: str, device_type: str) -> D
         diffs.append(state_difference(pgas, stock))
         epochs.append(sorted({step.issued for step in pgas_steps(pgas)}))
         counters.append((iteration_counts(pgas), iteration_counts(stock)))
-    return {"errors": errors, "diffs": diffs, "epochs": epochs, "counters": counters}
+    return {"errors": errors, "diffs": diffs, "epochs": epochs, "counters": counters, "messages": messages}
 
 
 def _refusals(rank: int, world: int, device_type: str = "cpu") -> Dict[Tuple[str, str], Dict[str, Any]]:
@@ -392,7 +393,7 @@ def check_refusals(results: List[Dict[Tuple[str, str], Dict[str, Any]]]) -> None
                 own = {"id-rw": "PgasInputError", "id-tw": "PgasInputError", "capacity": "PgasCapacityError",
                        RECORDED: "PgasInputError"}[case[1]]
                 want = [(REFUSED_STEP, own if rank == world - 1 else "PgasPeerAbortError")]
-            assert r["errors"] == want, (rank, case, r)
+            assert r["errors"] == want, (rank, case, r["errors"], r["messages"])
             assert max(r["diffs"]) <= 1e-5, (rank, case, r["diffs"])
             assert r["epochs"] == [[i + 1] for i in range(len(r["epochs"]))], (rank, case, r["epochs"])
             # the rank that dropped the loss ran the step's forward, which FBGEMM counts (an eval forward with grad)
