@@ -67,11 +67,12 @@ KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, co
 KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
                         const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
                         bool weighted);
-OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
+OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit,
+                              const c10::optional<at::Tensor>& count);
 OwnerKeys sort_owner_keys_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
-                               int64_t key_limit);
+                               int64_t key_limit, const c10::optional<at::Tensor>& count);
 OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
-                               int64_t key_limit);
+                               int64_t key_limit, const c10::optional<at::Tensor>& count);
 at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
                                  const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
                                  const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
@@ -164,9 +165,11 @@ TORCH_LIBRARY(torchrec_pgas, m) {
       "owner_keys(Tensor ids, Tensor? weights, Tensor first_id, Tensor? first_weight, Tensor offsets, "
       "Tensor feature_base, Tensor config, int capacity) -> (Tensor, Tensor, Tensor)");
   // The keys sorted, stable, each with its bag and per-sample weight (empty: unweighted); keys outside
-  // [0, key_limit] become key_limit.
-  m.def("sort_owner_keys(Tensor keys, Tensor bags, Tensor per_sample_weights, int key_limit) -> "
-        "(Tensor, Tensor, Tensor)");
+  // [0, key_limit] become key_limit. count: one int64 on the keys' device, or none (all keys): only the first
+  // count keys (clamped to [0, keys]) are read, sorted and written, with no host read of the count; the
+  // outputs' positions past it are left unwritten.
+  m.def("sort_owner_keys(Tensor keys, Tensor bags, Tensor per_sample_weights, int key_limit, Tensor? count=None) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchrec_pgas, CompositeExplicitAutograd, m) {

@@ -3,7 +3,7 @@
 // an eager step's id count), then their stable sort. One algorithm, written
 // once (write_kept_bag, write_bag_keys, pad_position, clamped_key):
 // owner_keys.cu runs it on the GPU (a thread per kept bag; a warp per bag's
-// keys, then a thread per padding position; CUB's radix sort),
+// keys; a radix sort of the positions a device word counts, counted_sort.cuh),
 // owner_keys_host.cpp on the CPU.
 //
 // The kept bags (kept_bags; ReceivedBlocks.kept_ids reads them too): bag i of the
@@ -27,19 +27,22 @@
 // Output, `capacity` positions: position offsets[b] - offsets[first_bag] + j
 // holds bag b's j-th id as key = feature_base[f] + id, its bag numbered from the
 // TBE's first (b - first_bag) and its per-sample weight; the positions after
-// the TBE's ids hold key_limit, bag -1, weight 0 (padding, which the update's
-// walk never reaches). An id outside [0, key_limit - feature_base[f]) (its
-// table's and the ones after it: the update checks the table) becomes padding,
-// as does any read outside the buffer: the sources' headers decide the
-// offsets and the reads, so every position written lies in [0, capacity) and
-// every element read in the buffer, whatever they say (offsets that decrease
-// make bags overlap: a position then holds one of their writes, memory-safe
-// but meaningless; the kept bags' offsets are a sum of lengths clamped to >= 0,
-// so theirs never do, and the work is the capacity plus a warp per bag).
+// the TBE's ids are not written (the sort and the update stop at their count,
+// offsets[end_bag] - offsets[first_bag]: no work follows the capacity). An id
+// outside [0, key_limit - feature_base[f]) (its table's and the ones after
+// it: the update checks the table) becomes padding (key_limit, bag -1, weight
+// 0, which the update's walk never reaches), as does any read outside the
+// buffer: the sources' headers decide the offsets and the reads, so every
+// position written lies in [0, capacity) and every element read in the
+// buffer, whatever they say (offsets that decrease make bags overlap: a
+// position then holds one of their writes, memory-safe but meaningless; the
+// kept bags' offsets are a sum of lengths clamped to >= 0, so theirs never
+// do, and the work is a warp per bag and the ids).
 //
 // The sort: keys outside [0, key_limit] become key_limit, then a stable radix
 // sort over the key_limit's bits carries each key's bag and weight: a row's
-// ids stay in arrival order (as torch.sort(stable=True) leaves them).
+// ids stay in arrival order (as torch.sort(stable=True) leaves them). With a
+// count (a device word) it reads, sorts and writes only that many positions.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -80,7 +83,7 @@ struct OwnerKeysParams {
   const int64_t* offsets;
   const void* feature_base;  // key_t elements
   OwnerKeysConfig config;
-  int64_t capacity;  // positions written: the TBE's kept ids, then padding
+  int64_t capacity;  // positions: the TBE's kept ids (written), then unused ones (not written)
   void* keys;  // key_t [capacity]
   int32_t* bags;
   float* psw;  // null: unweighted
@@ -118,11 +121,6 @@ PGAS_KEYS_FN void write_kept_bag(const KeptBagsParams& p, int64_t i) {
   p.lengths[i] = length < 0 ? 0 : length;
   p.first_id[i] = start + floor_div(block + c.ids_off, c.id_bytes);
   if (p.first_weight != nullptr) p.first_weight[i] = start + floor_div(block + c.weights_off, 4);
-}
-
-// How many of the TBE's kept ids the capacity holds (its bags' ids come first).
-PGAS_KEYS_FN int64_t kept_count(const OwnerKeysParams& p) {
-  return clamped(offset_at(p, p.config.end_bag) - offset_at(p, p.config.first_bag), 0, p.capacity);
 }
 
 template <typename key_t>
@@ -180,7 +178,9 @@ OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at:
                                   const at::Tensor& offsets, const at::Tensor& feature_base,
                                   const at::Tensor& config, int64_t capacity, OwnerKeys& out);
 
-// The sort's checks: keys int32 or int64, bags int32 and psw fp32 (or empty) of the keys' length.
-void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit);
+// The sort's checks: keys int32 or int64, bags int32 and psw fp32 (or empty) of the keys' length, count one
+// int64 on their device (or none).
+void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit,
+                       const c10::optional<at::Tensor>& count);
 
 }  // namespace torchrec_pgas

@@ -1,9 +1,11 @@
 // The owner keys' host side: the inputs checked (they decide the positions
 // written and the buffer elements read), the parameters built, and the CPU
-// path: the same per-bag and per-position code, then a stable sort.
+// path: the same per-bag and per-position code, then a stable sort of the
+// counted positions.
 #include <ATen/ATen.h>
 #include <c10/util/safe_numerics.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -63,7 +65,7 @@ KeptBags empty_kept_bags(const at::Tensor& buffer, int64_t num_bags, bool weight
   return {at::empty({num_bags}, opts), at::empty({num_bags}, opts), at::empty({weighted ? num_bags : 0}, opts)};
 }
 
-// The outputs, uninitialised: every position is written.
+// The outputs, uninitialised: the TBE's kept ids' positions are written, those past them are not.
 OwnerKeys empty_owner_keys(const at::Tensor& offsets, const at::Tensor& feature_base, bool weighted, int64_t capacity) {
   const auto opts = offsets.options();
   return {at::empty({capacity}, opts.dtype(feature_base.scalar_type())), at::empty({capacity}, opts.dtype(at::kInt)),
@@ -73,7 +75,6 @@ OwnerKeys empty_owner_keys(const at::Tensor& offsets, const at::Tensor& feature_
 template <typename id_t, typename key_t>
 void owner_keys_on_host(const OwnerKeysParams& p) {
   for (int64_t b = p.config.first_bag; b < p.config.end_bag; ++b) write_bag_keys<id_t, key_t>(p, b, 0, 1);
-  for (int64_t q = kept_count(p); q < p.capacity; ++q) pad_position<key_t>(p, q);
 }
 
 template <typename key_t>
@@ -150,7 +151,8 @@ KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot
   };
 }
 
-void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit) {
+void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit,
+                       const c10::optional<at::Tensor>& count) {
   PGAS_CHECK((keys.scalar_type() == at::kInt || keys.scalar_type() == at::kLong) && keys.dim() == 1 &&
                  keys.is_contiguous(), "sort_owner_keys: keys must be a contiguous 1-D int32 or int64 tensor");
   PGAS_CHECK(bags.scalar_type() == at::kInt && bags.is_contiguous() && bags.numel() == keys.numel(),
@@ -162,6 +164,9 @@ void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at:
              "sort_owner_keys: keys, bags and per_sample_weights must be on one device");
   PGAS_CHECK(key_limit > 0 && (keys.scalar_type() == at::kLong || key_limit < (int64_t{1} << 31)),
              "sort_owner_keys: key_limit %lld must be positive and fit the keys", static_cast<long long>(key_limit));
+  PGAS_CHECK(!count.has_value() || (count->scalar_type() == at::kLong && count->numel() == 1 &&
+                                     count->device() == keys.device()),
+             "sort_owner_keys: count must be one int64 on the keys' device");
 }
 
 // CPU implementations (the same algorithm as owner_keys.cu).
@@ -190,16 +195,23 @@ OwnerKeys owner_keys_cpu(const at::Tensor& ids, const c10::optional<at::Tensor>&
 }
 
 OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
-                              int64_t key_limit) {
-  check_sort_inputs(keys, bags, psw, key_limit);
+                              int64_t key_limit, const c10::optional<at::Tensor>& count) {
+  check_sort_inputs(keys, bags, psw, key_limit, count);
+  const int64_t n = keys.numel();
+  const int64_t sorted = count.has_value() ? std::clamp<int64_t>(count->item<int64_t>(), 0, n) : n;
+  const at::Tensor head = keys.narrow(0, 0, sorted);
   const at::Tensor in_range =
-      keys.scalar_type() == at::kLong ? clamped_keys<int64_t>(keys, key_limit) : clamped_keys<int32_t>(keys, key_limit);
+      keys.scalar_type() == at::kLong ? clamped_keys<int64_t>(head, key_limit) : clamped_keys<int32_t>(head, key_limit);
   const at::Tensor order = std::get<1>(at::sort(in_range, /*stable=*/std::optional<bool>(true), /*dim=*/0));
-  return {in_range.index_select(0, order), bags.index_select(0, order),
-          psw.numel() ? psw.index_select(0, order) : at::empty({0}, psw.options())};
+  OwnerKeys out{at::empty_like(keys), at::empty_like(bags), at::empty_like(psw)};  // past the count: not written
+  std::get<0>(out).narrow(0, 0, sorted).copy_(in_range.index_select(0, order));
+  std::get<1>(out).narrow(0, 0, sorted).copy_(bags.index_select(0, order));
+  if (psw.numel()) std::get<2>(out).narrow(0, 0, sorted).copy_(psw.index_select(0, order));
+  return out;
 }
 
-OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t) {
+OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t,
+                               const c10::optional<at::Tensor>&) {
   return {at::empty_like(keys), at::empty_like(bags), at::empty_like(psw)};
 }
 

@@ -52,17 +52,21 @@ __global__ void wait_kernel(const int64_t* pad, const int64_t* slots, int num_sl
   if (i >= num_slots) return;
   const int64_t* word = pad + slots[i];
   const uint64_t start = global_timer_ns();
-  while (ld_acquire_sys(word) < epoch) {
+  bool arrived = false;
+  do {
+    // The slot first (acquire), then the abort word: a peer that gave this step up aborted before it
+    // signalled a later one, so a signal seen here cannot hide that abort.
+    arrived = ld_acquire_sys(word) >= epoch;
     if (ld_volatile(pad) >> kAbortRankBits == epoch) {  // a peer gave up on this step
       status[0] = static_cast<int64_t>(DeviceStatus::kPeerAbort);
       return;
     }
-    if (global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+    if (!arrived && global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
       status[0] = static_cast<int64_t>(DeviceStatus::kTimeout);
       status[1] = slots[i];
       return;
     }
-  }
+  } while (!arrived);
 }
 
 }  // namespace

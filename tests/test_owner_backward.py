@@ -272,9 +272,19 @@ def test_a_row_of_100k_ids_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precis
 
 def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTrial]) -> Callable[[], None]:
     """Count the owner updates applied at capacity (``OwnerApply.update_at_capacity``) and the owner rebuilds at
-    the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``, and collect the shardings'
+    the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``, with the positions the
+    ``sort_owner_keys`` calls were given and those they sorted (their count word's); collect the shardings'
     ``owner_backward='auto'`` trials into ``trials``; returns the undo."""
     at_capacity, at_count, init = OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids, OwnerApply.__init__
+    ops = torch.ops.torchrec_pgas
+    sort = ops.sort_owner_keys if op_available() else None
+
+    def counted_sort(keys: torch.Tensor, *args: Any) -> Any:
+        count = args[3] if len(args) > 3 else None
+        counts["positions"] += keys.numel()
+        counts["sorted"] += keys.numel() if count is None else min(max(int(count), 0), keys.numel())
+        assert sort is not None
+        return sort(keys, *args)
 
     def capacity(*args: Any, **kwargs: Any) -> bool:
         taken = at_capacity(*args, **kwargs)
@@ -292,20 +302,25 @@ def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTria
 
     OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = capacity, count  # type: ignore[method-assign]
     OwnerApply.__init__ = collecting  # type: ignore[method-assign]
+    if sort is not None:
+        ops.sort_owner_keys = counted_sort
 
     def undo() -> None:
         OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = at_capacity, at_count  # type: ignore[method-assign]
         OwnerApply.__init__ = init  # type: ignore[method-assign]
+        if sort is not None:
+            ops.sort_owner_keys = sort
     return undo
 
 
-def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float]]:
+def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float, Dict[str, int]]]:
     """Both PGAS shardings trained with owner_backward="pgas" against stock (FBGEMM) on the same batches:
     SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags;
     and with owner_backward="auto", whose 8 steps are its trial of both backwards (alternating).
     Each step lays the kept ids out at their capacity (as GPU eager and captured steps do) where the extension
     is built (the GPUs' default bound, set here: a CPU's reads the count), except with ``max_padded_eager_ids=0``
-    (the ``count`` case), where it reads their count."""
+    (the ``count`` case), where it reads their count. Per case: the worst difference, and the positions sorted
+    against this rank's ids (``ids``: its batches', every rank's of which some owner keeps)."""
     base = PgasConfig(max_local_batch_size=8, avg_pooling_capacity=8, wait_timeout_s=60,
                       training=PgasTrainingConfig(owner_backward="pgas", max_padded_eager_ids=GPU_PADDED_EAGER_IDS))
     out = []
@@ -328,7 +343,8 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                        for _ in range(8)]
             types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
             fused = {"optimizer": opt, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
-            counts = {"capacity": 0, "count": 0}
+            counts = {"capacity": 0, "count": 0, "positions": 0, "sorted": 0,
+                      "ids": sum(b.kjt.values().numel() + b.wkjt.values().numel() for b in batches)}
             trials: List[OwnerBackwardTrial] = []
             undo = _counting_owner_paths(counts, trials)
             try:
@@ -347,7 +363,7 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                 assert counts["capacity"] == 0 and counts["count"] > 0, counts
             else:
                 assert counts["capacity"] > 0 and counts["count"] == 0, counts
-            out.append((f"{kind} {opt.name} {dtype} {path}", max(diffs)))
+            out.append((f"{kind} {opt.name} {dtype} {path}", max(diffs), counts))
     return out
 
 
@@ -356,9 +372,29 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
 def test_training_with_owner_backward_matches_stock() -> None:
     """Within 1e-5 (relative above 1) of stock's weights and optimizer states after every step; fp16 weights
     within one fp16 ulp (1e-3 below 2)."""
-    for rank_results in run_distributed(_train_with_owner_backward, 2, "cpu"):
-        for case, worst in rank_results:
+    check_owner_backward_training(run_distributed(_train_with_owner_backward, 2, "cpu"))
+
+
+def check_owner_backward_training(results: List[List[Tuple[str, float, Dict[str, int]]]]) -> None:
+    """Every case equal to stock; and each eager step at capacity sorted its owners' ids only: the positions
+    sorted over all ranks are the ids their batches sent (each kept by one owner), well below the capacity's
+    positions the keys were laid out at (issue 44: an eager step's owner work follows its ids)."""
+    for rank_results in results:
+        for case, worst, _ in rank_results:
             assert worst <= (1e-3 if " fp16 " in case else 1e-5), f"{case}: {worst}"
+    for i, (case, _, counts) in enumerate(results[0]):
+        if not case.endswith(" capacity") or not op_available():
+            continue
+        sorted_, ids, positions = (sum(r[i][2][k] for r in results) for k in ("sorted", "ids", "positions"))
+        assert sorted_ == ids and positions > 2 * ids, f"{case}: sorted {sorted_} of {positions}, {ids} ids"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_training_with_owner_backward_matches_stock_on_gpus() -> None:
+    """As on CPUs, two ranks on GPUs: within 1e-5 of stock, and the eager steps at capacity sort their ids only
+    (the sort's count read on the device)."""
+    check_owner_backward_training(run_distributed(_train_with_owner_backward, 2, "cuda", device_type="cuda"))
 
 
 def test_owner_backward_settings_are_checked() -> None:

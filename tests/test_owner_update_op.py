@@ -409,15 +409,24 @@ def _kept_buffer(device: torch.device, lengths: List[int], first_id: List[int]) 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_owner_keys_lays_out_a_tbes_ids_then_padding(device: str) -> None:
+def test_owner_keys_lays_out_a_tbes_ids_and_leaves_the_rest_of_the_capacity(device: str) -> None:
     """Bag 2 (feature 0): ids 10-12, keys 110-112, bag 0; bag 3 empty; bag 4 (feature 1): ids 30-31, keys
-    230-231, bag 2; bag 5: id 49 (key 249, past the tables) and element 50 (past the buffer) become padding,
-    as do the capacity's last two positions. Unweighted: no weights at all."""
+    230-231, bag 2; bag 5: id 49 (key 249, past the tables) and element 50 (past the buffer) become padding.
+    The capacity's last two positions, past the 7 ids, are not written (their prior contents stay, as the
+    caching allocator hands the same block back). Unweighted: no weights at all."""
     dev = torch.device(device)
     args = _kept_buffer(dev, [1, 2, 3, 0, 2, 2], [0, 5, 10, 20, 30, 49])
     keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(**args, capacity=9)
-    assert keys.tolist() == [110, 111, 112, 230, 231] + [240] * 4 and keys.dtype == torch.int64
-    assert bags.tolist() == [0, 0, 0, 2, 2] + [-1] * 4 and psw.tolist() == [7.5, 8.0, 8.5, 17.5, 18.0] + [0.0] * 4
+    assert keys[:7].tolist() == [110, 111, 112, 230, 231, 240, 240] and keys.dtype == torch.int64
+    assert bags[:7].tolist() == [0, 0, 0, 2, 2, -1, -1] and psw[:7].tolist() == [7.5, 8.0, 8.5, 17.5, 18.0, 0.0, 0.0]
+    if dev.type == "cuda":  # the same block again, marked: the positions past the ids keep the marks
+        marks = [t.data_ptr() for t in (keys, bags, psw)]
+        for t in (keys, bags, psw):
+            t.fill_(-9)
+        del keys, bags, psw
+        keys, bags, psw = torch.ops.torchrec_pgas.owner_keys(**args, capacity=9)
+        if [t.data_ptr() for t in (keys, bags, psw)] == marks:
+            assert keys[7:].tolist() == [-9, -9] and bags[7:].tolist() == [-9, -9] and psw[7:].tolist() == [-9.0] * 2
     _, _, unweighted = torch.ops.torchrec_pgas.owner_keys(**dict(args, weights=None, first_weight=None), capacity=9)
     assert unweighted.numel() == 0
 
@@ -457,6 +466,31 @@ def test_sort_owner_keys_is_a_stable_sort_of_the_clamped_keys(device: str, key_d
     assert torch.equal(got[0].cpu(), clamped[order]) and got[0].dtype == key_dtype
     assert torch.equal(got[1].cpu(), bags[order])
     assert torch.equal(got[2].cpu(), psw[order] if weighted else psw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count", [0, 1, 2047, 2048, 2049, 30000, 40000, 10 ** 9, -5])
+def test_sort_owner_keys_sorts_the_positions_its_count_word_says_only(device: str, count: int) -> None:
+    """With a count (a device word, clamped to [0, keys]): the first count positions are the stable sort of the
+    first count keys, although the positions past it hold smaller keys (a sort that covered the capacity
+    would move them in front), weighted and not; a hot key of a third of the ids included. Counts across
+    the GPU sort's tiles (2048 keys) and its grid (several tiles a CTA)."""
+    gen, n, key_limit = torch.Generator().manual_seed(4), 40000, (1 << 20) + 3
+    keys = torch.randint(1000, key_limit + 9, (n,), generator=gen)
+    keys[torch.randperm(n, generator=gen)[: n // 3]] = 77777
+    kept = min(max(count, 0), n)
+    keys[kept:] = torch.randint(0, 1000, (n - kept,), generator=gen)
+    bags = torch.arange(n, dtype=torch.int32)
+    psw = torch.rand(n, generator=gen)
+    word = torch.tensor([count], device=device)
+    for weights in (psw, torch.empty(0)):
+        got = torch.ops.torchrec_pgas.sort_owner_keys(keys.to(device), bags.to(device), weights.to(device),
+                                                      key_limit, word)
+        head = torch.where(keys[:kept] > key_limit, key_limit, keys[:kept])
+        order = torch.sort(head, stable=True).indices
+        assert torch.equal(got[0][:kept].cpu(), head[order]) and got[0].numel() == n
+        assert torch.equal(got[1][:kept].cpu(), bags[order])
+        assert torch.equal(got[2][:kept].cpu(), weights[order] if weights.numel() else weights)
 
 
 # Two sources' index blocks of 4096 bytes (3 features of up to 8 samples) after a 1024-byte slot gap:
@@ -602,9 +636,9 @@ def _opcheck_cases(dev: torch.device) -> dict:
         "kept_bags": ((_bags_buffer(torch.Generator().manual_seed(1)).to(dev), torch.tensor([1024], device=dev),
                        torch.tensor([8, 5], device=dev), torch.tensor([True], device=dev),
                        as_tensor(build(KeptBagsConfig, **bags_config)), 2 * 2 * 6, True), {}),
-        "owner_keys": ((), dict(kept, capacity=9)),
-        "sort_owner_keys": ((keys, torch.arange(5, dtype=torch.int32, device=dev), torch.rand(5, device=dev), 7),
-                            {}),
+        "owner_keys": ((), dict(kept, capacity=7)),  # the kept ids exactly: every output position written
+        "sort_owner_keys": ((keys, torch.arange(5, dtype=torch.int32, device=dev), torch.rand(5, device=dev), 7,
+                             torch.tensor([5], device=dev)), {}),
         "owner_update": ((), update),
     }
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import torchrec_pgas
+from torchrec_pgas import shm_backend
 from torchrec_pgas.runtime import PAD_HEADER_WORDS, one_host
 from torchrec_pgas.testing import all_tables, default_model, run_distributed, sample_batches, shard
 from torchrec_pgas.types import (
@@ -95,6 +96,35 @@ def test_abort_wakes_waiting_peers_and_ends_that_step_only() -> None:
     assert results[0][1] == "step 2 ok" and len(results[2]) == 1
     for r in (0, 2):
         assert "rank 1 aborted step 1 of 'abortable': feature 'f' has id -3" in results[r][0]
+
+
+def _abort_between_the_reads(rank: int, world: int) -> str:
+    """A peer gives step 1 up and signals step 2 right after this rank's wait reads the abort word (its
+    stores run inside that read here): the wait must still raise the abort, not take step 2's signal for
+    step 1's data."""
+    rt = torchrec_pgas.init(backend=PgasBackendType.SHM)
+    pad = rt.alloc_signals("interleaved", 2)
+    read_abort_word = shm_backend.aborted_step
+
+    def peer_stores_after_the_read(word: int) -> int:
+        step = read_abort_word(word)
+        if not int(pad.words[PAD_HEADER_WORDS + 1]):
+            rt.abort(pad, "gave step 1 up", 1)  # the peer's program order: abort, then the later signal
+            rt.signal(pad, rank, 1, 2)
+        return step
+
+    shm_backend.aborted_step = peer_stores_after_the_read
+    try:
+        rt.wait(pad, [1], 1, timeout_s=5, what="slot 1")
+    except PgasPeerAbortError as e:
+        return str(e)
+    finally:
+        shm_backend.aborted_step = read_abort_word
+    return "returned"
+
+
+def test_a_signal_after_an_abort_does_not_hide_it() -> None:
+    assert "aborted step 1 of 'interleaved': gave step 1 up" in run_distributed(_abort_between_the_reads, 1)[0]
 
 
 def _disagreeing_alloc(rank: int, world: int) -> str:

@@ -104,10 +104,14 @@ class ShmRuntime(PgasRuntime):
         deadline = time.monotonic() + timeout_s
         spins = 0
         while True:
+            # The signals first, then the abort word: a peer that gives a step up aborts before it signals a
+            # later one (x86-64 keeps both its stores and these loads in order), so a signal read here cannot
+            # hide an abort of this step written before it.
+            arrived = bool((words[idx] >= value).all())
             if aborted_step(int(words[ABORT_WORD])) == step:
                 rank, msg = decode_abort(torch.from_numpy(words[:PAD_HEADER_WORDS].copy()))
                 raise PgasPeerAbortError(f"rank {rank} aborted step {step} of '{pad.name}': {msg}")
-            if (words[idx] >= value).all():
+            if arrived:
                 return
             spins += 1
             if spins > 200:

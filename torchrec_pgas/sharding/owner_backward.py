@@ -311,10 +311,11 @@ def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, ba
                      hyper: torch.Tensor, apply: Optional[torch.Tensor] = None,
                      used: Optional[torch.Tensor] = None) -> None:
     """The ids sorted by row key (stable: a row's ids in arrival order), each with its bag and weight, then the
-    op (``apply``, ``used``: the op's device words of a captured step)."""
+    op (``apply``: the step's device word; ``used``: the device word counting the positions that hold ids, which
+    the sort and the update stop at; None: all of them)."""
     ops, weighted = torch.ops.torchrec_pgas, psw is not None
     keys, bags, sorted_psw = ops.sort_owner_keys(
-        keys, bags, psw if weighted else keys.new_empty(0, dtype=torch.float32), layout.key_limit)
+        keys, bags, psw if weighted else keys.new_empty(0, dtype=torch.float32), layout.key_limit, used)
     profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys and their sort; the op
     mode = tbe.optimizer_args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
