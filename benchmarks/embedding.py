@@ -398,6 +398,12 @@ def shared_models(w: Workload) -> Tuple[int, ...]:
     return w.model_key
 
 
+def owns_models(args: argparse.Namespace) -> bool:
+    """Whether each workload gets its own models: replayed steps size their buffers to its ids, and
+    ``owner_backward="auto"`` makes its choice once per model (shared models would keep the first workload's)."""
+    return bool(args.train_graph or args.own_models or args.owner_backward == OwnerBackward.AUTO.value)
+
+
 def own_models(w: Workload) -> Tuple[int, ...]:
     """Each workload its own models, buffers sized to its ids (``--train-graph``: a captured step sorts its
     buffers' whole capacity, which a training job sizes to its batch)."""
@@ -947,7 +953,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
     parser.add_argument("--owner-backward", default=OwnerBackward.PGAS.value, choices=[o.value for o in OwnerBackward],
                         help="--mode train: PgasTrainingConfig.owner_backward (who applies the owner's gradients; "
-                        "auto: its trial takes the first 8 steps of a sharding, so keep --warmup at 8 or more)")
+                        "auto: its trial takes the first 8 steps of a sharding, so keep --warmup at 8 or more; each "
+                        "workload gets its own models, so that each makes its own choice)")
     parser.add_argument("--launched-backward", action="store_true",
                         help="--mode train --owner-backward pgas: PgasTrainingConfig(eager_backward_graphs=False), the "
                              "eager backward's kernels launched one by one, not replayed as CUDA graphs (its A/B)")
@@ -986,7 +993,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
-    group = own_models if args.train_graph or args.own_models else shared_models
+    group = own_models if owns_models(args) else shared_models
     capacity: Dict[Tuple[int, ...], int] = {}
     for k, w in enumerate(workloads):
         inputs[w] = make_inputs(w, w.tables, w.batch_per_gpu, args.sets, seed=1000 * rank + k, device=device)
@@ -1006,7 +1013,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "commit": git_commit(), "torch": torch.__version__, "date": today,
             "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
-            "own_models": bool(args.train_graph or args.own_models),
+            "own_models": owns_models(args),
             "pgas_training_layout": not args.inference_only, "mode": args.mode,
             "optimizer": args.optimizer if args.mode == "train" else None, "owner_backward": args.owner_backward,
             "eager_backward_graphs": not args.launched_backward,

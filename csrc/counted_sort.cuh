@@ -13,11 +13,13 @@
 //      (digit-major, so one exclusive scan gives every (digit, CTA) pair its
 //      first output position: the digits in order, and inside a digit the
 //      CTAs in the order of their ranges);
-//   2. scatter: CTA c walks its range a tile (kTile items) at a time, ranks
-//      the tile's keys by the digit with cub::BlockRadixRank (stable within
-//      the tile), exchanges the tile through shared memory in rank order,
-//      and writes item j of digit d to next[d] + (j - first rank of d), then
-//      advances next[d] by the tile's count of d.
+//   2. scatter: CTA c walks its range a tile (kTile items) at a time, loads
+//      it warp-striped (warp w's lane l holds items w * 32 * kItems + 32 k +
+//      l: coalesced), ranks the keys by the digit with
+//      cub::BlockRadixRankMatch (its ranks follow the digit, then the warp,
+//      item and lane: the tile's order), exchanges the tile through shared
+//      memory in rank order, and writes item j of digit d to next[d] + (j -
+//      first rank of d), then advances next[d] by the tile's count of d.
 // Ranges, tiles and ranks all keep input order, so the pass is stable, and
 // the passes (least significant digit first) sort by the whole key.
 // Positions past the count in a tile are loaded as all-ones keys: they rank
@@ -31,6 +33,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
+#include <cub/block/block_load.cuh>
 #include <cub/block/block_radix_rank.cuh>
 #include <cub/block/radix_rank_sort_operations.cuh>
 #include <cub/device/device_scan.cuh>
@@ -47,7 +50,7 @@ namespace counted_sort {
 constexpr int kThreads = 256;
 constexpr int kDigitBits = 8;
 constexpr int kDigits = 1 << kDigitBits;  // == kThreads: thread t owns digit t's counters
-constexpr int kItems = 8;  // a thread's keys in a tile (a blocked arrangement: items t * kItems + k)
+constexpr int kItems = 8;  // a thread's keys in a tile (warp-striped)
 constexpr int kTile = kThreads * kItems;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;  // keys a thread reads before it counts them (digit_counts)
@@ -113,7 +116,7 @@ template <typename K, typename V>
 __global__ void __launch_bounds__(kThreads) scatter(const K* keys_in, const V* values_in, K* keys_out, V* values_out,
                                                     const int64_t* count, int64_t capacity, int shift,
                                                     const int32_t* starts) {
-  using Rank = cub::BlockRadixRank<kThreads, kDigitBits, /*IS_DESCENDING=*/false>;
+  using Rank = cub::BlockRadixRankMatch<kThreads, kDigitBits, /*IS_DESCENDING=*/false>;
   struct Exchange {
     K keys[kTile];
     V values[kTile];
@@ -132,12 +135,8 @@ __global__ void __launch_bounds__(kThreads) scatter(const K* keys_in, const V* v
     const int valid = static_cast<int>(std::min<int64_t>(kTile, r.hi - lo));
     K key[kItems];
     V value[kItems];
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int j = t * kItems + k;
-      key[k] = j < valid ? keys_in[lo + j] : ~K{0};
-      value[k] = j < valid ? values_in[lo + j] : V{0};
-    }
+    cub::LoadDirectWarpStriped(t, keys_in + lo, key, valid, ~K{0});
+    cub::LoadDirectWarpStriped(t, values_in + lo, value, valid, V{0});
     int rank[kItems], prefix[1];
     __syncthreads();  // the last tile's exchange has been read; next[] is current
     Rank(smem.rank).RankKeys(key, rank, digits, prefix);

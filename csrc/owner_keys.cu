@@ -1,14 +1,14 @@
 // The owner update's inputs on the GPU (owner_keys.h): the kept bags, a
 // thread each; the keys at a capacity in one kernel whose warps take the bags
 // (the positions past the kept ids are not written); their sort over the key
-// limit's bits (counted_sort.cuh: the positions a device word counts),
-// carrying each key's bag (and per-sample weight: the two packed in one
-// 64-bit value).
+// limit's bits, carrying each key's bag (and per-sample weight: the two
+// packed in one 64-bit value): with a count word, counted_sort.cuh over the
+// positions it counts; without, CUB's onesweep radix sort over all of them.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-
+#include <cub/device/device_radix_sort.cuh>
 #include <type_traits>
 
 #include "counted_sort.cuh"
@@ -103,8 +103,20 @@ OwnerKeys sort_pairs(const at::Tensor& keys, const at::Tensor& bags, const at::T
       keys.data_ptr<key_t>(), bags.data_ptr<int32_t>(), psw.numel() ? psw.data_ptr<float>() : nullptr, count, n,
       key_limit, key_ptr(0), value_ptr(0));
   PGAS_CUDA_CHECK(cudaGetLastError());
-  const int out = counted_sort::sort_pairs<ukey_t, value_t>(key_ptr(0), value_ptr(0), key_ptr(1), value_ptr(1),
-                                                            count, n, key_bits(key_limit), opts, stream) ? 1 : 0;
+  const int bits = key_bits(key_limit);
+  int out = 1;
+  if (count != nullptr) {  // the count on the device: sort only its positions
+    out = counted_sort::sort_pairs<ukey_t, value_t>(key_ptr(0), value_ptr(0), key_ptr(1), value_ptr(1), count, n,
+                                                    bits, opts, stream) ? 1 : 0;
+  } else {  // every position: CUB's onesweep sort, faster per key (the host knows their number)
+    size_t temp_bytes = 0;
+    const int items = static_cast<int>(n);
+    PGAS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, key_ptr(0), key_ptr(1), value_ptr(0),
+                                                    value_ptr(1), items, 0, bits, stream));
+    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, opts.dtype(at::kByte));
+    PGAS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, key_ptr(0), key_ptr(1),
+                                                    value_ptr(0), value_ptr(1), items, 0, bits, stream));
+  }
   if constexpr (sizeof(value_t) == 8) {
     at::Tensor out_bags = at::empty_like(bags), out_psw = at::empty_like(psw);
     unpack_kernel<<<counted_grid(n), kThreads, 0, stream>>>(reinterpret_cast<const uint64_t*>(value_ptr(out)),

@@ -270,19 +270,22 @@ def test_a_row_of_100k_ids_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precis
              hot_ids=LONG_RUN, rtol=LONG_RUN_RTOL)
 
 
-def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTrial]) -> Callable[[], None]:
+def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTrial],
+                          device: torch.device) -> Callable[[], None]:
     """Count the owner updates applied at capacity (``OwnerApply.update_at_capacity``) and the owner rebuilds at
     the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``, with the positions the
-    ``sort_owner_keys`` calls were given and those they sorted (their count word's); collect the shardings'
+    ``sort_owner_keys`` calls were given and those they sorted (their count word's, summed on ``device``: a
+    backward captured as a graph replays the sums, and reads nothing on the host); collect the shardings'
     ``owner_backward='auto'`` trials into ``trials``; returns the undo."""
     at_capacity, at_count, init = OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids, OwnerApply.__init__
     ops = torch.ops.torchrec_pgas
     sort = ops.sort_owner_keys if op_available() else None
+    totals = torch.zeros(2, dtype=torch.int64, device=device)  # positions given, positions sorted
 
     def counted_sort(keys: torch.Tensor, *args: Any) -> Any:
         count = args[3] if len(args) > 3 else None
-        counts["positions"] += keys.numel()
-        counts["sorted"] += keys.numel() if count is None else min(max(int(count), 0), keys.numel())
+        totals[0].add_(keys.numel())
+        totals[1].add_(keys.numel() if count is None else count.clamp(0, keys.numel())[0])
         assert sort is not None
         return sort(keys, *args)
 
@@ -310,6 +313,7 @@ def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTria
         OwnerApply.__init__ = init  # type: ignore[method-assign]
         if sort is not None:
             ops.sort_owner_keys = sort
+        counts["positions"], counts["sorted"] = totals.tolist()
     return undo
 
 
@@ -346,7 +350,7 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
             counts = {"capacity": 0, "count": 0, "positions": 0, "sorted": 0,
                       "ids": sum(b.kjt.values().numel() + b.wkjt.values().numel() for b in batches)}
             trials: List[OwnerBackwardTrial] = []
-            undo = _counting_owner_paths(counts, trials)
+            undo = _counting_owner_paths(counts, trials, rank_device(rank, device_type))
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
