@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(kThreads) scatter(const K* keys_in, const V* v
                                                     const int64_t* count, int64_t capacity, int shift,
                                                     const int32_t* starts) {
   using Rank = cub::BlockRadixRankMatch<kThreads, kDigitBits, /*IS_DESCENDING=*/false>;
+  static_assert(Rank::BINS_TRACKED_PER_THREAD == 1, "thread t's digit prefix is digit t's");
   struct Exchange {
     K keys[kTile];
     V values[kTile];
@@ -174,6 +175,8 @@ bool sort_pairs(K* keys, V* values, K* keys_alt, V* values_alt, const int64_t* c
                 const at::TensorOptions& opts, cudaStream_t stream) {
   PGAS_CHECK(capacity < (int64_t{1} << 31), "counted_sort: %lld positions exceed int32 counters",
              static_cast<long long>(capacity));
+  PGAS_CHECK(bits >= 0 && bits <= static_cast<int>(8 * sizeof(K)), "counted_sort: %d key bits for %d-bit keys", bits,
+             static_cast<int>(8 * sizeof(K)));
   const int ctas = grid_ctas(capacity), slots = kDigits * ctas;
   at::Tensor counts = at::empty({2 * static_cast<int64_t>(slots)}, opts.dtype(at::kInt));
   int32_t* per_cta = counts.data_ptr<int32_t>();
