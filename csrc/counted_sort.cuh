@@ -63,7 +63,7 @@ __device__ __forceinline__ int64_t items(const int64_t* count, int64_t capacity)
   return n < 0 ? 0 : n < capacity ? n : capacity;
 }
 
-// This CTA's items [lo, hi): whole tiles, the tiles of `n` split evenly over the grid in order.
+// This CTA's items [lo, hi): whole tiles, the tiles of `n` in runs of ceil(tiles / grid) a CTA, in order.
 struct Range {
   int64_t lo, hi;
 };

@@ -38,16 +38,13 @@ __global__ void __launch_bounds__(kThreads) kept_bags_kernel(KeptBagsParams p, i
   }
 }
 
-// The positions a counted loop covers: [0, count) of n, count a device word (null: all n).
-__device__ __forceinline__ int64_t counted(const int64_t* count, int64_t n) { return counted_sort::items(count, n); }
-
 // The sort's input: clamped keys (unsigned: the sort then orders the key limit's low bits) and each key's
 // value, its bag, or its bag and weight's bits packed (bag low).
 template <typename key_t, typename value_t>
 __global__ void __launch_bounds__(kThreads) sort_input_kernel(const key_t* keys, const int32_t* bags, const float* psw,
                                                               const int64_t* count, int64_t n, int64_t key_limit,
                                                               std::make_unsigned_t<key_t>* keys_out, value_t* values) {
-  const int64_t end = counted(count, n);
+  const int64_t end = counted_sort::items(count, n);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < end;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     keys_out[i] = static_cast<std::make_unsigned_t<key_t>>(clamped_key(keys[i], key_limit));
@@ -61,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) sort_input_kernel(const key_t* keys,
 
 __global__ void __launch_bounds__(kThreads) unpack_kernel(const uint64_t* values, const int64_t* count, int64_t n,
                                                           int32_t* bags, float* psw) {
-  const int64_t end = counted(count, n);
+  const int64_t end = counted_sort::items(count, n);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < end;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     bags[i] = static_cast<int32_t>(static_cast<uint32_t>(values[i]));
@@ -73,9 +70,10 @@ int grid_for(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)));
 }
 
-// A grid-stride loop's grid over the positions a device word counts: sized by the SMs, not by the capacity
-// (the loop's work follows the count).
-int counted_grid(int64_t n) {
+// The grid of a grid-stride loop over n positions, or over those a device word counts: then sized by the SMs,
+// not by the capacity (the loop's work follows the count).
+int loop_grid(int64_t n, const int64_t* count) {
+  if (count == nullptr) return grid_for(n);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 8 * sms)));
 }
@@ -99,7 +97,7 @@ OwnerKeys sort_pairs(const at::Tensor& keys, const at::Tensor& bags, const at::T
   at::Tensor values[2] = {at::empty({n}, opts.dtype(value_type)), at::empty({n}, opts.dtype(value_type))};
   const auto key_ptr = [&](int i) { return reinterpret_cast<ukey_t*>(sorted_keys[i].data_ptr()); };
   const auto value_ptr = [&](int i) { return reinterpret_cast<value_t*>(values[i].data_ptr()); };
-  sort_input_kernel<key_t, value_t><<<counted_grid(n), kThreads, 0, stream>>>(
+  sort_input_kernel<key_t, value_t><<<loop_grid(n, count), kThreads, 0, stream>>>(
       keys.data_ptr<key_t>(), bags.data_ptr<int32_t>(), psw.numel() ? psw.data_ptr<float>() : nullptr, count, n,
       key_limit, key_ptr(0), value_ptr(0));
   PGAS_CUDA_CHECK(cudaGetLastError());
@@ -119,7 +117,7 @@ OwnerKeys sort_pairs(const at::Tensor& keys, const at::Tensor& bags, const at::T
   }
   if constexpr (sizeof(value_t) == 8) {
     at::Tensor out_bags = at::empty_like(bags), out_psw = at::empty_like(psw);
-    unpack_kernel<<<counted_grid(n), kThreads, 0, stream>>>(reinterpret_cast<const uint64_t*>(value_ptr(out)),
+    unpack_kernel<<<loop_grid(n, count), kThreads, 0, stream>>>(reinterpret_cast<const uint64_t*>(value_ptr(out)),
                                                             count, n, out_bags.data_ptr<int32_t>(),
                                                             out_psw.data_ptr<float>());
     PGAS_CUDA_CHECK(cudaGetLastError());
