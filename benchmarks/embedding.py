@@ -59,6 +59,7 @@ import itertools
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -923,6 +924,8 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default quick")
+    parser.add_argument("--workloads", default="", metavar="REGEX",
+                        help="only the presets' workloads whose names match (e.g. '^t(2|64)-.*-b4096-')")
     parser.add_argument("--pair", default="rw", choices=sorted(PAIRS))
     parser.add_argument("--node-size", type=int, default=None,
                         help="--pair twrw: the ranks of a node (LOCAL_WORLD_SIZE), e.g. 2 to run 2 x 2 on 4 GPUs")
@@ -986,7 +989,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    workloads = [w for p in presets for w in PRESETS[p](world)]
+    workloads = [w for p in presets for w in PRESETS[p](world) if re.search(args.workloads, w.name)]
     bandwidths = measure_bandwidths(device) if cuda else None
     today = datetime.date.today().isoformat()
     args.out = args.out or os.path.join("benchmarks", "results", f"{today}-{device_tag(device, world)}-{git_commit()}")
@@ -1011,7 +1014,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         meta = {
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
             "commit": git_commit(), "torch": torch.__version__, "date": today,
-            "presets": presets, "pair": args.pair, "steps": args.steps, "warmup": args.warmup,
+            "presets": presets, "workloads": args.workloads, "pair": args.pair, "steps": args.steps,
+            "warmup": args.warmup,
             "input_sets": args.sets, "stage_steps": args.stage_steps,
             "own_models": owns_models(args),
             "pgas_training_layout": not args.inference_only, "mode": args.mode,

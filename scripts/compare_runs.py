@@ -2,41 +2,62 @@
 
     python scripts/compare_runs.py pack RUN_DIR BUILD.json    # one file of a build's results
     python scripts/compare_runs.py diff NEW.json OLD.json [--tolerance 0.03]
+    python scripts/compare_runs.py rounds DIR                 # every round of DIR's tree*.json, old*.json
 
-A run folder holds ``bench-rw/``, ``bench-tw/`` (``benchmarks.embedding``) and ``virtual/``
+A run folder holds ``bench-*/`` (``benchmarks.embedding``, one folder per pair and world size) and ``virtual/``
 (``benchmarks.virtual_ranks``) results; ``pack`` keeps them in one file (a GPU run brings back few files).
 ``diff`` prints, per workload, the p50 of the PGAS step and of each stage in both builds and NEW / OLD,
-and marks what lies outside the tolerance. Stage names of older builds are mapped to today's
-(``finalize`` is now ``combine``).
+and marks what lies outside the tolerance; training rows add the eager training step, the replayed one and
+the host time per step (stock's eager training step beside them: unchanged code, so it shows the machine's
+drift). ``rounds`` is the A/B's verdict: per world size and measure, the geometric mean over the workloads of
+each tree round against the old round of its number, next to the run-to-run spread of each build against itself.
+Stage names of older builds are mapped to today's (``finalize`` is now ``combine``).
 """
 
 import argparse
+import glob
 import json
+import math
 import os
 from typing import Any, Dict, Iterator, List, Tuple
 
 RENAMED = {"finalize": "combine"}
-RUNS = ("bench-rw", "bench-tw", "virtual")
+# training measures of a row: (name printed, the row's key)
+TRAIN_MEASURES = (("train", "pgas_train_p50_ms"), ("train-graph", "pgas_train_graph_p50_ms"),
+                  ("train-host", "pgas_train_host_p50_ms"), ("stock-train", "stock_train_p50_ms"))
+Key = Tuple[str, str, str, str]  # (run: "W=2" or "virtual W=2", pair, workload, measure)
 
 
 def pack(run_dir: str, out: str) -> None:
-    packed = {run: json.load(open(os.path.join(run_dir, run, "results.json")))
-              for run in RUNS if os.path.exists(os.path.join(run_dir, run, "results.json"))}
+    packed = {os.path.basename(os.path.dirname(path)): json.load(open(path))
+              for path in sorted(glob.glob(os.path.join(run_dir, "*", "results.json")))}
     with open(out, "w") as f:
         json.dump(packed, f)
 
 
-def _times(packed: Dict[str, Any]) -> Dict[Tuple[str, ...], float]:
-    """(run, pair, preset, what) -> ms: the PGAS p50 step and stages (virtual ranks: the slowest rank's)."""
-    out: Dict[Tuple[str, ...], float] = {}
-    for run in ("bench-rw", "bench-tw"):
-        for r in packed.get(run, {}).get("rows", []):
-            key = (f"W={r['world_size']}", run[-2:], r["preset"])
-            out[key + ("step",)] = r["pgas_p50_ms"]
-            for stage, ms in r["pgas_stages_ms"].items():
-                out[key + (RENAMED.get(stage, stage),)] = ms
+def _bench_times(run: str, rows: List[Dict[str, Any]]) -> Dict[Key, float]:
+    out: Dict[Key, float] = {}
+    pair = run.split("-")[1]  # bench-rw, bench-rw-w2
+    for r in rows:
+        key = (f"W={r['world_size']}", pair, f"{r['preset']}/{r['name']}")
+        out[key + ("step",)] = r["pgas_p50_ms"]
+        for stage, ms in r["pgas_stages_ms"].items():
+            out[key + (RENAMED.get(stage, stage),)] = ms
+        for name, field in TRAIN_MEASURES:
+            if r.get(field) is not None:
+                out[key + (name,)] = r[field]
+    return out
+
+
+def _times(packed: Dict[str, Any]) -> Dict[Key, float]:
+    """(run, pair, workload, what) -> ms: the PGAS p50 step and stages (virtual ranks: the slowest rank's),
+    and a training row's measures."""
+    out: Dict[Key, float] = {}
+    for run, results in packed.items():
+        if run.startswith("bench"):
+            out.update(_bench_times(run, results.get("rows", [])))
     for r in packed.get("virtual", {}).get("rows", []):
-        key = (f"virtual W={r['world']}", r["pair"], r["preset"])
+        key = (f"virtual W={r['world']}", r["pair"], f"{r['preset']}/{r['name']}")
         out[key + ("step",)] = max(r["rank_step_ms"])
         for stage, per_rank in r["p50_ms"].items():
             out[key + (RENAMED.get(stage, stage),)] = max(per_rank)
@@ -46,22 +67,54 @@ def _times(packed: Dict[str, Any]) -> Dict[Tuple[str, ...], float]:
 def diff(new: Dict[str, Any], old: Dict[str, Any], tolerance: float) -> Iterator[str]:
     a, b = _times(new), _times(old)
     outside: List[str] = []
-    yield f"{'run':<14} {'pair':<4} {'preset':<12} {'what':<12} {'new ms':>9} {'old ms':>9} {'new/old':>8}"
+    yield f"{'run':<12} {'pair':<4} {'workload':<44} {'what':<12} {'new ms':>9} {'old ms':>9} {'new/old':>8}"
     for key in sorted(set(a) & set(b)):
         ratio = a[key] / b[key] if b[key] > 0 else float("nan")
         small = max(a[key], b[key]) < 0.05  # below 50 us: event resolution and launch gaps, not the kernels
         flag = "" if small or abs(ratio - 1) <= tolerance else "  <-- outside"
         if flag:
             outside.append(" ".join(key))
-        yield f"{key[0]:<14} {key[1]:<4} {key[2]:<12} {key[3]:<12} {a[key]:>9.3f} {b[key]:>9.3f} {ratio:>8.3f}{flag}"
+        yield f"{key[0]:<12} {key[1]:<4} {key[2]:<44} {key[3]:<12} {a[key]:>9.3f} {b[key]:>9.3f} {ratio:>8.3f}{flag}"
     if set(a) ^ set(b):
-        yield f"in one build only: {sorted(set(a) ^ set(b))}"
+        yield f"in one build only: {len(set(a) ^ set(b))} times"
     if not set(a) & set(b):
         yield "nothing to compare: a build has no results"
     elif outside:
-        yield f"outside {tolerance:.0%}: {outside}"
+        yield f"outside {tolerance:.0%}: {len(outside)} of {len(set(a) & set(b))} times"
     else:
         yield f"within {tolerance:.0%}: all {len(set(a) & set(b))} times"
+
+
+def geomean_ratio(a: Dict[Key, float], b: Dict[Key, float], run: str, measure: str) -> Tuple[float, int]:
+    """The geometric mean of a / b over the workloads both have for (run, measure), and their number."""
+    logs = [math.log(a[k] / b[k]) for k in set(a) & set(b) if k[0] == run and k[3] == measure and b[k] > 0 < a[k]]
+    return (math.exp(sum(logs) / len(logs)) if logs else float("nan")), len(logs)
+
+
+def rounds(folder: str) -> Iterator[str]:
+    """Per (world, measure): tree_k / old_k for each round k, and the spread of each build across its rounds
+    (tree_k / tree_1, old_k / old_1): the A/B is within noise when the first stays inside the second."""
+    def load(build: str) -> List[Dict[Key, float]]:  # BUILD.json, BUILD2.json, ... in round order
+        paths = sorted(glob.glob(os.path.join(folder, f"{build}*.json")), key=lambda p: (len(p), p))
+        return [_times(json.load(open(p))) for p in paths]
+
+    tree, old = load("tree"), load("old")
+    if not tree or not old:
+        yield "nothing to compare: a build has no rounds"
+        return
+    runs = sorted({k[0] for k in tree[0] if not k[0].startswith("virtual")})
+    measures = [m for m, _ in TRAIN_MEASURES] + ["step"]
+    yield (f"{len(tree)} tree and {len(old)} old rounds; geometric means over the workloads "
+           "(tree_k/old_k; spread: tree_k/tree, old_k/old)")
+    for run in runs:
+        for m in measures:
+            ab = [geomean_ratio(t, o, run, m) for t, o in zip(tree, old)]
+            if not ab or ab[0][1] == 0:
+                continue
+            spread = [geomean_ratio(t, tree[0], run, m)[0] for t in tree[1:]] + \
+                     [geomean_ratio(o, old[0], run, m)[0] for o in old[1:]]
+            yield (f"{run:<4} {m:<12} n={ab[0][1]:<3} tree/old " + " ".join(f"{r:.3f}" for r, _ in ab)
+                   + "   spread " + (" ".join(f"{s:.3f}" for s in spread) or "-"))
 
 
 def main() -> None:
@@ -74,11 +127,16 @@ def main() -> None:
     d.add_argument("new")
     d.add_argument("old")
     d.add_argument("--tolerance", type=float, default=0.03)
+    r = sub.add_parser("rounds")
+    r.add_argument("folder")
     args = parser.parse_args()
     if args.command == "pack":
         pack(args.run_dir, args.out)
-    else:
+    elif args.command == "diff":
         for line in diff(json.load(open(args.new)), json.load(open(args.old)), args.tolerance):
+            print(line)
+    else:
+        for line in rounds(args.folder):
             print(line)
 
 

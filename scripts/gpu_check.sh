@@ -38,14 +38,16 @@
 #              with that dir's csrc/ files copied over its csrc/, built and run there. The working tree
 #              is never changed.
 #   compare    this tree against an older one (COMPARE_TREE=<dir>: a `git archive` of that commit, exported
-#              beforehand since op names change), each built in a scratch copy: benchmarks.embedding at
-#              W = 1 (COMPARE_BENCH, default s000-weak and s000-strong; COMPARE_PAIRS, default "rw tw") and
-#              benchmarks.virtual_ranks (COMPARE_VIRTUAL, default the same at W = 2), in the order of
+#              beforehand since op names change, built in a scratch copy): benchmarks.embedding at each of
+#              COMPARE_WORLDS (default 1) GPUs (COMPARE_BENCH, default s000-weak and s000-strong; COMPARE_PAIRS,
+#              default "rw tw") and benchmarks.virtual_ranks (COMPARE_VIRTUAL, default the same at W = 2; empty:
+#              none), in the order of
 #              COMPARE_ROUNDS (default "tree old tree2": the tree, the older one, the tree again to show the
 #              drift; numbered rounds, "tree old tree2 old2 tree3 old3", alternate the builds);
 #              scripts/compare_runs.py prints every step and stage time side by side into <out>/compare.txt
 #              (each tree round against the old round of its number, and against the first tree round), each
-#              round's results packed into <out>/compare/<round>.json
+#              round's results packed into <out>/compare/<round>.json; compare_rounds.txt: the verdict over the
+#              rounds (scripts/compare_runs.py rounds)
 #   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
 #              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full)
@@ -231,30 +233,39 @@ fi
 
 if has compare; then
   read -r -a CBENCH <<< "${COMPARE_BENCH:---preset s000-weak --preset s000-strong --steps 50 --no-graph --no-single-gpu}"
-  read -r -a CVIRT <<< "${COMPARE_VIRTUAL:---preset s000-weak --preset s000-strong --world 2 --pair rw --pair tw --steps 20}"
+  read -r -a CVIRT <<< "${COMPARE_VIRTUAL---preset s000-weak --preset s000-strong --world 2 --pair rw --pair tw --steps 20}"
   mkdir -p "$OUT/compare"
-  # A scratch copy per build, imported from there (the planner package linked into place, as installed).
-  prepare() {
-    { if [ "$2" = . ]; then scratch_copy "$1"; else rm -rf "$1" && cp -r "$2" "$1"; fi; } \
-      && ln -sfn ../planner "$1/torchrec_pgas/planner" && ab_build "$1"
-  }
-  prepare /tmp/ab-tree . && prepare /tmp/ab-old "${COMPARE_TREE:?compare needs COMPARE_TREE}" \
-    || { echo "compare: build failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; }
+  # The tree's rounds run in place (built above). The older tree runs from a scratch copy built there, imported
+  # from there (the planner package linked into place, as installed); a COMPARE_TREE already built (its
+  # .compare_built written by an earlier call) runs as it is.
+  old=${COMPARE_TREE:?compare needs COMPARE_TREE}
+  if [ ! -f "$old/.compare_built" ]; then
+    { rm -rf /tmp/ab-old && cp -r "$old" /tmp/ab-old && ln -sfn ../planner /tmp/ab-old/torchrec_pgas/planner \
+        && ab_build /tmp/ab-old && touch /tmp/ab-old/.compare_built; } \
+      || { echo "compare: build failed" | tee -a "$OUT/summary.txt"; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; }
+    old=/tmp/ab-old
+  fi
   for build in ${COMPARE_ROUNDS:-tree old tree2}; do
-    dir=/tmp/ab-${build%%[0-9]*}  # tree, tree2, tree3, ... run the same build; old, old2, ... the other
+    dir=$(pwd); [ "${build%%[0-9]*}" = old ] && dir=$old  # tree, tree2, ... run the tree; old, old2, ... the other
     log "compare: $build ($dir)"
-    for pair in ${COMPARE_PAIRS:-rw tw}; do
-      (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run \
-        --nproc_per_node=1 -m benchmarks.embedding --pair $pair "${CBENCH[@]}" --out /tmp/cmp-$build/bench-$pair) \
-        > /tmp/cmp.log 2>&1
-      echo "$build bench-$pair exit $?" | tee -a "$OUT/summary.txt"
-      grep -E "Error|error" /tmp/cmp.log | tail -3 | tee -a "$OUT/summary.txt"
+    for n in ${COMPARE_WORLDS:-1}; do
+      for pair in ${COMPARE_PAIRS:-rw tw}; do
+        (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" "$PY" -m torch.distributed.run \
+          --nproc_per_node="$n" -m benchmarks.embedding --pair $pair "${CBENCH[@]}" --out /tmp/cmp-$build/bench-$pair-w$n) \
+          > /tmp/cmp.log 2>&1
+        echo "$build bench-$pair-w$n exit $?" | tee -a "$OUT/summary.txt"
+        { echo "### $build bench-$pair-w$n"; cat /tmp/cmp.log; } >> "$OUT/compare.log"
+        grep -E "Error|error" /tmp/cmp.log | tail -3 | tee -a "$OUT/summary.txt"
+      done
     done
-    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" \
-      "$PY" -m benchmarks.virtual_ranks "${CVIRT[@]}" --out /tmp/cmp-$build/virtual) > /tmp/cmp.log 2>&1
-    echo "$build virtual exit $?" | tee -a "$OUT/summary.txt"
-    grep -E "^W=|Error" /tmp/cmp.log | tee -a "$OUT/summary.txt"
+    if [ ${#CVIRT[@]} -gt 0 ]; then  # COMPARE_VIRTUAL="" leaves the virtual ranks out
+      (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${VIRTUAL_TIMEOUT:-300}" \
+        "$PY" -m benchmarks.virtual_ranks "${CVIRT[@]}" --out /tmp/cmp-$build/virtual) > /tmp/cmp.log 2>&1
+      echo "$build virtual exit $?" | tee -a "$OUT/summary.txt"
+      grep -E "^W=|Error" /tmp/cmp.log | tee -a "$OUT/summary.txt"
+    fi
     "$PY" scripts/compare_runs.py pack /tmp/cmp-$build "$OUT/compare/$build.json"
+    "$PY" scripts/compare_runs.py rounds "$OUT/compare" > "$OUT/compare_rounds.txt" 2>&1  # after every round
   done
   c="$PY scripts/compare_runs.py diff"
   { for round in "" 2 3 4; do  # each tree round against the old round of its number (or the first old one)
@@ -264,6 +275,7 @@ if has compare; then
       [ -n "$round" ] && { echo "### tree$round against tree (drift)"; $c "$OUT/compare/tree$round.json" "$OUT/compare/tree.json"; }
     done; } > "$OUT/compare.txt" 2>&1
   grep -E "^###|within|outside|nothing" "$OUT/compare.txt" | tee -a "$OUT/summary.txt"
+  tee -a "$OUT/summary.txt" < "$OUT/compare_rounds.txt"
 fi
 
 if has profile; then
