@@ -10,7 +10,9 @@ A run folder holds ``bench-*/`` (``benchmarks.embedding``, one folder per pair a
 and marks what lies outside the tolerance; training rows add the eager training step, the replayed one and
 the host time per step (stock's eager training step beside them: unchanged code, so it shows the machine's
 drift). ``rounds`` is the A/B's verdict: per world size and measure, the geometric mean over the workloads of
-each tree round against the old round of its number, next to the run-to-run spread of each build against itself.
+each tree round against the old round of its number, next to the run-to-run spread of each build against itself,
+and each inner round against its two neighbours of the other build ("bracketed": a machine that drifts the same
+way through the run, as GPUs warming up do, favours whichever build ran later in a pair, but not a bracket).
 Stage names of older builds are mapped to today's (``finalize`` is now ``combine``).
 """
 
@@ -24,7 +26,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 RENAMED = {"finalize": "combine"}
 # training measures of a row: (name printed, the row's key)
 TRAIN_MEASURES = (("train", "pgas_train_p50_ms"), ("train-graph", "pgas_train_graph_p50_ms"),
-                  ("train-host", "pgas_train_host_p50_ms"), ("stock-train", "stock_train_p50_ms"))
+                  ("train-host", "pgas_train_host_p50_ms"), ("stock-train", "stock_train_p50_ms"),
+                  ("stock-host", "stock_train_host_p50_ms"))
 Key = Tuple[str, str, str, str]  # (run: "W=2" or "virtual W=2", pair, workload, measure)
 
 
@@ -91,9 +94,23 @@ def geomean_ratio(a: Dict[Key, float], b: Dict[Key, float], run: str, measure: s
     return (math.exp(sum(logs) / len(logs)) if logs else float("nan")), len(logs)
 
 
+def bracketed(tree: List[Dict[Key, float]], old: List[Dict[Key, float]], run: str, measure: str) -> List[float]:
+    """tree / old for each inner round of the sequence tree, old, tree2, old2, ...: the round against the geometric
+    mean of the rounds of the other build just before and just after it."""
+    sequence = [r for pair in zip(tree, old) for r in pair]
+    out = []
+    for i in range(1, len(sequence) - 1):
+        before, after = (geomean_ratio(sequence[i], sequence[j], run, measure)[0] for j in (i - 1, i + 1))
+        ratio = math.sqrt(before * after)  # this round / its neighbours
+        out.append(ratio if i % 2 == 0 else 1 / ratio)  # even positions are tree rounds
+    return out
+
+
 def rounds(folder: str) -> Iterator[str]:
-    """Per (world, measure): tree_k / old_k for each round k, and the spread of each build across its rounds
-    (tree_k / tree_1, old_k / old_1): the A/B is within noise when the first stays inside the second."""
+    """Per (world, measure): tree_k / old_k for each round k, the spread of each build across its rounds
+    (tree_k / tree_1, old_k / old_1), and tree / old of each inner round of the sequence tree, old, tree2, old2, ...
+    against the geometric mean of its two neighbours: the A/B is within noise when the ratios stay inside the
+    spread."""
     def load(build: str) -> List[Dict[Key, float]]:  # BUILD.json, BUILD2.json, ... in round order
         paths = sorted(glob.glob(os.path.join(folder, f"{build}*.json")), key=lambda p: (len(p), p))
         return [_times(json.load(open(p))) for p in paths]
@@ -114,7 +131,8 @@ def rounds(folder: str) -> Iterator[str]:
             spread = [geomean_ratio(t, tree[0], run, m)[0] for t in tree[1:]] + \
                      [geomean_ratio(o, old[0], run, m)[0] for o in old[1:]]
             yield (f"{run:<4} {m:<12} n={ab[0][1]:<3} tree/old " + " ".join(f"{r:.3f}" for r, _ in ab)
-                   + "   spread " + (" ".join(f"{s:.3f}" for s in spread) or "-"))
+                   + "   spread " + (" ".join(f"{s:.3f}" for s in spread) or "-")
+                   + "   bracketed " + (" ".join(f"{b:.3f}" for b in bracketed(tree, old, run, m)) or "-"))
 
 
 def main() -> None:
