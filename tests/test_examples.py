@@ -58,6 +58,18 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.stacks
+def test_dlrm_trains_through_the_replay_pipeline_like_stock_sparse_dist(tmp_path: pathlib.Path) -> None:
+    """--pipeline replay: the PGAS side trains through ReplayTrainPipeline (eagerly on CPUs, which have no CUDA
+    graphs), its stock twin through TrainPipelineSparseDist, on the same batches: equal step by step."""
+    report = tmp_path / "dlrm_replay.json"
+    out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--pipeline", "replay",
+                   "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate", "--report", str(report))
+    assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
+    got = json.loads(report.read_text())
+    assert got["pass"] and got["pipeline"] == "replay" and len(got["losses"]) == 6
+
+
+@pytest.mark.stacks
 def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) -> None:
     """--pipeline sparse_dist: both sides train through TorchRec's TrainPipelineSparseDist on the same batches,
     still equal to stock step by step (with --owner-backward auto: the two owner backwards alternate); the

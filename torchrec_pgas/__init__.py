@@ -17,6 +17,7 @@ from torchrec_pgas.embeddingbag import (
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
+from torchrec_pgas.train_pipeline import ReplayTrainPipeline
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
     PGAS_TABLE_ROW_WISE,
@@ -51,6 +52,7 @@ __all__ = [
     "PgasStep",
     "PgasTimeoutError",
     "PgasTrainingConfig",
+    "ReplayTrainPipeline",
     "StepSpec",
     "check_errors",
     "copy_kjt_",

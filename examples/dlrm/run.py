@@ -10,7 +10,9 @@
 
 Inference by default; --train trains (fused SGD for the tables, SGD for the dense
 layers), in a plain loop or, with --pipeline sparse_dist, through TorchRec's
-TrainPipelineSparseDist (the next batch's input dist overlaps this one's step);
+TrainPipelineSparseDist (the next batch's input dist overlaps this one's step), or,
+with --pipeline replay and every table PGAS, through ReplayTrainPipeline (each step
+replayed as one CUDA graph; its stock twin under --validate runs sparse_dist);
 --owner-backward picks who applies an owner's gradients (pgas, fbgemm, or auto:
 the faster of the two, timed on the first 8 steps).
 Prints samples/s (global) and AUC / log loss over the run. --validate shards the
@@ -58,6 +60,7 @@ from torchrec_pgas import (
     PgasConfig,
     PgasEmbeddingBagCollectionSharder,
     PgasTrainingConfig,
+    ReplayTrainPipeline,
     check_errors,
     pooling_capacity_from_constraints,
     shutdown,
@@ -180,9 +183,10 @@ def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_o
     # Made before the timed steps: the synthetic generator's host time (26 Zipf draws a batch, 5.7 ms on a
     # 2-core CPU host) would otherwise set the pace of both sides. Host memory: ~2 MB a step at batch 4096.
     batches = iter(list(data))
-    if pipeline == "sparse_dist":
+    if pipeline in ("sparse_dist", "replay"):
         assert dense_opt is not None, "the pipeline trains"
-        pipe = TrainPipelineSparseDist(dmp, dense_opt, device)
+        pipe = (TrainPipelineSparseDist(dmp, dense_opt, device) if pipeline == "sparse_dist"
+                else ReplayTrainPipeline(dmp, dense_opt, device))
         return lambda: pipe.progress(batches)
 
     def step() -> StepOutput:
@@ -245,11 +249,16 @@ def twin_sharding(sharding: str) -> str:
     return "pgas" if sharding == "nccl" else "nccl"
 
 
+def twin_pipeline(pipeline: str) -> str:
+    """--validate's other side's loop: the same, but stock cannot replay: it runs TorchRec's sparse_dist."""
+    return "sparse_dist" if pipeline == "replay" else pipeline
+
+
 def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.Module, data: SyntheticCriteo,
                       device: torch.device, args: argparse.Namespace) -> bool:
     """Train the twin on the same batches through the same loop: the loss of every step within 1e-4 relative,
     the AUC within 1e-3; both samples/s side by side (the report's keys name the stock side as such)."""
-    theirs = run(twin, data, device, True, args.lr, args.warmup, args.pipeline)
+    theirs = run(twin, data, device, True, args.lr, args.warmup, twin_pipeline(args.pipeline))
     their_metrics = metrics(theirs.preds, theirs.labels)
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours.losses, theirs.losses)]
     worst = max(range(len(rel)), key=rel.__getitem__)
@@ -335,8 +344,9 @@ def main() -> None:
                         default=OwnerBackward.PGAS.value,
                         help="with --train: PgasTrainingConfig.owner_backward (auto: its trial takes a sharding's "
                         "first 8 steps; raise --warmup to keep it out of samples/s)")
-    parser.add_argument("--pipeline", choices=["plain", "sparse_dist"], default="plain",
-                        help="with --train: the training loop (sparse_dist: TorchRec's TrainPipelineSparseDist)")
+    parser.add_argument("--pipeline", choices=["plain", "sparse_dist", "replay"], default="plain",
+                        help="with --train: the training loop (sparse_dist: TorchRec's TrainPipelineSparseDist; "
+                        "replay: torchrec_pgas.ReplayTrainPipeline, --sharding pgas)")
     parser.add_argument("--validate", action="store_true",
                         help="compare with the other sharding of the same model (see above)")
     parser.add_argument("--validate-steps", type=int, default=3, help="inference: steps whose predictions compare")
@@ -347,7 +357,9 @@ def main() -> None:
                         "here (JSON)")
     args = parser.parse_args()
     if args.pipeline != "plain" and not args.train:
-        parser.error("--pipeline sparse_dist trains: add --train")
+        parser.error(f"--pipeline {args.pipeline} trains: add --train")
+    if args.pipeline == "replay" and (args.sharding != "pgas" or args.owner_backward != "pgas"):
+        parser.error("--pipeline replay replays PGAS steps: --sharding pgas, --owner-backward pgas")
 
     rank = int(os.environ["RANK"])
     placement = best_placement(int(os.environ["LOCAL_WORLD_SIZE"]))

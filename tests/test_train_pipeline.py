@@ -1,0 +1,133 @@
+"""``ReplayTrainPipeline``: the DLRM example's model trained through it equals the same model trained eagerly on the
+same batches, through a learning-rate change, a checkpoint round trip, a batch of another size mid-run and a
+short last batch. On CPUs every step runs eagerly (no CUDA graphs): the pipeline's batch flow, its dense
+gradients' average and optimizer step; the GPU twin replays (NCCL with a GPU a rank: the average inside the
+graph; ranks sharing a GPU over gloo: after it)."""
+
+import os
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_pgas import OwnerBackward, PgasTrainingConfig, ReplayTrainPipeline
+from torchrec_pgas.testing import local_state, rank_device, run_distributed
+from torchrec_pgas.train_pipeline import batch_signature, copy_batch_, signature_difference
+
+WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
+
+
+def kjt(lengths: List[int], weighted: bool = False) -> KeyedJaggedTensor:
+    n = sum(lengths)
+    return KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(n), lengths=torch.tensor(lengths),
+                             weights=torch.rand(n) if weighted else None)
+
+
+def batch(lengths: List[int], rows: int = 2, weighted: bool = False) -> Batch:
+    return Batch(dense_features=torch.rand(rows, 3), sparse_features=kjt(lengths, weighted),
+                 labels=torch.rand(rows))
+
+
+def test_a_batch_fits_the_captured_one_by_shapes_and_counts_per_key() -> None:
+    captured = batch_signature(batch([1, 2, 3, 1]))
+
+    def difference(b: Batch) -> str:
+        return str(signature_difference(captured, batch_signature(b)))
+
+    assert signature_difference(captured, batch_signature(batch([3, 0, 2, 2]))) is None  # bags vary within a key
+    assert "ids per key [3, 5]" in difference(batch([1, 2, 4, 1]))
+    short = difference(batch([1, 1], rows=1))
+    assert short.startswith("batch.dense_features: shape (1, 3), torch.float32 (the captured batch: shape (2, 3)")
+    weighted = difference(batch([1, 2, 3, 1], weighted=True))
+    assert weighted.startswith("batch.sparse_features:") and "weighted (the captured" in weighted
+
+
+def test_copy_batch_refills_every_tensor_of_the_static_batch() -> None:
+    static, new = batch([1, 2, 3, 1], weighted=True), batch([2, 1, 1, 3], weighted=True)
+    copy_batch_(static, new)
+    for mine, theirs in ((static.dense_features, new.dense_features), (static.labels, new.labels),
+                         (static.sparse_features.values(), new.sparse_features.values()),
+                         (static.sparse_features.lengths(), new.sparse_features.lengths()),
+                         (static.sparse_features.weights(), new.sparse_features.weights())):
+        assert torch.equal(mine, theirs)
+
+
+def _dense(dmp: Any) -> List[torch.nn.Parameter]:
+    """The parameters the dense optimizer steps (the tables' optimizer runs in their backward)."""
+    return [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
+
+
+def _set_lr(dmp: Any, dense_opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in dmp.fused_optimizer.param_groups:
+        group["lr"] = lr
+    dmp.fused_optimizer.step()  # the tables take a changed rate here, as in eager training
+    for group in dense_opt.param_groups:
+        group["lr"] = lr
+
+
+def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) -> Tuple[float, float, float, bool]:
+    """30 steps of the DLRM example's model through the pipeline and through a plain eager loop, on the same
+    batches: the lr changes after step 10; after step 25 a checkpoint is saved, two junk batches trained and the
+    checkpoint loaded back; step 21 has another batch size, the last one a short batch (both eager). Returns the
+    largest loss difference over the steps, table state difference, dense parameter difference, and whether the
+    pipeline captured its step."""
+    from examples.dlrm.data import SyntheticCriteo
+    from examples.dlrm.run import build_model, shard
+
+    device = rank_device(rank, device_type) if device_type == "cuda" else torch.device("cpu")
+    training = PgasTrainingConfig(owner_backward=OwnerBackward.PGAS)
+    piped, eager = (shard(build_model(16, 2000, device, seed=0), "pgas", device, 32, training, lr=0.5) for _ in "ab")
+    optimizers = [torch.optim.SGD(_dense(m), lr=0.5) for m in (piped, eager)]
+
+    def draw(size: int, n: int, seed: int) -> List[Batch]:
+        return list(SyntheticCriteo(size, n, 2000, seed=seed + rank))
+
+    main, odd, junk, short = draw(32, 28, 100), draw(16, 1, 200), draw(32, 2, 300), draw(8, 1, 400)
+    fed = main[:20] + odd + main[20:24] + junk + main[24:] + short  # the pipeline's, checkpoint round trip included
+    pipeline: ReplayTrainPipeline[Batch, Any] = ReplayTrainPipeline(piped, optimizers[0], device)
+    it, losses = iter(fed), []
+    for i in range(len(fed)):
+        loss, _, _ = pipeline.progress(it)
+        if i < 25 or i > 26:
+            losses.append(float(loss))
+        if i == 9:
+            _set_lr(piped, optimizers[0], 0.2)
+        if i == 24:
+            dcp.save({"model": piped.state_dict()}, checkpoint_id=os.path.join(root, "ckpt"))
+        if i == 26:  # the junk steps undone
+            state = {"model": piped.state_dict()}
+            dcp.load(state, checkpoint_id=os.path.join(root, "ckpt"))
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    reference = []
+    for i, b in enumerate(main[:20] + odd + main[20:] + short):
+        loss, _ = eager(b.to(device))
+        loss.backward()
+        optimizers[1].step()
+        optimizers[1].zero_grad()
+        reference.append(float(loss))
+        if i == 9:
+            _set_lr(eager, optimizers[1], 0.2)
+    dense = max(float((a - b).abs().max()) for a, b in zip(_dense(piped), _dense(eager)))
+    tables = max(float((a - b).abs().max()) for a, b in zip(local_state(piped).values(), local_state(eager).values()))
+    dist.barrier()
+    return max(abs(a - b) for a, b in zip(losses, reference)), tables, dense, pipeline.captured
+
+
+def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any) -> None:
+    for worst_loss, tables, dense, captured in run_distributed(_pipeline_against_eager, 2, "cpu", str(tmp_path)):
+        assert not captured
+        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)
+
+
+@pytest.mark.gpu
+@pytest.mark.peers
+def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any) -> None:
+    for worst_loss, tables, dense, captured in run_distributed(_pipeline_against_eager, max(WORLD, 2), "cuda",
+                                                               str(tmp_path)):
+        assert captured
+        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)

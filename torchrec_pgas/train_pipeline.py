@@ -1,0 +1,271 @@
+"""``ReplayTrainPipeline``: TorchRec's train-pipeline shape, each training step replayed as one CUDA graph.
+
+TorchRec's pipelines overlap a batch's host-to-device copy and input dist with the step before it, but each step
+still launches its kernels one by one and syncs with the host in its input dist. A model whose embedding tables
+are PGAS shardings training with ``owner_backward="pgas"`` has no host sync left in its step, so the whole step
+can be one CUDA graph (``CapturedTrainStep``). This pipeline runs it as TorchRec users run a pipeline,
+``progress(dataloader_iter)`` once a step: the next batch's copy to the device runs on a side stream while the
+current step replays, the graph's static batch is refilled on the device, and the dense optimizer runs after
+each replay.
+
+The dense part. ``DistributedModelParallel`` wraps the dense modules in DDP, whose reducer a graph can capture
+only if DDP was built on a side stream and warmed up for 11 steps (PyTorch's CUDA-graph notes); TorchRec builds
+it inside the model, with ``static_graph=True``, which also refuses ``no_sync``. So the pipeline calls the module
+DDP wraps (DDP's hooks then stay idle, as under ``no_sync``) and averages the dense gradients over the ranks
+itself, one flat all-reduce a dtype as DDP's buckets would: inside the graph under NCCL, right after the replay
+under gloo (whose collectives a graph cannot capture). The dense optimizer then
+runs eagerly after the replay: any optimizer and learning-rate schedule works, for a few launches a step.
+A learning rate set on the tables' ``fused_optimizer`` reaches the next replay (``CapturedTrainStep``).
+
+A batch the graph cannot take (another batch size, id count per feature, or weightedness than the captured one:
+an epoch's short last batch, say) trains eagerly, with a one-time message naming the difference; so do the
+warm-up steps before the capture, every step on CPUs, which have no CUDA graphs (the same step, eagerly), and an
+eval step (forward only, as TorchRec's pipelines run it).
+"""
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
+
+logger = logging.getLogger(__name__)
+
+In = TypeVar("In", bound=Pipelineable)
+Out = TypeVar("Out")
+Signature = Dict[str, str]  # a batch's fixed shapes, by path in the batch ("batch.sparse_features")
+
+
+def batch_signature(batch: Any, path: str = "batch") -> Signature:
+    """What a captured step fixes of its batch, by path: each tensor's shape and dtype; each KJT's keys, batch
+    size, id count per key and weightedness (its per-key counts computed here: pass host batches, whose count
+    costs no device sync, and whose ``.to()`` carries it to the device copy)."""
+    if isinstance(batch, KeyedJaggedTensor):
+        weighted = "weighted" if batch.weights_or_none() is not None else "unweighted"
+        return {path: f"keys {batch.keys()}, batch size {batch.stride()}, ids per key {batch.length_per_key()}, "
+                      f"{weighted}"}
+    if isinstance(batch, torch.Tensor):
+        return {path: f"shape {tuple(batch.shape)}, {batch.dtype}"}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items: Any = ((f".{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch))
+    elif isinstance(batch, dict):
+        items = ((f"[{k!r}]", v) for k, v in batch.items())
+    elif isinstance(batch, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(batch))
+    else:
+        return {path: repr(batch)}
+    signature: Signature = {}
+    for name, value in items:
+        signature.update(batch_signature(value, path + name))
+    return signature
+
+
+def signature_difference(captured: Signature, batch: Signature) -> Optional[str]:
+    """The first place where ``batch`` differs from the captured batch, in words; None where it fits."""
+    for path in sorted(set(captured) | set(batch)):
+        if captured.get(path) != batch.get(path):
+            return f"{path}: {batch.get(path, 'absent')} (the captured batch: {captured.get(path, 'absent')})"
+    return None
+
+
+def copy_batch_(static: Any, batch: Any) -> None:
+    """Refill the captured step's batch ``static`` with ``batch``, on the device, in the current stream (their
+    signatures are equal: ``batch_signature``)."""
+    if isinstance(static, KeyedJaggedTensor):
+        copy_kjt_(static, batch)
+    elif isinstance(static, torch.Tensor):
+        static.copy_(batch, non_blocking=True)
+    elif dataclasses.is_dataclass(static):
+        for f in dataclasses.fields(static):
+            copy_batch_(getattr(static, f.name), getattr(batch, f.name))
+    elif isinstance(static, dict):
+        for key, value in static.items():
+            copy_batch_(value, batch[key])
+    elif isinstance(static, (list, tuple)):
+        for mine, theirs in zip(static, batch):
+            copy_batch_(mine, theirs)
+
+
+def _detached_copy(value: Any) -> Any:
+    """A replay's outputs are the graph's static tensors, rewritten by the next replay: the caller gets copies."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached_copy(v) for k, v in value.items()}
+    return value
+
+
+class DenseGradients:
+    """The gradients DDP would average over the ranks: of the dense parameters of a model whose dense modules DDP
+    wraps (``DistributedModelParallel``'s default), averaged here; ``module`` is what to call in place of the
+    model, so that DDP's reducer takes no part in the step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        wrapped = getattr(model, "_dmp_wrapped_module", model)  # DMP holds its DDP there (TorchRec's pipelines too)
+        self._ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        self.module: nn.Module = model if self._ddp is None else self._ddp.module
+        self.params: List[nn.Parameter] = [] if self._ddp is None else [
+            p for name, p in self._ddp.module.named_parameters()
+            if p.requires_grad and name not in self._ddp.parameters_to_ignore]
+        self._group = None if self._ddp is None else self._ddp.process_group
+        self._world = 1 if self._ddp is None else dist.get_world_size(self._group)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can capture the average: NCCL's collectives, nothing to average, not gloo's."""
+        return self._world == 1 or dist.get_backend(self._group) == "nccl"
+
+    def zero_(self) -> None:
+        """Zero the gradients in place: a graph's backward then accumulates into the tensors it captured."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def average(self) -> None:
+        """Each gradient's mean over the ranks, one all-reduce a dtype (DDP's buckets, flattened)."""
+        if self._world == 1:
+            return
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = _flatten_dense_tensors(grads).div_(self._world)
+            dist.all_reduce(flat, group=self._group)
+            torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+
+    def held(self) -> List[Optional[torch.Tensor]]:
+        return [p.grad for p in self.params]
+
+    def restore(self, grads: List[Optional[torch.Tensor]]) -> None:
+        """Point the parameters' ``.grad`` at the tensors a graph writes (a caller may have set them to None)."""
+        for p, g in zip(self.params, grads):
+            p.grad = g
+
+
+class ReplayTrainPipeline(TrainPipeline[In, Out]):
+    """Trains ``model`` (``forward(batch) -> (losses, output)``, as TorchRec's pipelines call it) one batch a
+    ``progress`` call, its steps replayed as one CUDA graph after ``warmup_steps`` eager ones (module docstring).
+
+    ``optimizer`` is the dense parameters' (the tables' optimizer runs in their backward); it steps after each
+    replay. Returns the step's ``output`` (a copy, on the device). Batches come from ``dataloader_iter`` on the
+    host; every batch the graph replays must match the first one's shapes (``batch_signature``), others train
+    eagerly.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 warmup_steps: int = 2) -> None:
+        super().__init__()
+        self._model, self._optimizer, self._device = model, optimizer, device
+        self._dense = DenseGradients(model)
+        cuda = device.type == "cuda"
+        self._copy_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if cuda else None
+        self._replay: Optional[CapturedTrainStep] = (
+            CapturedTrainStep(self._graph_step, warmup_steps) if cuda else None)
+        self._static: Optional[In] = None  # the graph's batch, refilled on the device before each replay
+        self._static_signature: Signature = {}
+        self._graph_grads: List[Optional[torch.Tensor]] = []
+        self._next: Optional[Tuple[In, Signature]] = None  # the next batch on the device, its host signature
+        self._connected = False
+        self._said: Set[str] = set()
+
+    @property
+    def captured(self) -> bool:
+        """Whether the training step has been captured: the next fitting batch replays it."""
+        return self._replay is not None and self._replay.captured
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        if not self._connected:
+            self._next, self._connected = self._fetch(dataloader_iter), True
+        if self._next is None:
+            raise StopIteration()
+        batch, signature = self._next
+        self._wait_for_copy(batch)
+        if not self._model.training:  # an eval step: forward only, as TorchRec's pipelines
+            with torch.no_grad():
+                _, output = self._dense.module(batch)
+            self._next = self._fetch(dataloader_iter)
+            return output
+        output, averaged = self._train(batch, signature)
+        if not averaged:
+            self._dense.average()
+        self._optimizer.step()
+        self._next = self._fetch(dataloader_iter)  # its copy overlaps the step just enqueued
+        return output
+
+    def _train(self, batch: In, signature: Signature) -> Tuple[Out, bool]:
+        """One training step on ``batch``, through the graph's step where it fits the graph's batch (eagerly
+        until the capture); its output, and whether the step averaged the dense gradients already."""
+        if self._replay is None:
+            self._say_once("cpu", "ReplayTrainPipeline: no CUDA graphs on CPUs: every step runs eagerly")
+            return self._eager_step(batch), False
+        if self._static is None:
+            self._static, self._static_signature = batch, signature  # the first batch's copy is the graph's
+        else:
+            difference = signature_difference(self._static_signature, signature)
+            if difference is not None:
+                self._say_once(difference, f"ReplayTrainPipeline: a batch the graph cannot take, trained eagerly "
+                                           f"(said once per difference): {difference}")
+                return self._eager_step(batch), False
+            copy_batch_(self._static, batch)
+        was_captured = self._replay.captured
+        output = self._replay()
+        if was_captured:
+            self._dense.restore(self._graph_grads)
+        elif self._replay.captured:  # this call captured the step
+            self._graph_grads = self._dense.held()
+        return _detached_copy(output), self._dense.capturable
+
+    def _forward_backward(self, batch: In) -> Out:
+        self._dense.zero_()
+        losses, output = self._dense.module(batch)
+        torch.sum(losses, dim=0).backward()
+        return output
+
+    def _graph_step(self) -> Out:
+        """What the graph holds: forward and backward on the static batch (the tables' update in it), and the
+        dense gradients' average where it can be captured."""
+        assert self._static is not None
+        output = self._forward_backward(self._static)
+        if self._dense.capturable:
+            self._dense.average()
+        return output
+
+    def _eager_step(self, batch: In) -> Out:
+        output = self._forward_backward(batch)
+        if self._graph_grads:  # the graph's gradient tensors stay the parameters' own
+            self._dense.restore(self._graph_grads)
+        return output
+
+    def _fetch(self, dataloader_iter: Iterator[In]) -> Optional[Tuple[In, Signature]]:
+        """The next host batch, its signature, and its copy to the device on the copy stream (None: no more)."""
+        try:
+            batch = next(dataloader_iter)
+        except StopIteration:
+            return None
+        signature = batch_signature(batch)
+        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext():
+            return batch.to(self._device, non_blocking=True), signature
+
+    def _wait_for_copy(self, batch: In) -> None:
+        if self._copy_stream is not None:
+            current = torch.cuda.current_stream(self._device)
+            current.wait_stream(self._copy_stream)
+            batch.record_stream(current)
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.warning(message)
