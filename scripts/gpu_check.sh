@@ -13,7 +13,8 @@
 #                 (commit, GPUs, every step's exit status and headline lines) and one log per step.
 #
 # STEPS is a comma list, or a name for one:
-#   tests      every GPU test (tests/ -m gpu; TEST_FILES: some files) at PGAS_TEST_WORLD ranks; quick-tests: a few
+#   tests      every GPU test (tests/ -m gpu; TEST_FILES: some files) at PGAS_TEST_WORLD ranks, over TEST_SHARDS pytest
+#              processes side by side (default 1); quick-tests: a few
 #   bench-rw   benchmarks.embedding, stock row_wise vs pgas_row_wise   (args, default --preset quick)
 #   bench-tw   the same for table_wise vs pgas_table_wise (both: BENCH_WORLDS="8 4 2" runs them at each size)
 #   bench-twrw the same for table_row_wise vs pgas_table_row_wise, nodes of NODE_SIZE ranks (default 2); training:
@@ -313,21 +314,37 @@ fi
 
 if has tests || has quick-tests; then
   # TEST_FILES: a part of the suite (the whole took over 10 minutes with two ranks sharing one H200)
-  ALL_GPU_TESTS="tests/test_gpu.py tests/test_tw_sharding.py tests/test_virtual_ranks.py tests/test_gpu_training.py
-    tests/test_owner_backward.py tests/test_owner_update_op.py"
+  ALL_GPU_TESTS=tests  # every file's tests marked gpu
   # shellcheck disable=SC2206  # the file list splits on blanks and newlines
   TESTS=(${TEST_FILES:-$ALL_GPU_TESTS} -m gpu)
   K=${TEST_K:-}  # e.g. TEST_K="table_wise or comm"; with quick-tests, both must match
   has quick-tests && K="(out_of_range or mismatch or ignore or graph or bit_exact or comm)${K:+ and ($K)}"
   [ -n "$K" ] && TESTS+=(-k "$K")
-  log "GPU tests at world size $PGAS_TEST_WORLD"
-  export PGAS_TEST_REPORT=$OUT  # the training tests' measured differences: training_diffs.json
+  SHARDS=${TEST_SHARDS:-1}
+  log "GPU tests at world size $PGAS_TEST_WORLD ($SHARDS pytest processes side by side)"
   # Per-test limits (tests use short PGAS wait timeouts), so a stuck test still leaves its traceback.
-  # The whole suite with the ranks sharing one H100 took 8 minutes at W = 2 and 9 at W = 4, the two side by side.
-  timeout "${TEST_TIMEOUT:-780}" "$PY" -m pytest -v -p no:cacheprovider -W ignore::DeprecationWarning --tb=short \
-    --timeout "${PER_TEST_TIMEOUT:-400}" "${TESTS[@]}" > "$OUT/gpu_tests.log" 2>&1
-  echo "pytest exit $?" | tee -a "$OUT/summary.txt"
-  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -30 | tee -a "$OUT/summary.txt"
+  # The whole suite took 8-12 minutes with the ranks sharing one GPU, ~25 with a rank per GPU (375 tests, ~20 s a
+  # multi-process test, most of it process start): TEST_SHARDS=N deals the collected tests over N pytest processes
+  # side by side (each test's ranks still a GPU each; correctness only), each with its own log and report folder
+  # (PGAS_TEST_REPORT: training_diffs.json, failures.log): gpu_tests.log, or gpu_tests_<k>.log with shards.
+  pt() {  # pt LOG REPORT_DIR ARGS...
+    local log=$1 report=$2; shift 2
+    mkdir -p "$report"
+    PGAS_TEST_REPORT=$report PYTHONDONTWRITEBYTECODE=1 timeout "${TEST_TIMEOUT:-780}" "$PY" -m pytest -v \
+      -p no:cacheprovider -W ignore::DeprecationWarning --tb=short --timeout "${PER_TEST_TIMEOUT:-400}" "$@" > "$log" 2>&1
+    echo "pytest $(basename "$log" .log) exit $?" | tee -a "$OUT/summary.txt"
+  }
+  if [ "$SHARDS" -le 1 ]; then
+    pt "$OUT/gpu_tests.log" "$OUT" "${TESTS[@]}"
+  else
+    "$PY" -m pytest --collect-only -q -p no:cacheprovider "${TESTS[@]}" 2> /dev/null | grep "::" > /tmp/gpu_test_ids.txt
+    for k in $(seq 0 $((SHARDS - 1))); do
+      mapfile -t ids < <(awk -v n="$SHARDS" -v k="$k" '(NR - 1) % n == k' /tmp/gpu_test_ids.txt)
+      [ ${#ids[@]} -gt 0 ] && pt "$OUT/gpu_tests_$k.log" "$OUT/tests_$k" "${ids[@]}" &
+    done
+    wait
+  fi
+  grep -hE "PASSED|FAILED|ERROR|passed|failed" "$OUT"/gpu_tests*.log | tail -30 | tee -a "$OUT/summary.txt"
 fi
 
 if has scaling; then
