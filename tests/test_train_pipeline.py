@@ -70,11 +70,12 @@ def _set_lr(dmp: Any, dense_opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) -> Tuple[float, float, float, bool]:
-    """30 steps of the DLRM example's model through the pipeline and through a plain eager loop, on the same
-    batches: the lr changes after step 10; after step 25 a checkpoint is saved, two junk batches trained and the
-    checkpoint loaded back; step 21 has another batch size, the last one a short batch (both eager). Returns the
-    largest loss difference over the steps, table state difference, dense parameter difference, and whether the
-    pipeline captured its step."""
+    """The DLRM example's model through the pipeline and through a plain eager loop, on the same 30 training
+    batches: the lr changes after training step 10; after step 25 a checkpoint is saved, two junk batches trained
+    and the checkpoint loaded back; an eval batch (forward only) after step 12; the caller drops the dense
+    gradients (``zero_grad(set_to_none=True)``) after step 5; step 21 has another batch size, the last one is a
+    short batch (both eager). Returns the largest loss difference over the training steps, the table state
+    difference, the dense parameter difference, and whether the pipeline captured its step."""
     from examples.dlrm.data import SyntheticCriteo
     from examples.dlrm.run import build_model, shard
 
@@ -83,34 +84,40 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) 
     piped, eager = (shard(build_model(16, 2000, device, seed=0), "pgas", device, 32, training, lr=0.5) for _ in "ab")
     optimizers = [torch.optim.SGD(_dense(m), lr=0.5) for m in (piped, eager)]
 
-    def draw(size: int, n: int, seed: int) -> List[Batch]:
-        return list(SyntheticCriteo(size, n, 2000, seed=seed + rank))
+    def draw(kind: str, size: int, n: int, seed: int) -> List[Tuple[str, Batch]]:
+        return [(kind, b) for b in SyntheticCriteo(size, n, 2000, seed=seed + rank)]
 
-    main, odd, junk, short = draw(32, 28, 100), draw(16, 1, 200), draw(32, 2, 300), draw(8, 1, 400)
-    fed = main[:20] + odd + main[20:24] + junk + main[24:] + short  # the pipeline's, checkpoint round trip included
+    main = draw("train", 32, 28, 100)
+    fed = (main[:12] + draw("eval", 32, 1, 500) + main[12:20] + draw("train", 16, 1, 200) + main[20:24]
+           + draw("junk", 32, 2, 300) + main[24:] + draw("train", 8, 1, 400))
     pipeline: ReplayTrainPipeline[Batch, Any] = ReplayTrainPipeline(piped, optimizers[0], device)
-    it, losses = iter(fed), []
-    for i in range(len(fed)):
+    it, losses, trained, junk = iter(b for _, b in fed), [], 0, 0
+    for kind, _ in fed:
+        piped.train(kind != "eval")
         loss, _, _ = pipeline.progress(it)
-        if i < 25 or i > 26:
+        trained += kind == "train"
+        junk += kind == "junk"
+        if kind == "train":
             losses.append(float(loss))
-        if i == 9:
+        if kind == "train" and trained == 5:
+            optimizers[0].zero_grad(set_to_none=True)
+        if kind == "train" and trained == 10:
             _set_lr(piped, optimizers[0], 0.2)
-        if i == 24:
+        if kind == "train" and trained == 25:
             dcp.save({"model": piped.state_dict()}, checkpoint_id=os.path.join(root, "ckpt"))
-        if i == 26:  # the junk steps undone
+        if kind == "junk" and junk == 2:  # the junk steps undone
             state = {"model": piped.state_dict()}
             dcp.load(state, checkpoint_id=os.path.join(root, "ckpt"))
     with pytest.raises(StopIteration):
         pipeline.progress(it)
     reference = []
-    for i, b in enumerate(main[:20] + odd + main[20:] + short):
+    for b in [b for kind, b in fed if kind == "train"]:
         loss, _ = eager(b.to(device))
         loss.backward()
         optimizers[1].step()
         optimizers[1].zero_grad()
         reference.append(float(loss))
-        if i == 9:
+        if len(reference) == 10:
             _set_lr(eager, optimizers[1], 0.2)
     dense = max(float((a - b).abs().max()) for a, b in zip(_dense(piped), _dense(eager)))
     tables = max(float((a - b).abs().max()) for a, b in zip(local_state(piped).values(), local_state(eager).values()))
@@ -128,6 +135,6 @@ def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any) -> None:
 @pytest.mark.peers
 def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any) -> None:
     for worst_loss, tables, dense, captured in run_distributed(_pipeline_against_eager, max(WORLD, 2), "cuda",
-                                                               str(tmp_path)):
+                                                               str(tmp_path), device_type="cuda"):
         assert captured
         assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)

@@ -44,10 +44,16 @@ class CapturedTrainStep:
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._captured: List[CapturedStep] = []
         self._loss: Any = None
+        self._launches = 0
 
     @property
     def captured(self) -> bool:
         return self._graph is not None
+
+    @property
+    def launches(self) -> int:
+        """The graph's launches so far: a call that raised a recorded error after its launch still trained."""
+        return self._launches
 
     def __call__(self) -> Any:
         """One training step on the static inputs' current contents; returns what ``train_step`` returned
@@ -67,6 +73,7 @@ class CapturedTrainStep:
                 write_hyper(tbe, iteration)
         assert self._graph is not None
         self._graph.replay()
+        self._launches += 1
         for c in self._captured:
             sync_tbe_iterations(c.tbes, c.iterations)  # the device counters, as an eager step leaves them
         for c in self._captured:

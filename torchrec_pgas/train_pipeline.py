@@ -108,27 +108,33 @@ def _detached_copy(value: Any) -> Any:
 
 
 class DenseGradients:
-    """The gradients DDP would average over the ranks: of the dense parameters of a model whose dense modules DDP
-    wraps (``DistributedModelParallel``'s default), averaged here; ``module`` is what to call in place of the
-    model, so that DDP's reducer takes no part in the step."""
+    """The dense optimizer's parameters' gradients: zeroed before each step, and, where DDP wraps the dense modules
+    (``DistributedModelParallel``'s default), averaged over its group as DDP would. ``module`` is what to call in
+    place of the model, so that DDP's reducer takes no part in the step."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         wrapped = getattr(model, "_dmp_wrapped_module", model)  # DMP holds its DDP there (TorchRec's pipelines too)
-        self._ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
-        self.module: nn.Module = model if self._ddp is None else self._ddp.module
-        self.params: List[nn.Parameter] = [] if self._ddp is None else [
-            p for name, p in self._ddp.module.named_parameters()
-            if p.requires_grad and name not in self._ddp.parameters_to_ignore]
-        self._group = None if self._ddp is None else self._ddp.process_group
-        self._world = 1 if self._ddp is None else dist.get_world_size(self._group)
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        self.module: nn.Module = model if ddp is None else ddp.module
+        self.params: List[torch.Tensor] = [  # the dense ones: not the tables', whose optimizer runs in backward
+            p for group in optimizer.param_groups for p in group["params"]
+            if isinstance(p, nn.Parameter) and p.requires_grad and not hasattr(p, "_in_backward_optimizers")]
+        self._group = None if ddp is None else ddp.process_group
+        self._world = 1 if ddp is None else dist.get_world_size(self._group)
 
     @property
     def capturable(self) -> bool:
-        """Whether a CUDA graph can capture the average: NCCL's collectives, nothing to average, not gloo's."""
-        return self._world == 1 or dist.get_backend(self._group) == "nccl"
+        """Whether a CUDA graph can capture the average: NCCL's collectives (or nothing to average), not gloo's."""
+        backend = dist.get_backend(self._group)  # "nccl", "gloo", or per device type: "cpu:gloo,cuda:nccl"
+        return self._world == 1 or backend == "nccl" or "cuda:nccl" in backend
 
     def zero_(self) -> None:
-        """Zero the gradients in place: a graph's backward then accumulates into the tensors it captured."""
+        """Zero the gradients in place (a graph's backward then accumulates into the tensors it captured); where
+        they are averaged, every parameter has one, so that every rank's all-reduce has the same size."""
+        if self._world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
@@ -150,7 +156,7 @@ class DenseGradients:
         return [p.grad for p in self.params]
 
     def restore(self, grads: List[Optional[torch.Tensor]]) -> None:
-        """Point the parameters' ``.grad`` at the tensors a graph writes (a caller may have set them to None)."""
+        """Point the parameters' ``.grad`` at the tensors a graph writes (none before the capture)."""
         for p, g in zip(self.params, grads):
             p.grad = g
 
@@ -162,14 +168,15 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
     ``optimizer`` is the dense parameters' (the tables' optimizer runs in their backward); it steps after each
     replay. Returns the step's ``output`` (a copy, on the device). Batches come from ``dataloader_iter`` on the
     host; every batch the graph replays must match the first one's shapes (``batch_signature``), others train
-    eagerly.
+    eagerly. A refused step raises from ``progress`` with its batch consumed, as eager training raises; a replay
+    raises an earlier replay's refusal after its own launch, its own batch trained (``CapturedTrainStep``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  warmup_steps: int = 2) -> None:
         super().__init__()
         self._model, self._optimizer, self._device = model, optimizer, device
-        self._dense = DenseGradients(model)
+        self._dense = DenseGradients(model, optimizer)
         cuda = device.type == "cuda"
         self._copy_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if cuda else None
         self._replay: Optional[CapturedTrainStep] = (
@@ -191,26 +198,24 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             self._next, self._connected = self._fetch(dataloader_iter), True
         if self._next is None:
             raise StopIteration()
-        batch, signature = self._next
-        self._wait_for_copy(batch)
-        if not self._model.training:  # an eval step: forward only, as TorchRec's pipelines
-            with torch.no_grad():
-                _, output = self._dense.module(batch)
-            self._next = self._fetch(dataloader_iter)
-            return output
-        output, averaged = self._train(batch, signature)
-        if not averaged:
-            self._dense.average()
-        self._optimizer.step()
-        self._next = self._fetch(dataloader_iter)  # its copy overlaps the step just enqueued
-        return output
+        (batch, signature), self._next = self._next, None
+        # a capture records the current device's streams: this pipeline's, whatever the caller's current device
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            try:
+                self._wait_for_copy(batch)
+                if not self._model.training:  # an eval step: forward only, as TorchRec's pipelines
+                    with torch.no_grad():
+                        return self._dense.module(batch)[1]
+                return self._train(batch, signature)
+            finally:  # a batch refused with an error is consumed too, as in eager training
+                self._next = self._fetch(dataloader_iter)  # its copy overlaps the step just enqueued
 
-    def _train(self, batch: In, signature: Signature) -> Tuple[Out, bool]:
-        """One training step on ``batch``, through the graph's step where it fits the graph's batch (eagerly
-        until the capture); its output, and whether the step averaged the dense gradients already."""
+    def _train(self, batch: In, signature: Signature) -> Out:
+        """One training step on ``batch``: through the graph's step where it fits the graph's batch (eagerly
+        until the capture), else eagerly; then the dense optimizer's step."""
         if self._replay is None:
             self._say_once("cpu", "ReplayTrainPipeline: no CUDA graphs on CPUs: every step runs eagerly")
-            return self._eager_step(batch), False
+            return self._eager_step(batch)
         if self._static is None:
             self._static, self._static_signature = batch, signature  # the first batch's copy is the graph's
         else:
@@ -218,17 +223,28 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             if difference is not None:
                 self._say_once(difference, f"ReplayTrainPipeline: a batch the graph cannot take, trained eagerly "
                                            f"(said once per difference): {difference}")
-                return self._eager_step(batch), False
+                return self._eager_step(batch)
             copy_batch_(self._static, batch)
-        was_captured = self._replay.captured
-        output = self._replay()
-        if was_captured:
-            self._dense.restore(self._graph_grads)
-        elif self._replay.captured:  # this call captured the step
-            self._graph_grads = self._dense.held()
-        return _detached_copy(output), self._dense.capturable
+        was_captured, launches, returned = self._replay.captured, self._replay.launches, False
+        try:
+            output = self._replay()
+            returned = True
+        finally:
+            # A replay raises an earlier replay's refused step after its own launch: this batch trained all the same
+            if returned or self._replay.launches > launches:
+                if not was_captured and self._replay.captured:  # this call captured the step
+                    self._graph_grads = self._dense.held()
+                self._dense.restore(self._graph_grads)
+                self._step_dense(averaged=self._dense.capturable)
+        return _detached_copy(output)
+
+    def _step_dense(self, averaged: bool) -> None:
+        if not averaged:
+            self._dense.average()
+        self._optimizer.step()
 
     def _forward_backward(self, batch: In) -> Out:
+        self._dense.restore(self._graph_grads)  # a caller's zero_grad(set_to_none=True) may have dropped them
         self._dense.zero_()
         losses, output = self._dense.module(batch)
         torch.sum(losses, dim=0).backward()
@@ -245,8 +261,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
 
     def _eager_step(self, batch: In) -> Out:
         output = self._forward_backward(batch)
-        if self._graph_grads:  # the graph's gradient tensors stay the parameters' own
-            self._dense.restore(self._graph_grads)
+        self._step_dense(averaged=False)
         return output
 
     def _fetch(self, dataloader_iter: Iterator[In]) -> Optional[Tuple[In, Signature]]:
