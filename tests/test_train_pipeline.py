@@ -1,8 +1,8 @@
 """``ReplayTrainPipeline``: the DLRM example's model trained through it equals the same model trained eagerly on the
 same batches, through a learning-rate change, a checkpoint round trip, a batch of another size mid-run and a
-short last batch. On CPUs every step runs eagerly (no CUDA graphs): the pipeline's batch flow, its dense
-gradients' average and optimizer step; the GPU twin replays (NCCL with a GPU a rank: the average inside the
-graph; ranks sharing a GPU over gloo: after it)."""
+short last batch. On CPUs the graph's step runs eagerly on the static batch (no CUDA graphs): the pipeline's
+batch flow, refills, eager fallbacks, its dense gradients' average and optimizer step; the GPU twin replays (NCCL
+with a GPU a rank: the average inside the graph; ranks sharing a GPU over gloo: after it)."""
 
 import os
 from typing import Any, List, Tuple
@@ -69,13 +69,15 @@ def _set_lr(dmp: Any, dense_opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) -> Tuple[float, float, float, bool]:
+def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) -> Tuple[float, float, float, bool,
+                                                                                          int, bool]:
     """The DLRM example's model through the pipeline and through a plain eager loop, on the same 30 training
     batches: the lr changes after training step 10; after step 25 a checkpoint is saved, two junk batches trained
     and the checkpoint loaded back; an eval batch (forward only) after step 12; the caller drops the dense
     gradients (``zero_grad(set_to_none=True)``) after step 5; step 21 has another batch size, the last one is a
     short batch (both eager). Returns the largest loss difference over the training steps, the table state
-    difference, the dense parameter difference, and whether the pipeline captured its step."""
+    difference, the dense parameter difference, whether the pipeline captured its step, the batches it trained
+    off the graph's step, and whether every step's output kept its own batch's labels."""
     from examples.dlrm.data import SyntheticCriteo
     from examples.dlrm.run import build_model, shard
 
@@ -91,10 +93,11 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) 
     fed = (main[:12] + draw("eval", 32, 1, 500) + main[12:20] + draw("train", 16, 1, 200) + main[20:24]
            + draw("junk", 32, 2, 300) + main[24:] + draw("train", 8, 1, 400))
     pipeline: ReplayTrainPipeline[Batch, Any] = ReplayTrainPipeline(piped, optimizers[0], device)
-    it, losses, trained, junk = iter(b for _, b in fed), [], 0, 0
+    it, losses, labels, trained, junk = iter(b for _, b in fed), [], [], 0, 0
     for kind, _ in fed:
         piped.train(kind != "eval")
-        loss, _, _ = pipeline.progress(it)
+        loss, _, step_labels = pipeline.progress(it)
+        labels.append(step_labels)
         trained += kind == "train"
         junk += kind == "junk"
         if kind == "train":
@@ -122,19 +125,22 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) 
     dense = max(float((a - b).abs().max()) for a, b in zip(_dense(piped), _dense(eager)))
     tables = max(float((a - b).abs().max()) for a, b in zip(local_state(piped).values(), local_state(eager).values()))
     dist.barrier()
-    return max(abs(a - b) for a, b in zip(losses, reference)), tables, dense, pipeline.captured
+    kept_labels = all(torch.equal(out.cpu(), b.labels) for out, (_, b) in zip(labels, fed))
+    return (max(abs(a - b) for a, b in zip(losses, reference)), tables, dense, pipeline.captured,
+            pipeline.batches_off_graph, kept_labels)
 
 
 def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any) -> None:
-    for worst_loss, tables, dense, captured in run_distributed(_pipeline_against_eager, 2, "cpu", str(tmp_path)):
-        assert not captured
+    for worst_loss, tables, dense, captured, off_graph, kept_labels in run_distributed(
+            _pipeline_against_eager, 2, "cpu", str(tmp_path)):
+        assert not captured and off_graph == 2 and kept_labels  # off it: the odd-sized batch, the short one
         assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)
 
 
 @pytest.mark.gpu
 @pytest.mark.peers
 def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any) -> None:
-    for worst_loss, tables, dense, captured in run_distributed(_pipeline_against_eager, max(WORLD, 2), "cuda",
-                                                               str(tmp_path), device_type="cuda"):
-        assert captured
+    for worst_loss, tables, dense, captured, off_graph, kept_labels in run_distributed(
+            _pipeline_against_eager, max(WORLD, 2), "cuda", str(tmp_path), device_type="cuda"):
+        assert captured and off_graph == 2 and kept_labels
         assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)

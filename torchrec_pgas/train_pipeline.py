@@ -96,8 +96,29 @@ def copy_batch_(static: Any, batch: Any) -> None:
             copy_batch_(mine, theirs)
 
 
+def clone_batch(batch: Any) -> Any:
+    """A copy of ``batch`` in memory of its own, the same nesting (a graph's static batch must not share a
+    dataloader's tensors: refilling it would overwrite them)."""
+    if isinstance(batch, KeyedJaggedTensor):
+        weights = batch.weights_or_none()
+        return KeyedJaggedTensor(keys=batch.keys(), values=batch.values().clone(), lengths=batch.lengths().clone(),
+                                 offsets=batch.offsets().clone(), weights=None if weights is None else weights.clone(),
+                                 stride=batch.stride(), length_per_key=batch.length_per_key())
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: clone_batch(getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, dict):
+        return {k: clone_batch(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(clone_batch(v) for v in batch)
+    return batch
+
+
 def _detached_copy(value: Any) -> Any:
-    """A replay's outputs are the graph's static tensors, rewritten by the next replay: the caller gets copies."""
+    """A step on the static batch returns tensors the next step rewrites (a replay's outputs, the static batch's
+    own labels passed through): the caller gets copies."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (list, tuple)):
@@ -187,11 +208,17 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         self._next: Optional[Tuple[In, Signature]] = None  # the next batch on the device, its host signature
         self._connected = False
         self._said: Set[str] = set()
+        self._batches_off_graph = 0
 
     @property
     def captured(self) -> bool:
         """Whether the training step has been captured: the next fitting batch replays it."""
         return self._replay is not None and self._replay.captured
+
+    @property
+    def batches_off_graph(self) -> int:
+        """The training batches that did not fit the graph's batch, trained eagerly so far."""
+        return self._batches_off_graph
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         if not self._connected:
@@ -212,12 +239,9 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
 
     def _train(self, batch: In, signature: Signature) -> Out:
         """One training step on ``batch``: through the graph's step where it fits the graph's batch (eagerly
-        until the capture), else eagerly; then the dense optimizer's step."""
-        if self._replay is None:
-            self._say_once("cpu", "ReplayTrainPipeline: no CUDA graphs on CPUs: every step runs eagerly")
-            return self._eager_step(batch)
+        until the capture; always on CPUs), else eagerly; then the dense optimizer's step."""
         if self._static is None:
-            self._static, self._static_signature = batch, signature  # the first batch's copy is the graph's
+            self._static, self._static_signature = clone_batch(batch), signature  # the graph's batch from now on
         else:
             difference = signature_difference(self._static_signature, signature)
             if difference is not None:
@@ -225,6 +249,11 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                                            f"(said once per difference): {difference}")
                 return self._eager_step(batch)
             copy_batch_(self._static, batch)
+        if self._replay is None:  # CPUs: the graph's step on the static batch, eagerly
+            self._say_once("cpu", "ReplayTrainPipeline: no CUDA graphs on CPUs: every step runs eagerly")
+            output = self._graph_step()
+            self._step_dense(averaged=self._dense.capturable)
+            return _detached_copy(output)  # it may hold the static batch's own tensors (its labels, say)
         was_captured, launches, returned = self._replay.captured, self._replay.launches, False
         try:
             output = self._replay()
@@ -260,6 +289,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         return output
 
     def _eager_step(self, batch: In) -> Out:
+        self._batches_off_graph += 1
         output = self._forward_backward(batch)
         self._step_dense(averaged=False)
         return output
