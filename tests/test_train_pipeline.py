@@ -130,6 +130,7 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) 
             pipeline.batches_off_graph, kept_labels)
 
 
+@pytest.mark.stacks  # TorchRec's TrainPipeline base and DMP's DDP wrapper, as each stack has them
 def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any) -> None:
     for worst_loss, tables, dense, captured, off_graph, kept_labels in run_distributed(
             _pipeline_against_eager, 2, "cpu", str(tmp_path)):
