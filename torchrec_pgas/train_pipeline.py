@@ -26,6 +26,7 @@ eval step (forward only, as TorchRec's pipelines run it).
 import contextlib
 import dataclasses
 import logging
+import re
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
 
 import torch
@@ -48,12 +49,13 @@ Signature = Dict[str, str]  # a batch's fixed shapes, by path in the batch ("bat
 
 def batch_signature(batch: Any, path: str = "batch") -> Signature:
     """What a captured step fixes of its batch, by path: each tensor's shape and dtype; each KJT's keys, batch
-    size, id count per key and weightedness (its per-key counts computed here: pass host batches, whose count
-    costs no device sync, and whose ``.to()`` carries it to the device copy)."""
+    size, weightedness and id count per key (computed here: pass host batches, whose count costs no device sync,
+    and whose ``.to()`` carries it to the device copy)."""
     if isinstance(batch, KeyedJaggedTensor):
-        weighted = "weighted" if batch.weights_or_none() is not None else "unweighted"
-        return {path: f"keys {batch.keys()}, batch size {batch.stride()}, ids per key {batch.length_per_key()}, "
-                      f"{weighted}"}
+        signature = {f"{path}.keys": str(batch.keys()), f"{path}.batch_size": str(batch.stride()),
+                     f"{path}.weights": "weighted" if batch.weights_or_none() is not None else "unweighted"}
+        signature.update({f"{path}.ids[{key!r}]": str(n) for key, n in zip(batch.keys(), batch.length_per_key())})
+        return signature
     if isinstance(batch, torch.Tensor):
         return {path: f"shape {tuple(batch.shape)}, {batch.dtype}"}
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -64,17 +66,17 @@ def batch_signature(batch: Any, path: str = "batch") -> Signature:
         items = ((f"[{i}]", v) for i, v in enumerate(batch))
     else:
         return {path: repr(batch)}
-    signature: Signature = {}
+    signature = {}
     for name, value in items:
         signature.update(batch_signature(value, path + name))
     return signature
 
 
-def signature_difference(captured: Signature, batch: Signature) -> Optional[str]:
-    """The first place where ``batch`` differs from the captured batch, in words; None where it fits."""
+def signature_difference(captured: Signature, batch: Signature) -> Optional[Tuple[str, str]]:
+    """Where ``batch`` first differs from the captured batch (its path), and how, in words; None where it fits."""
     for path in sorted(set(captured) | set(batch)):
         if captured.get(path) != batch.get(path):
-            return f"{path}: {batch.get(path, 'absent')} (the captured batch: {captured.get(path, 'absent')})"
+            return path, f"{path}: {batch.get(path, 'absent')} (the captured batch: {captured.get(path, 'absent')})"
     return None
 
 
@@ -244,9 +246,10 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             self._static, self._static_signature = clone_batch(batch), signature  # the graph's batch from now on
         else:
             difference = signature_difference(self._static_signature, signature)
-            if difference is not None:
-                self._say_once(difference, f"ReplayTrainPipeline: a batch the graph cannot take, trained eagerly "
-                                           f"(said once per difference): {difference}")
+            if difference is not None:  # said once per kind of difference (a KJT's id counts: once for all keys)
+                path, words = difference
+                self._say_once(re.sub(r"\[.*?\]", "", path), "ReplayTrainPipeline: a batch the graph cannot take, "
+                               f"trained eagerly (said once per kind of difference): {words}")
                 return self._eager_step(batch)
             copy_batch_(self._static, batch)
         if self._replay is None:  # CPUs: the graph's step on the static batch, eagerly

@@ -1,12 +1,13 @@
 """A synthetic Criteo-like click dataset, generated locally with a fixed seed.
 
 13 dense features (log-normal counts, log1p-transformed as in TorchRec's Criteo
-pipeline) and 26 categorical features, one id per feature per sample, with the
+pipeline) and 26 categorical features, one id per feature per sample (or, with
+``max_ids_per_bag`` N > 1, multi-hot: 1 to N ids, uniformly), with the
 Criteo Kaggle cardinalities capped at ``max_rows``. Ids follow a bounded
 Zipf(alpha) law, scattered over the table by a multiplicative hash (hashed
 Criteo ids are not sorted by frequency). Labels come from a fixed logistic
-model of the dense features and of a few hot ids, so AUC means something after
-training. Batches follow TorchRec's ``Batch`` convention.
+model of the dense features and of the features whose bag holds a hot id, so AUC
+means something after training. Batches follow TorchRec's ``Batch`` convention.
 """
 
 from typing import Iterator, List
@@ -45,9 +46,13 @@ def zipf_ids(rows: int, n: int, alpha: float, gen: torch.Generator) -> torch.Ten
 class SyntheticCriteo(IterableDataset):
     """``num_batches`` batches of ``batch_size`` samples; ``seed`` makes them reproducible."""
 
-    def __init__(self, batch_size: int, num_batches: int, max_rows: int, seed: int, alpha: float = 1.05) -> None:
+    def __init__(self, batch_size: int, num_batches: int, max_rows: int, seed: int, alpha: float = 1.05,
+                 max_ids_per_bag: int = 1) -> None:
         super().__init__()
+        if max_ids_per_bag < 1:
+            raise ValueError(f"max_ids_per_bag must be at least 1, got {max_ids_per_bag}")
         self.batch_size = batch_size
+        self.max_ids_per_bag = max_ids_per_bag
         self.num_batches = num_batches
         self.rows = table_rows(max_rows)
         self.seed = seed
@@ -61,16 +66,31 @@ class SyntheticCriteo(IterableDataset):
         for _ in range(self.num_batches):
             counts = torch.exp(1.5 * torch.randn(b, INT_FEATURE_COUNT, generator=gen)).floor()
             dense = torch.log1p(counts)
-            ids = [zipf_ids(rows, b, self.alpha, gen) for rows in self.rows]
-            hot = sum((x < max(1, rows // 100)).float() for x, rows in zip(ids, self.rows))
+            lengths = self._lengths(gen)
+            ids = [zipf_ids(rows, int(n.sum()), self.alpha, gen) for rows, n in zip(self.rows, lengths)]
+            hot = torch.stack([_bags_holding(x < max(1, rows // 100), n)  # features holding a hot id, per sample
+                               for x, rows, n in zip(ids, self.rows, lengths)]).sum(0)
             logit = (dense - dense.mean()) @ self._dense_w + 0.3 * (hot - hot.mean())
             labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
             sparse = KeyedJaggedTensor.from_lengths_sync(
                 keys=list(DEFAULT_CAT_NAMES),
                 values=torch.cat(ids),
-                lengths=torch.ones(len(self.rows) * b, dtype=torch.int64),
+                lengths=lengths.view(-1),
             )
             yield Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 
     def __len__(self) -> int:
         return self.num_batches
+
+    def _lengths(self, gen: torch.Generator) -> torch.Tensor:
+        """[features, batch] ids per bag: ones (no draw: one-hot batches stay as they were), or 1 to N."""
+        shape = (len(self.rows), self.batch_size)
+        if self.max_ids_per_bag == 1:
+            return torch.ones(shape, dtype=torch.int64)
+        return torch.randint(1, self.max_ids_per_bag + 1, shape, generator=gen)
+
+
+def _bags_holding(hit: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per bag (one per sample), 1.0 where any of its ids is a hit."""
+    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return torch.zeros(len(lengths)).index_add_(0, bag, hit.float()).clamp(max=1.0)

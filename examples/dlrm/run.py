@@ -15,6 +15,7 @@ with --pipeline replay and every table PGAS, through ReplayTrainPipeline (each s
 replayed as one CUDA graph; its stock twin under --validate runs sparse_dist);
 --owner-backward picks who applies an owner's gradients (pgas, fbgemm, or auto:
 the faster of the two, timed on the first 8 steps).
+--max-ids-per-bag N makes the features multi-hot (1 to N ids a bag).
 Prints samples/s (global) and AUC / log loss over the run. --validate shards the
 same model the other way: for inference it compares the first steps' predictions;
 with --train it trains that twin on the same batches (and the same loop) and
@@ -94,18 +95,19 @@ def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLR
                           over_arch_layer_sizes=[128, 64, 1], dense_device=device))
 
 
-def table_constraints(model: DLRMTrain, nodes: int = 1) -> Dict[str, ParameterConstraints]:
+def table_constraints(model: DLRMTrain, nodes: int = 1, ids_per_bag: int = 1) -> Dict[str, ParameterConstraints]:
     """What the plan knows of each table: row-wise (stock or PGAS; beyond one node table-row-wise too), fused,
-    and its pooling factor: every feature is one-hot (one id a bag), which both the planner's estimates and the
-    PGAS buffers' capacity use."""
+    and its pooling factor, the mean ids a bag: 1 for one-hot features, (1 + N) / 2 for 1 to N ids a bag, which
+    both the planner's estimates and the PGAS buffers' capacity use."""
     types = [ShardingType.ROW_WISE.value, PGAS_ROW_WISE]
     if nodes > 1:
         types += [ShardingType.TABLE_ROW_WISE.value, PGAS_TABLE_ROW_WISE]
-    return {c.name: ParameterConstraints(sharding_types=types, compute_kernels=["fused"], pooling_factors=[1.0])
+    mean = (1 + ids_per_bag) / 2
+    return {c.name: ParameterConstraints(sharding_types=types, compute_kernels=["fused"], pooling_factors=[mean])
             for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()}
 
 
-def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
+def planned_types(model: DLRMTrain, batch: int, train: bool, ids_per_bag: int = 1) -> Dict[str, str]:
     """--sharding auto: the planner's choice per table between stock row_wise and pgas_row_wise.
 
     Planned by ``collective_plan`` (rank 0 plans, every rank gets its plan) on a CUDA topology, which is a
@@ -113,7 +115,7 @@ def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
     """
     world = dist.get_world_size()
     host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    constraints = table_constraints(model, world // host_ranks)
+    constraints = table_constraints(model, world // host_ranks, ids_per_bag)
     topology = Topology(world_size=world, compute_device="cuda",
                         local_world_size=rank_placement(world).local_size(host_ranks))
     stats = PgasDecisionStats()
@@ -132,9 +134,9 @@ def planned_types(model: DLRMTrain, batch: int, train: bool) -> Dict[str, str]:
 
 def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int,
           training: Optional[PgasTrainingConfig], lr: float,
-          types: Optional[Dict[str, str]] = None) -> DistributedModelParallel:
+          types: Optional[Dict[str, str]] = None, ids_per_bag: int = 1) -> DistributedModelParallel:
     """``sharding`` "pgas" or "nccl" for every table, or "auto" with the planner's per-table ``types``;
-    ``training``: how PGAS tables train (None: inference only)."""
+    ``training``: how PGAS tables train (None: inference only); ``ids_per_bag``: the data's most ids a bag."""
     world = dist.get_world_size()
     node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # TorchRec's nodes (--node-size sets it)
     ebc = model.model.sparse_arch.embedding_bag_collection
@@ -144,8 +146,10 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int,
     generators = {t: plan_generator(types[t] if types else sharding, i, world // node_size) for i, t in enumerate(names)}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
     if sharding == "pgas" or (types and any(t.startswith("pgas") for t in types.values())):
-        config = PgasConfig(max_local_batch_size=batch, training=training,
-                            pooling_capacity=pooling_capacity_from_constraints(table_constraints(model)))
+        # sized for the largest bags: a step's batch may average more ids a bag than the data's mean
+        constraints = table_constraints(model, ids_per_bag=ids_per_bag)
+        capacity = pooling_capacity_from_constraints(constraints, headroom=2 * ids_per_bag / (1 + ids_per_bag))
+        config = PgasConfig(max_local_batch_size=batch, training=training, pooling_capacity=capacity)
         sharder = PgasEmbeddingBagCollectionSharder(pgas_config=config)  # inference: no backward buffers
     plan = construct_module_sharding_plan(ebc, generators, sharder=sharder, local_size=node_size, world_size=world,
                                           device_type=device.type)
@@ -287,7 +291,8 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
 def validate_inference(dmp: nn.Module, twin: nn.Module, device: torch.device, args: argparse.Namespace) -> bool:
     """The first steps' predictions of both shardings within 1e-5."""
     rank = dist.get_rank()
-    first = SyntheticCriteo(args.batch_size, args.validate_steps, args.max_rows, seed=1000 * args.seed + rank)
+    first = SyntheticCriteo(args.batch_size, args.validate_steps, args.max_rows, seed=1000 * args.seed + rank,
+                            max_ids_per_bag=args.max_ids_per_bag)
     ours, theirs = run(dmp, first, device, False, 0.0, 0), run(twin, first, device, False, 0.0, 0)
     diff = torch.tensor(max(float((a - b).abs().max()) for a, b in zip(ours.preds, theirs.preds)), device=device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
@@ -304,10 +309,11 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
     on_gpu = placement.device_type == "cuda"
     model = build_model(args.embedding_dim, args.max_rows, device, args.seed)
     reference = copy.deepcopy(model) if args.validate else None
-    types = planned_types(model, args.batch_size, args.train) if args.sharding == "auto" else None
+    types = planned_types(model, args.batch_size, args.train, args.max_ids_per_bag) if args.sharding == "auto" else None
     training = PgasTrainingConfig(owner_backward=args.owner_backward) if args.train else None
-    dmp = shard(model, args.sharding, device, args.batch_size, training, args.lr, types)
-    data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank)
+    dmp = shard(model, args.sharding, device, args.batch_size, training, args.lr, types, args.max_ids_per_bag)
+    data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank,
+                           max_ids_per_bag=args.max_ids_per_bag)
 
     result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline)
     check_errors(dmp)
@@ -325,7 +331,8 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
               f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
               f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
     if reference is not None:
-        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, training, args.lr)
+        twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, training, args.lr,
+                     ids_per_bag=args.max_ids_per_bag)
         return (validate_training(result, m, twin, data, device, args) if args.train
                 else validate_inference(dmp, twin, device, args))
     return True
@@ -339,6 +346,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of samples/s")
     parser.add_argument("--embedding-dim", type=int, default=64)
     parser.add_argument("--max-rows", type=int, default=100_000, help="cap on every table's rows")
+    parser.add_argument("--max-ids-per-bag", type=int, default=1,
+                        help="1: one-hot features (Criteo's); N > 1: multi-hot, 1 to N ids a bag, uniformly")
     parser.add_argument("--train", action="store_true", help="train (embeddings and dense layers)")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--owner-backward", choices=[o.value for o in OwnerBackward if o != OwnerBackward.REFERENCE],
