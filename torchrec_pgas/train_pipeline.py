@@ -13,14 +13,14 @@ only if DDP was built on a side stream and warmed up for 11 steps (PyTorch's CUD
 it inside the model, with ``static_graph=True``, which also refuses ``no_sync``. So the pipeline calls the module
 DDP wraps (DDP's hooks then stay idle, as under ``no_sync``) and averages the dense gradients over the ranks
 itself, one flat all-reduce a dtype as DDP's buckets would: inside the graph under NCCL, right after the replay
-under gloo (whose collectives a graph cannot capture). The dense optimizer then
-runs eagerly after the replay: any optimizer and learning-rate schedule works, for a few launches a step.
-A learning rate set on the tables' ``fused_optimizer`` reaches the next replay (``CapturedTrainStep``).
+under gloo (whose collectives a graph cannot capture). The dense optimizer then runs eagerly after the replay:
+any optimizer and learning-rate schedule works, for a few launches a step. A learning rate set on the tables'
+``fused_optimizer`` reaches the next replay (``CapturedTrainStep``).
 
 A batch the graph cannot take (another batch size, id count per feature, or weightedness than the captured one:
-an epoch's short last batch, say) trains eagerly, with a one-time message naming the difference; so do the
-warm-up steps before the capture, every step on CPUs, which have no CUDA graphs (the same step, eagerly), and an
-eval step (forward only, as TorchRec's pipelines run it).
+an epoch's short last batch, a multi-hot batch) trains eagerly, with a one-time message naming the difference; the
+warm-up steps before the capture run the graph's step eagerly, as every step does on CPUs, which have no CUDA
+graphs; an eval step runs forward only, as TorchRec's pipelines run it.
 """
 
 import contextlib
