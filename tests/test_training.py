@@ -224,8 +224,8 @@ def _padded_ids_match(rank: int, world: int, kind: str) -> int:
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, PGAS_TABLE_WISE])
 def test_kept_ids_padded_reads_what_kept_ids_reads(kind: str) -> None:
     """The captured step's rebuild of the kept ids (device offsets, the owner_keys op at a fixed capacity whose
-    positions past the ids it leaves unwritten) reads every id, bag and weight the eager rebuild reads, here on the CPU backend's
-    buffers (the GPU replay test covers it in a graph: test_gpu_training.py)."""
+    positions past the ids it leaves unwritten) reads every id, bag and weight the eager rebuild reads, here on
+    the CPU backend's buffers (the GPU replay test covers it in a graph: test_gpu_training.py)."""
     assert all(n >= 4 for n in run_distributed(_padded_ids_match, 2, kind))
 
 

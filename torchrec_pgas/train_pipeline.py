@@ -99,15 +99,16 @@ def copy_batch_(static: Any, batch: Any) -> None:
 
 
 def clone_batch(batch: Any) -> Any:
-    """A copy of ``batch`` in memory of its own, the same nesting (a graph's static batch must not share a
-    dataloader's tensors: refilling it would overwrite them)."""
+    """A detached copy of ``batch`` in memory of its own, the same nesting: a graph's static batch must not share
+    a dataloader's tensors (refilling it would overwrite them), and a step on the static batch returns tensors the
+    next step rewrites (a replay's outputs, the static batch's own labels passed through)."""
     if isinstance(batch, KeyedJaggedTensor):
         weights = batch.weights_or_none()
         return KeyedJaggedTensor(keys=batch.keys(), values=batch.values().clone(), lengths=batch.lengths().clone(),
                                  offsets=batch.offsets().clone(), weights=None if weights is None else weights.clone(),
                                  stride=batch.stride(), length_per_key=batch.length_per_key())
     if isinstance(batch, torch.Tensor):
-        return batch.clone()
+        return batch.detach().clone()
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: clone_batch(getattr(batch, f.name))
                                              for f in dataclasses.fields(batch) if f.init})
@@ -116,18 +117,6 @@ def clone_batch(batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(clone_batch(v) for v in batch)
     return batch
-
-
-def _detached_copy(value: Any) -> Any:
-    """A step on the static batch returns tensors the next step rewrites (a replay's outputs, the static batch's
-    own labels passed through): the caller gets copies."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached_copy(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached_copy(v) for k, v in value.items()}
-    return value
 
 
 class DenseGradients:
@@ -256,7 +245,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             self._say_once("cpu", "ReplayTrainPipeline: no CUDA graphs on CPUs: every step runs eagerly")
             output = self._graph_step()
             self._step_dense(averaged=self._dense.capturable)
-            return _detached_copy(output)  # it may hold the static batch's own tensors (its labels, say)
+            return clone_batch(output)
         was_captured, launches, returned = self._replay.captured, self._replay.launches, False
         try:
             output = self._replay()
@@ -268,7 +257,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                     self._graph_grads = self._dense.held()
                 self._dense.restore(self._graph_grads)
                 self._step_dense(averaged=self._dense.capturable)
-        return _detached_copy(output)
+        return clone_batch(output)
 
     def _step_dense(self, averaged: bool) -> None:
         if not averaged:
