@@ -29,10 +29,12 @@
 #   demo       the `make demo` job on nvshmem
 #   dlrm       the DLRM example through torchx local_cwd: nccl, pgas and auto sharding, --validate; then training
 #              with --sharding pgas --validate (its stock twin on the same batches) into <out>/dlrm_torchx_train.json
-#   dlrm-train the DLRM example training with --sharding pgas --validate through TrainPipelineSparseDist (the
-#              stock twin trained on the same batches, through the same pipeline) at each of DLRM_WORLDS (default
-#              "1 2"; ranks share GPUs when they outnumber them), DLRM_STEPS (50) steps; each run's loss
-#              trajectories and both samples/s in <out>/dlrm_train_w<W>.json
+#   dlrm-train the DLRM example training with --sharding pgas --validate through DLRM_PIPELINE (default sparse_dist:
+#              TorchRec's TrainPipelineSparseDist; replay: ReplayTrainPipeline; the stock twin trained on the same
+#              batches through TrainPipelineSparseDist) at each of DLRM_WORLDS (default "1 2"; ranks share GPUs when
+#              they outnumber them) and DLRM_BATCH (default 2048; a list sweeps), DLRM_STEPS (50) steps, DLRM_ARGS
+#              more arguments; each run's loss trajectories and both samples/s in
+#              <out>/dlrm_train_<DLRM_NAME, default the pipeline>_w<W>_b<batch>.json
 #   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
 #              GPU (VIRTUAL_ARGS, default s000-weak and s000-strong at W = 1 and 2, both pairs); with
 #              AB_VARIANTS="dir ...", again for each dir: a scratch copy of the tree (/tmp/ab-<dir name>)
@@ -444,14 +446,19 @@ if has dlrm; then
   grep -E "DLRM|^samples/s|validate|job finished|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
 fi
 if has dlrm-train; then
+  read -r -a DLRM_ARGV <<< "${DLRM_ARGS:-}"  # e.g. "--owner-backward auto --warmup 10"
+  pipe=${DLRM_PIPELINE:-sparse_dist}
   for n in ${DLRM_WORLDS:-1 2}; do
-    log "DLRM training, --sharding pgas --pipeline sparse_dist --validate, $n ranks"
-    timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc_per_node="$n" -m examples.dlrm.run --sharding pgas \
-      --train --pipeline sparse_dist --batch-size "${DLRM_BATCH:-2048}" --steps "${DLRM_STEPS:-50}" \
-      --max-rows 1000000 --validate --report "$OUT/dlrm_train_w$n.json" > /tmp/dlrm.log 2>&1
-    echo "dlrm train w$n exit $?" | tee -a "$OUT/summary.txt"
-    { echo "### dlrm train, $n ranks"; cat /tmp/dlrm.log; } >> "$OUT/dlrm_train.log"
-    grep -E "DLRM|^samples/s|validate|Error" /tmp/dlrm.log | tail -6 | tee -a "$OUT/summary.txt"
+    for batch in ${DLRM_BATCH:-2048}; do
+      name=dlrm_train_${DLRM_NAME:-$pipe}_w${n}_b$batch
+      log "DLRM training, --sharding pgas --pipeline $pipe --validate, $n ranks, batch $batch: ${DLRM_ARGV[*]}"
+      timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc_per_node="$n" -m examples.dlrm.run \
+        --sharding pgas --train --pipeline "$pipe" --batch-size "$batch" --steps "${DLRM_STEPS:-50}" \
+        --max-rows 1000000 --validate --report "$OUT/$name.json" "${DLRM_ARGV[@]}" > /tmp/dlrm.log 2>&1
+      echo "$name exit $?" | tee -a "$OUT/summary.txt"
+      { echo "### $name: ${DLRM_ARGV[*]}"; cat /tmp/dlrm.log; } >> "$OUT/dlrm_train.log"
+      grep -E "DLRM|^samples/s|validate|Error|off the graph" /tmp/dlrm.log | tail -8 | tee -a "$OUT/summary.txt"
+    done
   done
 fi
 log "done"
