@@ -57,14 +57,17 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     assert max(abs(a - b) / b for a, b in zip(got["losses"], got["stock_losses"])) <= 1e-4
 
 
-def test_dlrm_multi_hot_trains_like_stock(tmp_path: pathlib.Path) -> None:
+def test_dlrm_multi_hot_replays_like_stock(tmp_path: pathlib.Path) -> None:
     """--max-ids-per-bag 20: multi-hot features (1 to 20 ids a bag), the PGAS buffers sized for the largest bags
-    from the plan's pooling factors; the stock twin on the same batches: equal step by step."""
+    from the plan's pooling factors, through the replay pipeline: every batch after the first takes the graph's
+    step (a StaticKJT at that capacity); the stock twin on the same batches: equal step by step."""
     report = tmp_path / "dlrm_multi_hot.json"
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--max-ids-per-bag", "20",
-                   "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate", "--report", str(report))
+                   "--pipeline", "replay", "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate",
+                   "--report", str(report))
     assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
-    assert json.loads(report.read_text())["pass"]
+    got = json.loads(report.read_text())
+    assert got["pass"] and got["batches_off_graph"] == 0
 
 
 def test_synthetic_criteo_multi_hot_bags_and_one_hot_default() -> None:

@@ -9,6 +9,7 @@ rank, and changes nothing. World size ``PGAS_TEST_WORLD`` (ranks share a GPU whe
 
 import json
 import os
+import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
@@ -30,7 +31,8 @@ from test_training_errors import (
     check_refusals,
     check_stall,
 )
-from torchrec_pgas import CapturedTrainStep, check_errors, copy_kjt_, pgas_steps
+from torchrec_pgas import (CapturedTrainStep, PgasCapacityError, PgasShardedEmbeddingBagCollection, StaticKJT,
+                           check_errors, copy_kjt_, pgas_steps)
 from torchrec_pgas.types import PgasError
 from torchrec_pgas.testing import (
     LossModel,
@@ -41,6 +43,8 @@ from torchrec_pgas.testing import (
     run_distributed,
     seeded,
     shard,
+    state_difference,
+    stock_twin,
     with_training,
 )
 
@@ -334,3 +338,77 @@ def test_a_replayed_step_refused_on_one_rank_raises_on_every_rank(kind: str) -> 
         assert expected in {name for _, name in raised}, (rank, raised)
         assert worst == 0.0, (rank, worst)
 
+
+
+def _past_capacity(kjt: KeyedJaggedTensor, capacity: int) -> KeyedJaggedTensor:
+    """``kjt`` with every bag one id longer than an even share of ``capacity`` (row 0: every table has it)."""
+    lengths = torch.full_like(kjt.lengths(), capacity // kjt.lengths().numel() + 1)
+    ids = torch.zeros(int(lengths.sum()), dtype=kjt.values().dtype, device=kjt.values().device)
+    weights = None if kjt.weights_or_none() is None else torch.ones(ids.numel(), device=ids.device)
+    return KeyedJaggedTensor(keys=kjt.keys(), values=ids, lengths=lengths, weights=weights, stride=kjt.stride())
+
+
+def _captured_variable_counts(rank: int, world: int, kind: str) -> Tuple[float, float, bool, str, float]:
+    """Issue 48's variable bag sizes: 16 batches whose id count per feature varies (bags of 0-6 ids; MEAN and SUM,
+    weighted features), replayed through ``StaticKJT``s after an eager first step and 2 eager warm-ups, against
+    the PGAS twin trained eagerly and stock, on the same batches; after step 8 a batch past the capacity on every
+    rank, which ``copy_kjt_`` refuses before the replay. Returns the worst |graph - eager| and the worst
+    |graph - stock| (relative, ``state_difference``) over the steps, whether it replayed, the refusal's message,
+    and |graph - its state before the refused batch|."""
+    device = rank_device(rank, "cuda")
+    case = Case(kind, EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling="mixed", owner_backward="pgas")
+    model = _model(case, seed=5, min_rows=1)
+    fused = {"optimizer": case.optimizer, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
+    types = _types(case, model, world)
+    config = with_training(CONFIG, owner_backward="pgas")
+    graphed, eager, stock = (shard(LossModel(model), t, dist.group.WORLD, device, config, fused, path="model.")
+                             for t in (types, types, {k: stock_twin(v) for k, v in types.items()}))
+    gen = seeded(131 + rank)
+    t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
+    batches = [TrainBatch(random_kjt(t, 8, gen, 6), random_kjt(w, 8, gen, 6, weighted=True)).to(device)
+               for _ in range(16)]
+    ebcs = [m for m in graphed.modules() if isinstance(m, PgasShardedEmbeddingBagCollection)]  # ebc, then webc
+    step: Any = None
+    worst, worst_stock, refusal, untouched = 0.0, 0.0, "", -1.0
+    for i, batch in enumerate(batches):
+        if i == 1:  # the first step set the input dists up: each EBC now takes its static KJT
+            capacities = [ebc.static_ids_capacity for ebc in ebcs]
+            assert None not in capacities, capacities
+            static = TrainBatch(*(StaticKJT.at_capacity(k, c) for k, c in zip((batch.kjt, batch.wkjt), capacities)))
+            step = _captured_step(graphed, static, 2)
+        if i == 8:
+            before = local_state(graphed)
+            try:
+                copy_kjt_(static.kjt, _past_capacity(batch.kjt, capacities[0]))
+            except PgasCapacityError as e:
+                refusal = str(e)
+            got = local_state(graphed)
+            untouched = max(float((got[k] - before[k]).abs().max()) for k in got if got[k].numel())
+        if i == 0:
+            loss, _ = graphed(batch)
+            loss.backward()
+        else:
+            copy_kjt_(static.kjt, batch.kjt)
+            copy_kjt_(static.wkjt, batch.wkjt)
+            step()
+        for twin in (eager, stock):
+            loss, _ = twin(batch)
+            loss.backward()
+        check_errors(graphed)
+        worst = max(worst, *_worst_diff(graphed, eager).values())
+        worst_stock = max(worst_stock, state_difference(graphed, stock))
+    return worst, worst_stock, step is not None and step.captured, refusal, untouched
+
+
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+def test_a_replay_takes_batches_of_any_id_counts_up_to_the_capacity(kind: str) -> None:
+    """Issue 48, part 3: one captured step replays batches whose id count per feature varies, through a
+    ``StaticKJT`` a model's EBC (one PGAS sharding each) takes whole: bit-equal to the eager PGAS step, within fp32
+    rounding of stock; a batch past the capacity raises before the replay, naming its feature and count, and
+    changes nothing."""
+    for worst, worst_stock, captured, refusal, untouched in run_distributed(_captured_variable_counts, WORLD, kind,
+                                                                             device_type="cuda"):
+        assert captured and worst == 0.0, worst
+        assert worst_stock <= GPU_TOL, worst_stock
+        assert re.search(r"a batch of \d+ ids \(feature 'tf0': \d+ of them\) exceeds", refusal), refusal
+        assert untouched == 0.0

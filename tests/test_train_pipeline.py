@@ -5,6 +5,7 @@ batch flow, refills, eager fallbacks, its dense gradients' average and optimizer
 with a GPU a rank: the average inside the graph; ranks sharing a GPU over gloo: after it)."""
 
 import os
+import re
 from typing import Any, List, Tuple
 
 import pytest
@@ -14,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_pgas import OwnerBackward, PgasTrainingConfig, ReplayTrainPipeline
+from torchrec_pgas import (OwnerBackward, PgasCapacityError, PgasError, PgasTrainingConfig, ReplayTrainPipeline,
+                           StaticKJT, copy_kjt_)
 from torchrec_pgas.testing import local_state, rank_device, run_distributed
 from torchrec_pgas.train_pipeline import batch_signature, copy_batch_, signature_difference
 
@@ -57,6 +59,32 @@ def test_copy_batch_refills_every_tensor_of_the_static_batch() -> None:
         assert torch.equal(mine, theirs)
 
 
+def test_a_static_kjt_takes_any_id_counts_up_to_its_capacity() -> None:
+    static = StaticKJT.at_capacity(kjt([1, 2, 3, 1], weighted=True), capacity=12)
+    for lengths in ([3, 0, 2, 2], [5, 4, 2, 1], [0, 0, 0, 0]):
+        batch_kjt = kjt(lengths, weighted=True)
+        copy_kjt_(static, batch_kjt)
+        n = sum(lengths)
+        assert static.values().numel() == 12 and static.count == n
+        assert torch.equal(static.values()[:n], batch_kjt.values()) and torch.equal(static.offsets(), batch_kjt.offsets())
+        plain = static.unpadded()
+        assert plain.length_per_key() == batch_kjt.length_per_key()
+        assert torch.equal(plain.weights(), batch_kjt.weights()) and torch.equal(plain.values(), batch_kjt.values())
+    assert static.split([2]) == [static]
+    with pytest.raises(PgasError, match="split into"):
+        static.split([1, 1])
+    before = static.values().clone()
+    with pytest.raises(PgasCapacityError, match=r"a batch of 13 ids \(feature 'a': 7 of them\) exceeds .* 12 ids"):
+        copy_kjt_(static, kjt([6, 1, 3, 3], weighted=True))  # before anything is copied
+    assert torch.equal(static.values(), before) and static.capacity_error() is None
+    static.fill_(kjt([6, 1, 3, 3], weighted=True), past_capacity=True)  # what a replay then refuses
+    assert static.offsets()[-1] == 13 and "13 ids" in str(static.capacity_error())
+    with pytest.raises(PgasError, match="batch size 1"):
+        copy_kjt_(static, kjt([1, 1], weighted=True))
+    with pytest.raises(PgasError, match="no weights"):
+        copy_kjt_(static, kjt([1, 1, 1, 1]))
+
+
 def _dense(dmp: Any) -> List[torch.nn.Parameter]:
     """The parameters the dense optimizer steps (the tables' optimizer runs in their backward)."""
     return [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
@@ -70,33 +98,53 @@ def _set_lr(dmp: Any, dense_opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) -> Tuple[float, float, float, bool,
-                                                                                          int, bool]:
-    """The DLRM example's model through the pipeline and through a plain eager loop, on the same 30 training
-    batches: the lr changes after training step 10; after step 25 a checkpoint is saved, two junk batches trained
-    and the checkpoint loaded back; an eval batch (forward only) after step 12; the caller drops the dense
-    gradients (``zero_grad(set_to_none=True)``) after step 5; step 21 has another batch size, the last one is a
-    short batch (both eager). Returns the largest loss difference over the training steps, the table state
-    difference, the dense parameter difference, whether the pipeline captured its step, the batches it trained
-    off the graph's step, and whether every step's output kept its own batch's labels."""
+def _past_capacity(b: Batch, ids_per_bag: int) -> Batch:
+    """``b`` with ``ids_per_bag + 1`` ids in every bag (row 0: every table has it): past the capacity the DLRM
+    example sizes for ``ids_per_bag``."""
+    kjt = b.sparse_features
+    lengths = torch.full_like(kjt.lengths(), ids_per_bag + 1)
+    ids = torch.zeros(int(lengths.sum()), dtype=kjt.values().dtype)
+    return Batch(dense_features=b.dense_features, labels=b.labels,
+                 sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=ids, lengths=lengths, stride=kjt.stride()))
+
+
+def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, ids_per_bag: int) -> Tuple[
+        float, float, float, bool, int, bool, List[str]]:
+    """The DLRM example's model (features of 1 to ``ids_per_bag`` ids a bag) through the pipeline and through a
+    plain eager loop, on the same 30 training batches: the lr changes after training step 10; after step 25 a
+    checkpoint is saved, two junk batches trained and the checkpoint loaded back; an eval batch (forward only)
+    after step 12; a batch past the ids capacity after step 7 (refused: not trained by the eager loop); the caller
+    drops the dense gradients (``zero_grad(set_to_none=True)``) after step 5; step 21 has another batch size, the
+    last one is a short batch (both eager). Returns the largest loss difference over the training steps, the
+    table state difference, the dense parameter difference, whether the pipeline captured its step, the batches
+    it trained off the graph's step, whether every step's output kept its own batch's labels, and what the batch
+    past capacity raised."""
     from examples.dlrm.data import SyntheticCriteo
     from examples.dlrm.run import build_model, shard
 
     device = rank_device(rank, device_type) if device_type == "cuda" else torch.device("cpu")
     training = PgasTrainingConfig(owner_backward=OwnerBackward.PGAS)
-    piped, eager = (shard(build_model(16, 2000, device, seed=0), "pgas", device, 32, training, lr=0.5) for _ in "ab")
+    piped, eager = (shard(build_model(16, 2000, device, seed=0), "pgas", device, 32, training, lr=0.5,
+                          ids_per_bag=ids_per_bag) for _ in "ab")
     optimizers = [torch.optim.SGD(_dense(m), lr=0.5) for m in (piped, eager)]
 
     def draw(kind: str, size: int, n: int, seed: int) -> List[Tuple[str, Batch]]:
-        return [(kind, b) for b in SyntheticCriteo(size, n, 2000, seed=seed + rank)]
+        return [(kind, b) for b in SyntheticCriteo(size, n, 2000, seed=seed + rank, max_ids_per_bag=ids_per_bag)]
 
     main = draw("train", 32, 28, 100)
-    fed = (main[:12] + draw("eval", 32, 1, 500) + main[12:20] + draw("train", 16, 1, 200) + main[20:24]
-           + draw("junk", 32, 2, 300) + main[24:] + draw("train", 8, 1, 400))
+    over = [("over", _past_capacity(b, ids_per_bag)) for _, b in draw("over", 32, 1, 600)]
+    fed = (main[:7] + over + main[7:12] + draw("eval", 32, 1, 500) + main[12:20] + draw("train", 16, 1, 200)
+           + main[20:24] + draw("junk", 32, 2, 300) + main[24:] + draw("train", 8, 1, 400))
     pipeline: ReplayTrainPipeline[Batch, Any] = ReplayTrainPipeline(piped, optimizers[0], device)
-    it, losses, labels, trained, junk = iter(b for _, b in fed), [], [], 0, 0
-    for kind, _ in fed:
+    it, losses, labels, trained, junk, refused = iter(b for _, b in fed), [], [], 0, 0, []
+    for kind, b in fed:
         piped.train(kind != "eval")
+        if kind == "over":
+            with pytest.raises(PgasCapacityError) as raised:
+                pipeline.progress(it)
+            refused.append(str(raised.value))
+            labels.append(b.labels)
+            continue
         loss, _, step_labels = pipeline.progress(it)
         labels.append(step_labels)
         trained += kind == "train"
@@ -128,21 +176,28 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str) 
     dist.barrier()
     kept_labels = all(torch.equal(out.cpu(), b.labels) for out, (_, b) in zip(labels, fed))
     return (max(abs(a - b) for a, b in zip(losses, reference)), tables, dense, pipeline.captured,
-            pipeline.batches_off_graph, kept_labels)
+            pipeline.batches_off_graph, kept_labels, refused)
+
+
+def _check_against_eager(results: List[Any], captured: bool, ids_per_bag: int) -> None:
+    for worst_loss, tables, dense, was_captured, off_graph, kept_labels, refused in results:
+        # off the graph's step: the odd-sized batch and the short one; multi-hot batches replay (a StaticKJT)
+        assert was_captured == captured and off_graph == 2 and kept_labels
+        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)
+        assert len(refused) == 1 and re.search(rf"a batch of {32 * 26 * (ids_per_bag + 1)} ids \(feature "
+                                                rf"'cat_\d+': {32 * (ids_per_bag + 1)} of them\) exceeds", refused[0])
 
 
 @pytest.mark.stacks  # TorchRec's TrainPipeline base and DMP's DDP wrapper, as each stack has them
-def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any) -> None:
-    for worst_loss, tables, dense, captured, off_graph, kept_labels in run_distributed(
-            _pipeline_against_eager, 2, "cpu", str(tmp_path)):
-        assert not captured and off_graph == 2 and kept_labels  # off it: the odd-sized batch, the short one
-        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)
+@pytest.mark.parametrize("ids_per_bag", [1, 4])
+def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any, ids_per_bag: int) -> None:
+    _check_against_eager(run_distributed(_pipeline_against_eager, 2, "cpu", str(tmp_path), ids_per_bag),
+                         captured=False, ids_per_bag=ids_per_bag)
 
 
 @pytest.mark.gpu
 @pytest.mark.peers
-def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any) -> None:
-    for worst_loss, tables, dense, captured, off_graph, kept_labels in run_distributed(
-            _pipeline_against_eager, max(WORLD, 2), "cuda", str(tmp_path), device_type="cuda"):
-        assert captured and off_graph == 2 and kept_labels
-        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)
+@pytest.mark.parametrize("ids_per_bag", [1, 4])
+def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any, ids_per_bag: int) -> None:
+    _check_against_eager(run_distributed(_pipeline_against_eager, max(WORLD, 2), "cuda", str(tmp_path), ids_per_bag,
+                                         device_type="cuda"), captured=True, ids_per_bag=ids_per_bag)

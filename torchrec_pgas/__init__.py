@@ -16,6 +16,7 @@ from torchrec_pgas.embeddingbag import (
 )
 from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.sharding.step import PgasStep, StepSpec
+from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
 from torchrec_pgas.train_pipeline import ReplayTrainPipeline
 from torchrec_pgas.types import (
@@ -53,6 +54,7 @@ __all__ = [
     "PgasTimeoutError",
     "PgasTrainingConfig",
     "ReplayTrainPipeline",
+    "StaticKJT",
     "StepSpec",
     "check_errors",
     "copy_kjt_",

@@ -112,6 +112,20 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             values.register_hook(lambda grad: group.refuse_failed_step(epochs, agree))
         return out
 
+    @property
+    def static_ids_capacity(self) -> Optional[int]:
+        """The ids capacity of a ``StaticKJT`` this module can take as its input (a captured step's batch whose id
+        count per feature varies): its one sharding's, where that is a PGAS sharding reading the input KJT whole,
+        in its input order (no split or permute by host sizes); None otherwise, or before its first forward
+        (which sets up its input dist from a real batch)."""
+        if (self._has_uninitialized_input_dist or self._has_features_permute or self._has_mean_pooling_callback
+                or len(self._embedding_shardings) != 1):
+            return None
+        sharding = self._embedding_shardings[0]
+        if not isinstance(sharding, PgasShardingMixin) or not sharding.reads_input_order or sharding.step is None:
+            return None
+        return sharding.step.spec.ids_capacity
+
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         """Stock, except that a module holding one PGAS sharding (and no mean callback, which reads
         the permuted KJT) gives the sharding its feature order instead of permuting a copy of the

@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas.sharding.capture import CapturedStep, recording_captured_steps
 from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
+from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.types import PgasError
 
 
@@ -107,7 +108,13 @@ class CapturedTrainStep:
 def copy_kjt_(static: KeyedJaggedTensor, batch: KeyedJaggedTensor) -> None:
     """Refill a captured step's input KJT with ``batch``: the same keys, batch size, id count per key and
     weights or none (a captured graph reads fixed shapes; the ids and the bags' lengths within a key may
-    change). Pass CPU batches, or device ones whose ``length_per_key`` is known, to copy without a sync."""
+    change); into a ``StaticKJT``, any id counts up to its capacity (a batch past it raises
+    ``PgasCapacityError`` here, before the replay: raise it on every rank, or its peers' replays wait for this
+    rank until ``PgasConfig.wait_timeout_s``). Pass CPU batches, or device ones whose ``length_per_key`` is
+    known, to copy without a sync."""
+    if isinstance(static, StaticKJT):
+        static.fill_(batch)
+        return
     same = (static.keys() == batch.keys() and static.stride() == batch.stride()
             and static.values().numel() == batch.values().numel()
             and (static.weights_or_none() is None) == (batch.weights_or_none() is None))

@@ -25,20 +25,26 @@ graphs; an eval step runs forward only, as TorchRec's pipelines run it.
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import re
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, check_errors
+from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
+from torchrec_pgas.types import PgasError
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +86,25 @@ def signature_difference(captured: Signature, batch: Signature) -> Optional[Tupl
     return None
 
 
+def without_counts(signature: Signature, kjt_path: Optional[str]) -> Signature:
+    """``signature`` without the id counts per key of the KJT at ``kjt_path`` (a ``StaticKJT``'s: they may vary)."""
+    if kjt_path is None:
+        return signature
+    return {path: v for path, v in signature.items() if not path.startswith(f"{kjt_path}.ids[")}
+
+
+def kjt_paths(signature: Signature) -> List[str]:
+    """The paths of a batch's KJTs (``batch_signature``)."""
+    return [path.removesuffix(".keys") for path in signature if path.endswith(".keys")]
+
+
 def copy_batch_(static: Any, batch: Any) -> None:
     """Refill the captured step's batch ``static`` with ``batch``, on the device, in the current stream (their
-    signatures are equal: ``batch_signature``)."""
-    if isinstance(static, KeyedJaggedTensor):
+    signatures are equal: ``batch_signature``; a ``StaticKJT`` takes any id counts, one past its capacity refused
+    by the step, on every rank: ``StaticKJT.fill_``)."""
+    if isinstance(static, StaticKJT):
+        static.fill_(batch, past_capacity=True)
+    elif isinstance(static, KeyedJaggedTensor):
         copy_kjt_(static, batch)
     elif isinstance(static, torch.Tensor):
         static.copy_(batch, non_blocking=True)
@@ -98,25 +119,67 @@ def copy_batch_(static: Any, batch: Any) -> None:
             copy_batch_(mine, theirs)
 
 
+def map_batch(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """``batch`` with ``fn`` applied to each KJT and tensor in it, the same nesting (dataclasses, dicts, sequences)."""
+    if isinstance(batch, (KeyedJaggedTensor, torch.Tensor)):
+        return fn(batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: map_batch(getattr(batch, f.name), fn)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, dict):
+        return {k: map_batch(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_batch(v, fn) for v in batch)
+    return batch
+
+
+def _clone(leaf: Any) -> Any:
+    if isinstance(leaf, KeyedJaggedTensor):
+        weights = leaf.weights_or_none()
+        return KeyedJaggedTensor(keys=leaf.keys(), values=leaf.values().clone(), lengths=leaf.lengths().clone(),
+                                 offsets=leaf.offsets().clone(), weights=None if weights is None else weights.clone(),
+                                 stride=leaf.stride(), length_per_key=leaf.length_per_key())
+    return leaf.detach().clone()
+
+
 def clone_batch(batch: Any) -> Any:
     """A detached copy of ``batch`` in memory of its own, the same nesting: a graph's static batch must not share
     a dataloader's tensors (refilling it would overwrite them), and a step on the static batch returns tensors the
     next step rewrites (a replay's outputs, the static batch's own labels passed through)."""
-    if isinstance(batch, KeyedJaggedTensor):
-        weights = batch.weights_or_none()
-        return KeyedJaggedTensor(keys=batch.keys(), values=batch.values().clone(), lengths=batch.lengths().clone(),
-                                 offsets=batch.offsets().clone(), weights=None if weights is None else weights.clone(),
-                                 stride=batch.stride(), length_per_key=batch.length_per_key())
-    if isinstance(batch, torch.Tensor):
-        return batch.detach().clone()
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: clone_batch(getattr(batch, f.name))
-                                             for f in dataclasses.fields(batch) if f.init})
-    if isinstance(batch, dict):
-        return {k: clone_batch(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(clone_batch(v) for v in batch)
-    return batch
+    return map_batch(batch, _clone)
+
+
+class ReplayDataParallelWrapper(DefaultDataParallelWrapper):
+    """TorchRec's DDP wrapping of the dense modules, built in a side stream. DDP holds each dense parameter's
+    gradient accumulator, which runs in the stream it was made in; one made in the default stream cannot take part
+    in a captured backward ("operation would make the legacy stream depend on a capturing blocking stream"), so
+    PyTorch's CUDA-graph notes build DDP in a side stream. ``ReplayTrainPipeline`` rewraps a model built with
+    another wrapper this way; pass it to ``DistributedModelParallel(data_parallel_wrapper=...)`` to skip that."""
+
+    def wrap(self, dmp: Any, env: ShardingEnv, device: torch.device) -> None:
+        if device.type != "cuda":
+            super().wrap(dmp, env, device)
+            return
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            super().wrap(dmp, env, device)
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
+def wrap_dense_in_side_stream(model: nn.Module, device: torch.device) -> None:
+    """Rewrap the DDP of a ``DistributedModelParallel`` built with another wrapper (``ReplayDataParallelWrapper``):
+    the old DDP and the gradient accumulators it kept go, a new one is built in a side stream."""
+    ddp = getattr(model, "_dmp_wrapped_module", None)
+    if not isinstance(ddp, DistributedDataParallel) or isinstance(
+            getattr(model, "_data_parallel_wrapper", None), ReplayDataParallelWrapper):
+        return
+    model._dmp_wrapped_module = ddp.module  # type: ignore[assignment]
+    del ddp
+    gc.collect()  # the reducer's accumulators must go before the new DDP makes its own
+    wrapper = ReplayDataParallelWrapper()
+    wrapper.wrap(model, model._env, device)  # type: ignore[arg-type]
+    model._data_parallel_wrapper = wrapper  # type: ignore[assignment]
 
 
 class DenseGradients:
@@ -188,8 +251,10 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                  warmup_steps: int = 2) -> None:
         super().__init__()
         self._model, self._optimizer, self._device = model, optimizer, device
-        self._dense = DenseGradients(model, optimizer)
         cuda = device.type == "cuda"
+        if cuda:
+            wrap_dense_in_side_stream(model, device)
+        self._dense = DenseGradients(model, optimizer)
         self._copy_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if cuda else None
         self._replay: Optional[CapturedTrainStep] = (
             CapturedTrainStep(self._graph_step, warmup_steps) if cuda else None)
@@ -200,6 +265,9 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         self._connected = False
         self._said: Set[str] = set()
         self._batches_off_graph = 0
+        self._counts_checked = False  # whether the static batch's KJT may be a StaticKJT was decided
+        self._static_kjt: Optional[StaticKJT] = None
+        self._static_path: Optional[str] = None  # its path in the batch (``batch_signature``)
 
     @property
     def captured(self) -> bool:
@@ -234,7 +302,9 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         if self._static is None:
             self._static, self._static_signature = clone_batch(batch), signature  # the graph's batch from now on
         else:
-            difference = signature_difference(self._static_signature, signature)
+            if not self._counts_checked:  # the first step set up the model's input dists
+                self._take_variable_counts()
+            difference = signature_difference(self._static_signature, without_counts(signature, self._static_path))
             if difference is not None:  # said once per kind of difference (a KJT's id counts: once for all keys)
                 path, words = difference
                 self._say_once(re.sub(r"\[.*?\]", "", path), "ReplayTrainPipeline: a batch the graph cannot take, "
@@ -247,6 +317,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             self._step_dense(averaged=self._dense.capturable)
             return clone_batch(output)
         was_captured, launches, returned = self._replay.captured, self._replay.launches, False
+        past_capacity = self._static_kjt is not None and self._static_kjt.capacity_error() is not None
         try:
             output = self._replay()
             returned = True
@@ -256,8 +327,43 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                 if not was_captured and self._replay.captured:  # this call captured the step
                     self._graph_grads = self._dense.held()
                 self._dense.restore(self._graph_grads)
-                self._step_dense(averaged=self._dense.capturable)
+                if not past_capacity:  # a step refused on the device, known here: as eager, no dense step
+                    self._step_dense(averaged=self._dense.capturable)
+        if past_capacity:
+            self._raise_past_capacity()
         return clone_batch(output)
+
+    def _take_variable_counts(self) -> None:
+        """Where the model's one sharded EBC can take a ``StaticKJT`` (``static_ids_capacity``) and the batch holds
+        one KJT, make the static batch's KJT one at that capacity: batches of any id count per key then replay
+        (those past the capacity are refused on the device). Before the capture: the graph reads it from then on."""
+        self._counts_checked = True
+        ebcs = [m for m in self._model.modules() if isinstance(m, PgasShardedEmbeddingBagCollection)]
+        capacity = ebcs[0].static_ids_capacity if len(ebcs) == 1 else None
+        paths = kjt_paths(self._static_signature)
+        if capacity is None or len(paths) != 1 or (self._replay is not None and self._replay.captured):
+            return
+
+        def at_capacity(leaf: Any) -> Any:
+            if not isinstance(leaf, KeyedJaggedTensor):
+                return leaf
+            self._static_kjt = StaticKJT.at_capacity(leaf, capacity)
+            return self._static_kjt
+
+        self._static = map_batch(self._static, at_capacity)
+        self._static_path = paths[0]
+        self._static_signature = without_counts(self._static_signature, self._static_path)
+
+    def _raise_past_capacity(self) -> None:
+        """A replayed batch past its ``StaticKJT``'s capacity was refused on the device, on every rank: its rank
+        raises the capacity error now (one sync, on this path only), not a later step a corrupt-input one."""
+        err = self._static_kjt.capacity_error() if self._static_kjt is not None else None
+        assert err is not None
+        try:
+            check_errors(self._model)
+        except PgasError as recorded:
+            raise err from recorded
+        raise err
 
     def _step_dense(self, averaged: bool) -> None:
         if not averaged:

@@ -178,12 +178,14 @@ class RunResult:
     preds: List[torch.Tensor]  # this rank's, per step
     labels: List[torch.Tensor]
     losses: List[float]  # the global mean log loss of each step (before its update)
+    off_graph: Optional[int] = None  # --pipeline replay: this rank's batches trained off the graph's step
 
 
 def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_opt: Optional[torch.optim.Optimizer],
-            pipeline: str) -> Callable[[], StepOutput]:
-    """One step per call (with ``dense_opt``, a training step): the plain loop or ``TrainPipelineSparseDist``,
-    which calls the optimizer itself and runs the next batch's input dist inside this step."""
+            pipeline: str) -> Tuple[Callable[[], StepOutput], Optional[ReplayTrainPipeline]]:
+    """One step per call (with ``dense_opt``, a training step): the plain loop, ``TrainPipelineSparseDist``
+    (it calls the optimizer itself and runs the next batch's input dist inside this step) or
+    ``ReplayTrainPipeline`` (returned too: it counts the batches its graph could not take)."""
     # Made before the timed steps: the synthetic generator's host time (26 Zipf draws a batch, 5.7 ms on a
     # 2-core CPU host) would otherwise set the pace of both sides. Host memory: ~2 MB a step at batch 4096, pinned
     # on GPU hosts as a DataLoader(pin_memory=True) pins it, so that the pipelines' copies overlap their steps.
@@ -192,7 +194,7 @@ def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_o
         assert dense_opt is not None, "the pipeline trains"
         pipe = (TrainPipelineSparseDist(dmp, dense_opt, device) if pipeline == "sparse_dist"
                 else ReplayTrainPipeline(dmp, dense_opt, device))
-        return lambda: pipe.progress(batches)
+        return (lambda: pipe.progress(batches)), pipe if isinstance(pipe, ReplayTrainPipeline) else None
 
     def step() -> StepOutput:
         with torch.set_grad_enabled(dense_opt is not None):
@@ -203,7 +205,7 @@ def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_o
             dense_opt.zero_grad()
         return output
 
-    return step
+    return step, None
 
 
 def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool, lr: float,
@@ -212,7 +214,7 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     if train:
         dense = [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
         dense_opt = torch.optim.SGD(dense, lr=lr)
-    step_fn = stepper(dmp, data, device, dense_opt, pipeline)
+    step_fn, replay = stepper(dmp, data, device, dense_opt, pipeline)
     preds, labels, losses = [], [], []
     start, timed = 0.0, 0
     for step in range(len(data)):
@@ -233,7 +235,7 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     global_losses = torch.stack(losses).float()
     dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
     return RunResult(world * data.batch_size * timed / max(elapsed, 1e-9), preds, labels,
-                     (global_losses / world).tolist())
+                     (global_losses / world).tolist(), None if replay is None else replay.batches_off_graph)
 
 
 def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, float]:
@@ -277,7 +279,8 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
             json.dump({"args": vars(args), "world": dist.get_world_size(), "pass": ok, "max_rel_loss_diff": rel[worst],
                        "auc_diff": auc_diff, "pipeline": args.pipeline, "samples_per_s": pgas.samples_per_s,
                        "stock_samples_per_s": stock.samples_per_s, "losses": pgas.losses,
-                       "stock_losses": stock.losses, "metrics": pgas_m, "stock_metrics": stock_m}, f, indent=1)
+                       "stock_losses": stock.losses, "metrics": pgas_m, "stock_metrics": stock_m,
+                       "batches_off_graph": pgas.off_graph}, f, indent=1)
     if dist.get_rank() == 0:
         print(f"samples/s ({args.pipeline} loop): {args.sharding} {ours.samples_per_s:,.0f}, {other} twin "
               f"{theirs.samples_per_s:,.0f}, ratio {ours.samples_per_s / theirs.samples_per_s:.2f}x", flush=True)
@@ -329,7 +332,9 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
     if rank == 0:
         print(f"DLRM {mode}, sharding={args.sharding} ({backend}), world {dist.get_world_size()}, "
               f"batch {args.batch_size}/rank, {args.steps} steps: {result.samples_per_s:,.0f} samples/s, "
-              f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}", flush=True)
+              f"AUC {m['auc']:.4f}, log loss {m['logloss']:.4f}"
+              + ("" if result.off_graph is None else f", {result.off_graph} batches off the graph (rank 0)"),
+              flush=True)
     if reference is not None:
         twin = shard(reference, twin_sharding(args.sharding), device, args.batch_size, training, args.lr,
                      ids_per_bag=args.max_ids_per_bag)

@@ -35,6 +35,7 @@ from torchrec_pgas.sharding.group import StepGroup
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_apply import OwnerApply
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, NoBackward, PoolFn, StepBackward, StepTicket
+from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.types import PgasCapacityError, PgasConfig, PgasError, PgasInputError, PgasTrainingConfig
 
 
@@ -139,6 +140,9 @@ class StepSpec:
         if batch > max_batch:
             return PgasCapacityError(
                 f"{self.kind}: local batch size {batch} exceeds PgasConfig.max_local_batch_size={max_batch}")
+        over = kjt.capacity_error() if isinstance(kjt, StaticKJT) else None  # a graph's batch: host-known counts
+        if over is not None:
+            return PgasCapacityError(f"{self.kind}: rank {rank}: {over}")
         nnz = kjt.values().numel()
         if nnz > self.ids_capacity:
             return PgasCapacityError(
@@ -320,7 +324,12 @@ class PgasStep(abc.ABC):
         self._input_order = list(order)
 
     def in_sharding_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The local KJT in this sharding's feature order (what the index dist and lookup take)."""
+        """The local KJT in this sharding's feature order (what the index dist and lookup take); a static KJT's
+        batch without its unused positions (one past its capacity stays whole: the index dist refuses it)."""
+        if isinstance(kjt, StaticKJT):
+            if kjt.capacity_error() is not None:
+                return kjt
+            kjt = kjt.unpadded()
         return kjt if self._input_order is None else kjt.permute(self._input_order)
 
     @abc.abstractmethod
