@@ -18,7 +18,7 @@ from torchrec_pgas.runtime import PgasRuntime
 from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
-from torchrec_pgas.train_pipeline import ReplayTrainPipeline
+from torchrec_pgas.train_pipeline import ReplayDataParallelWrapper, ReplayTrainPipeline
 from torchrec_pgas.types import (
     PGAS_ROW_WISE,
     PGAS_TABLE_ROW_WISE,
@@ -53,6 +53,7 @@ __all__ = [
     "PgasStep",
     "PgasTimeoutError",
     "PgasTrainingConfig",
+    "ReplayDataParallelWrapper",
     "ReplayTrainPipeline",
     "StaticKJT",
     "StepSpec",
