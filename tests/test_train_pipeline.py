@@ -6,7 +6,7 @@ with a GPU a rank: the average inside the graph; ranks sharing a GPU over gloo: 
 
 import os
 import re
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import (OwnerBackward, PgasCapacityError, PgasError, PgasTrainingConfig, ReplayTrainPipeline,
                            StaticKJT, copy_kjt_)
 from torchrec_pgas.testing import local_state, rank_device, run_distributed
-from torchrec_pgas.train_pipeline import batch_signature, copy_batch_, signature_difference
+from torchrec_pgas.train_pipeline import batch_signature, copy_batch_, signature_difference, step_unless
 
 WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
 
@@ -85,6 +85,36 @@ def test_a_static_kjt_takes_any_id_counts_up_to_its_capacity() -> None:
         copy_kjt_(static, kjt([1, 1, 1, 1]))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_a_refused_dense_step_is_put_back(optimizer: str) -> None:
+    """``step_unless``: with ``refused`` False, the optimizer's own step, bit for bit; with True, the parameters and
+    the optimizer state as before it (a refused step's dense update, undone on the device in a replay)."""
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+            "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1)}[optimizer]
+    torch.manual_seed(0)
+    gated, plain = (torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)) for _ in "ab")
+    plain.load_state_dict(gated.state_dict())
+    opts = [make(m.parameters()) for m in (gated, plain)]
+
+    def grads(seed: int) -> None:
+        for m in (gated, plain):
+            torch.manual_seed(seed)
+            m(torch.randn(5, 4)).sum().backward()
+
+    for i in range(3):
+        grads(i)
+        step_unless(opts[0], torch.tensor([False]))
+        opts[1].step()
+        for o in opts:
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(gated.parameters(), plain.parameters()))
+    grads(9)
+    step_unless(opts[0], torch.tensor([True]))
+    assert all(torch.equal(a, b) for a, b in zip(gated.parameters(), plain.parameters()))
+    mine, theirs = (o.state_dict()["state"] for o in opts)
+    assert all(torch.equal(torch.as_tensor(mine[k][n]), torch.as_tensor(theirs[k][n])) for k in theirs for n in theirs[k])
+
+
 def _dense(dmp: Any) -> List[torch.nn.Parameter]:
     """The parameters the dense optimizer steps (the tables' optimizer runs in their backward)."""
     return [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
@@ -108,17 +138,61 @@ def _past_capacity(b: Batch, ids_per_bag: int) -> Batch:
                  sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=ids, lengths=lengths, stride=kjt.stride()))
 
 
+def _with_bad_id(b: Batch) -> Batch:
+    """``b`` with its first id past every table: a step the model refuses."""
+    kjt = b.sparse_features
+    ids = kjt.values().clone()
+    ids[0] = 10 ** 9
+    return Batch(dense_features=b.dense_features, labels=b.labels,
+                 sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=ids, lengths=kjt.lengths(), stride=kjt.stride()))
+
+
+Fed = List[Tuple[str, Batch]]  # (kind, batch): train, eval, junk (trained, then undone), over or bad (refused)
+
+
+def _feed(pipeline: ReplayTrainPipeline, piped: Any, dense_opt: torch.optim.Optimizer, fed: Fed,
+          root: str) -> Tuple[Dict[int, float], List[torch.Tensor], List[Tuple[int, str, str]]]:
+    """Every batch of ``fed`` through the pipeline: the lr changes after training step 10, the caller drops the dense
+    gradients after step 5, a checkpoint is saved after step 25 and loaded after the second junk batch. Returns the
+    loss of each training step that returned one (by its index), each call's labels, and the errors raised (call,
+    type, message): a refused replay raises at a later call (after training that call's batch), a refused eager
+    step at its own."""
+    it, losses, labels, raised, trained, junk = iter(b for _, b in fed), {}, [], [], 0, 0
+    for i, (kind, b) in enumerate(fed):
+        piped.train(kind != "eval")
+        trained += kind == "train"
+        junk += kind == "junk"
+        try:
+            loss, _, step_labels = pipeline.progress(it)
+            labels.append(step_labels)
+            if kind == "train":
+                losses[trained] = float(loss)
+        except PgasError as e:
+            raised.append((i, type(e).__name__, str(e)))
+            labels.append(b.labels)
+        if kind == "train" and trained == 5:
+            dense_opt.zero_grad(set_to_none=True)
+        if kind == "train" and trained == 10:
+            _set_lr(piped, dense_opt, 0.2)
+        if kind == "train" and trained == 25:
+            dcp.save({"model": piped.state_dict()}, checkpoint_id=os.path.join(root, "ckpt"))
+        if kind == "junk" and junk == 2:  # the junk steps undone
+            state = {"model": piped.state_dict()}
+            dcp.load(state, checkpoint_id=os.path.join(root, "ckpt"))
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    return losses, labels, raised
+
+
 def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, ids_per_bag: int) -> Tuple[
-        float, float, float, bool, int, bool, List[str]]:
+        float, float, float, bool, int, bool, List[Tuple[int, str, str]]]:
     """The DLRM example's model (features of 1 to ``ids_per_bag`` ids a bag) through the pipeline and through a
-    plain eager loop, on the same 30 training batches: the lr changes after training step 10; after step 25 a
-    checkpoint is saved, two junk batches trained and the checkpoint loaded back; an eval batch (forward only)
-    after step 12; a batch past the ids capacity after step 7 (refused: not trained by the eager loop); the caller
-    drops the dense gradients (``zero_grad(set_to_none=True)``) after step 5; step 21 has another batch size, the
-    last one is a short batch (both eager). Returns the largest loss difference over the training steps, the
-    table state difference, the dense parameter difference, whether the pipeline captured its step, the batches
-    it trained off the graph's step, whether every step's output kept its own batch's labels, and what the batch
-    past capacity raised."""
+    plain eager loop, on the same 30 training batches (``_feed``): an eval batch (forward only) after step 12; a
+    batch past the ids capacity on every rank after step 7 and one with a bad id on the last rank after step 16
+    (refused: not trained by the eager loop); step 21 has another batch size, the last one is a short batch (both
+    eager). Returns the largest loss difference over the training steps, the table state difference, the dense
+    parameter difference, whether the pipeline captured its step, the batches it trained off the graph's step,
+    whether every step's output kept its own batch's labels, and the errors raised."""
     from examples.dlrm.data import SyntheticCriteo
     from examples.dlrm.run import build_model, shard
 
@@ -128,40 +202,16 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, 
                           ids_per_bag=ids_per_bag) for _ in "ab")
     optimizers = [torch.optim.SGD(_dense(m), lr=0.5) for m in (piped, eager)]
 
-    def draw(kind: str, size: int, n: int, seed: int) -> List[Tuple[str, Batch]]:
+    def draw(kind: str, size: int, n: int, seed: int) -> Fed:
         return [(kind, b) for b in SyntheticCriteo(size, n, 2000, seed=seed + rank, max_ids_per_bag=ids_per_bag)]
 
     main = draw("train", 32, 28, 100)
     over = [("over", _past_capacity(b, ids_per_bag)) for _, b in draw("over", 32, 1, 600)]
-    fed = (main[:7] + over + main[7:12] + draw("eval", 32, 1, 500) + main[12:20] + draw("train", 16, 1, 200)
-           + main[20:24] + draw("junk", 32, 2, 300) + main[24:] + draw("train", 8, 1, 400))
+    bad = [("bad", _with_bad_id(b) if rank == world - 1 else b) for _, b in draw("bad", 32, 1, 700)]
+    fed = (main[:7] + over + main[7:12] + draw("eval", 32, 1, 500) + main[12:16] + bad + main[16:20]
+           + draw("train", 16, 1, 200) + main[20:24] + draw("junk", 32, 2, 300) + main[24:] + draw("train", 8, 1, 400))
     pipeline: ReplayTrainPipeline[Batch, Any] = ReplayTrainPipeline(piped, optimizers[0], device)
-    it, losses, labels, trained, junk, refused = iter(b for _, b in fed), [], [], 0, 0, []
-    for kind, b in fed:
-        piped.train(kind != "eval")
-        if kind == "over":
-            with pytest.raises(PgasCapacityError) as raised:
-                pipeline.progress(it)
-            refused.append(str(raised.value))
-            labels.append(b.labels)
-            continue
-        loss, _, step_labels = pipeline.progress(it)
-        labels.append(step_labels)
-        trained += kind == "train"
-        junk += kind == "junk"
-        if kind == "train":
-            losses.append(float(loss))
-        if kind == "train" and trained == 5:
-            optimizers[0].zero_grad(set_to_none=True)
-        if kind == "train" and trained == 10:
-            _set_lr(piped, optimizers[0], 0.2)
-        if kind == "train" and trained == 25:
-            dcp.save({"model": piped.state_dict()}, checkpoint_id=os.path.join(root, "ckpt"))
-        if kind == "junk" and junk == 2:  # the junk steps undone
-            state = {"model": piped.state_dict()}
-            dcp.load(state, checkpoint_id=os.path.join(root, "ckpt"))
-    with pytest.raises(StopIteration):
-        pipeline.progress(it)
+    losses, labels, raised = _feed(pipeline, piped, optimizers[0], fed, root)
     reference = []
     for b in [b for kind, b in fed if kind == "train"]:
         loss, _ = eager(b.to(device))
@@ -175,17 +225,23 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, 
     tables = max(float((a - b).abs().max()) for a, b in zip(local_state(piped).values(), local_state(eager).values()))
     dist.barrier()
     kept_labels = all(torch.equal(out.cpu(), b.labels) for out, (_, b) in zip(labels, fed))
-    return (max(abs(a - b) for a, b in zip(losses, reference)), tables, dense, pipeline.captured,
-            pipeline.batches_off_graph, kept_labels, refused)
+    return (max(abs(loss - reference[k - 1]) for k, loss in losses.items()), tables, dense, pipeline.captured,
+            pipeline.batches_off_graph, kept_labels, raised)
 
 
 def _check_against_eager(results: List[Any], captured: bool, ids_per_bag: int) -> None:
-    for worst_loss, tables, dense, was_captured, off_graph, kept_labels, refused in results:
+    world = len(results)
+    for rank, (worst_loss, tables, dense, was_captured, off_graph, kept_labels, raised) in enumerate(results):
         # off the graph's step: the odd-sized batch and the short one; multi-hot batches replay (a StaticKJT)
         assert was_captured == captured and off_graph == 2 and kept_labels
-        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (worst_loss, tables, dense)
-        assert len(refused) == 1 and re.search(rf"a batch of {32 * 26 * (ids_per_bag + 1)} ids \(feature "
-                                                rf"'cat_\d+': {32 * (ids_per_bag + 1)} of them\) exceeds", refused[0])
+        assert worst_loss <= 1e-6 and tables <= 1e-6 and dense <= 1e-6, (rank, worst_loss, tables, dense)
+        over, bad = raised[0], raised[1:]
+        assert over[0] == 7 and over[1] == "PgasCapacityError" and re.search(
+            rf"a batch of {32 * 26 * (ids_per_bag + 1)} ids \(feature 'cat_\d+': {32 * (ids_per_bag + 1)} of them\) "
+            "exceeds", over[2]), over
+        # the bad id's step (call 18): raised there by an eager step, at one of the next two calls by a replay
+        expected = "PgasInputError" if rank == world - 1 else "PgasPeerAbortError"
+        assert len(bad) == 1 and 18 <= bad[0][0] <= 20 and bad[0][1] == expected, (rank, raised)
 
 
 @pytest.mark.stacks  # TorchRec's TrainPipeline base and DMP's DDP wrapper, as each stack has them

@@ -14,8 +14,10 @@ it inside the model, with ``static_graph=True``, which also refuses ``no_sync``.
 DDP wraps (DDP's hooks then stay idle, as under ``no_sync``) and averages the dense gradients over the ranks
 itself, one flat all-reduce a dtype as DDP's buckets would: inside the graph under NCCL, right after the replay
 under gloo (whose collectives a graph cannot capture). The dense optimizer then runs eagerly after the replay:
-any optimizer and learning-rate schedule works, for a few launches a step. A learning rate set on the tables'
-``fused_optimizer`` reaches the next replay (``CapturedTrainStep``).
+any optimizer and learning-rate schedule works, for a few launches a step. A step the PGAS shardings refused on the
+device (a bad id, a batch past the capacity, on any rank) is known to no host before a later step, so the dense
+step is put back on the device where it was refused (``step_unless``), as eager training never takes it. A learning
+rate set on the tables' ``fused_optimizer`` reaches the next replay (``CapturedTrainStep``).
 
 A batch the graph cannot take (another batch size, id count per feature, or weightedness than the captured one:
 an epoch's short last batch, a multi-hot batch) trains eagerly, with a one-time message naming the difference; the
@@ -41,7 +43,7 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, check_errors
+from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, check_errors, pgas_steps
 from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
 from torchrec_pgas.types import PgasError
@@ -147,6 +149,28 @@ def clone_batch(batch: Any) -> Any:
     a dataloader's tensors (refilling it would overwrite them), and a step on the static batch returns tensors the
     next step rewrites (a replay's outputs, the static batch's own labels passed through)."""
     return map_batch(batch, _clone)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, refused: Optional[torch.Tensor]) -> None:
+    """``optimizer.step()``, its parameters and state put back where ``refused`` (a one-element device bool) holds:
+    a copy of the dense state a step, a few kernels per dtype, no host read, except for state the optimizer keeps
+    on the host (Adam's step count unless ``capturable`` or ``fused``: one sync a step). State the step creates (on
+    its first call) stays as it made it."""
+    if refused is None:
+        optimizer.step()
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors = params + [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    flat = {key: torch.cat([t.detach().reshape(-1) for t in ts]) for key, ts in groups.items()}
+    optimizer.step()
+    with torch.no_grad():
+        for (_, device), ts in groups.items():
+            now = torch.cat([t.reshape(-1) for t in ts])
+            kept = torch.where(refused.to(device), flat[(now.dtype, device)], now)
+            torch._foreach_copy_(ts, [v.view_as(t) for v, t in zip(kept.split([t.numel() for t in ts]), ts)])
 
 
 class ReplayDataParallelWrapper(DefaultDataParallelWrapper):
@@ -327,8 +351,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                 if not was_captured and self._replay.captured:  # this call captured the step
                     self._graph_grads = self._dense.held()
                 self._dense.restore(self._graph_grads)
-                if not past_capacity:  # a step refused on the device, known here: as eager, no dense step
-                    self._step_dense(averaged=self._dense.capturable)
+                self._step_dense(averaged=self._dense.capturable)
         if past_capacity:
             self._raise_past_capacity()
         return clone_batch(output)
@@ -366,9 +389,13 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         raise err
 
     def _step_dense(self, averaged: bool) -> None:
+        """The dense optimizer's step, undone on the device where the PGAS step was refused on the device (a bad id
+        or a batch past the capacity on some rank: no rank knows it yet without a sync), as eager training, whose
+        refused steps raise before it, never takes it."""
         if not averaged:
             self._dense.average()
-        self._optimizer.step()
+        refused = [r for r in (s.last_step_refused() for s in pgas_steps(self._model)) if r is not None]
+        step_unless(self._optimizer, torch.cat(refused).any() if refused else None)
 
     def _forward_backward(self, batch: In) -> Out:
         self._dense.restore(self._graph_grads)  # a caller's zero_grad(set_to_none=True) may have dropped them

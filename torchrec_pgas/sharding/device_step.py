@@ -32,7 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import profiling
 from torchrec_pgas.runtime import one_host
 from torchrec_pgas.sharding.capture import record_captured_backward, record_captured_step
-from torchrec_pgas.sharding.device.backward import DeviceBackward
+from torchrec_pgas.sharding.device.backward import DeviceBackward, last_lookup_failed
 from torchrec_pgas.sharding.device.errors import ErrorRecords
 from torchrec_pgas.sharding.device.features import (
     BOUNDS_MODES,
@@ -43,6 +43,7 @@ from torchrec_pgas.sharding.device.features import (
 )
 from torchrec_pgas.sharding.device.slots import SlotEvents
 from torchrec_pgas.sharding.device.tracing import CommTrace
+from torchrec_pgas.sharding.group import GroupMember
 from torchrec_pgas.sharding.step import BackwardGraphStats, PgasStep, StepSpec
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations
 from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
@@ -92,7 +93,7 @@ class DeviceStep(PgasStep):
         self._deadline_owner: Optional[torch.Tensor] = None  # the state whose deadline words the waits use
         self._owed_lookups: Set[int] = set()  # refused steps whose (empty) lookup waits for an earlier one
 
-    def share_deadlines(self, leader: PgasStep) -> None:
+    def share_deadlines(self, leader: GroupMember) -> None:
         """The waits use the deadline words of ``leader``'s state (csrc/step_protocol.cuh: one deadline a step
         of the model, whichever sharding's wait it is; its stages run on the same stream as this one's)."""
         shared = leader is not self and isinstance(leader, DeviceStep) and leader.device == self.device
@@ -257,6 +258,9 @@ class DeviceStep(PgasStep):
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         self.raise_recorded()
+
+    def last_step_refused(self) -> Optional[torch.Tensor]:
+        return last_lookup_failed(self)
 
     def raise_recorded(self) -> None:
         """Raise (or warn about) the error records of finished steps, the earliest first; no sync. A step

@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import StepLayout
+from torchrec_pgas.sharding.group import GroupMember
 from torchrec_pgas.sharding.step import PgasStep, StepSpec, gradient_divisor
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, iterations_kept, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import PoolFn, StepTicket
@@ -118,7 +119,7 @@ class HostStep(PgasStep):
         """Wait until ``signal(peer)`` of every peer reaches ``value``, within step ``epoch``'s deadline."""
         self._deadlines.wait(self.rt, self.pad, {peer: signal(peer) for peer in peers}, value, epoch, what)
 
-    def share_deadlines(self, leader: PgasStep) -> None:
+    def share_deadlines(self, leader: GroupMember) -> None:
         if isinstance(leader, HostStep):
             self._deadlines = leader._deadlines
 

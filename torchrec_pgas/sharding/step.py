@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.bootstrap import init_runtime
 from torchrec_pgas.layout import StepLayout, id_bytes_for
-from torchrec_pgas.sharding.group import StepGroup
+from torchrec_pgas.sharding.group import GroupMember, StepGroup
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_apply import OwnerApply
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, NoBackward, PoolFn, StepBackward, StepTicket
@@ -228,7 +228,7 @@ class PgasStep(abc.ABC):
         has run it (and raised them) by the time the call returned."""
 
     @abc.abstractmethod
-    def share_deadlines(self, leader: "PgasStep") -> None:
+    def share_deadlines(self, leader: GroupMember) -> None:
         """Wait against ``leader``'s deadlines (the model's first PGAS step): one deadline a step of the model."""
 
     def consume_failed_step(self, epoch: int, err: PgasError) -> None:
@@ -343,6 +343,11 @@ class PgasStep(abc.ABC):
         ``pool`` is the stock TBE lookup of a received KJT, ``tbes`` the TBE
         modules whose weight storage the fused kernels read directly.
         """
+
+    def last_step_refused(self) -> Optional[torch.Tensor]:
+        """Whether the step of the last lookup was refused (on any rank), as a one-element device bool that no host
+        reads; None on the host path, whose refused steps raise in their forward."""
+        return None
 
     def raise_recorded(self) -> None:
         """Raise the errors the device recorded for finished steps, without a sync; the host path raises its

@@ -69,7 +69,7 @@ def _failed_word(step: BackwardStep, epoch: int) -> torch.Tensor:
     return step.state_words[StateWord.STEP_FAILED + epoch % step.layout.num_slots]
 
 
-def _last_lookup_failed(step: BackwardStep) -> torch.Tensor:
+def last_lookup_failed(step: BackwardStep) -> torch.Tensor:
     """Whether the step of ``step``'s last lookup failed there: a one-element device bool (no host read)."""
     epoch = step.state_words[StateWord.CTR_LOOKUP]
     return step.state_words.index_select(0, (StateWord.STEP_FAILED + epoch % step.layout.num_slots).view(1)).eq(epoch)
@@ -235,7 +235,7 @@ class DeviceBackward:
         ops, args, state = torch.ops.torchrec_pgas, step.state_args(), step.state_words
         epoch = state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
         if siblings:  # as _adopt_sibling_failures, from device words
-            failed = torch.cat([_last_lookup_failed(o) for o in siblings]).any()
+            failed = torch.cat([last_lookup_failed(o) for o in siblings]).any()
             at = (StateWord.STEP_FAILED + epoch % step.layout.num_slots).view(1)  # index_select, not [tensor]:
             state.index_put_((at,), torch.where(failed, epoch, state.index_select(0, at)))  # no read
         ops.grad_dist(self.sent_gradient(grad, batch), *args, 0, batch, gradient_divisor(step.world_size), False)
