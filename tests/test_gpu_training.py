@@ -352,9 +352,10 @@ def _captured_variable_counts(rank: int, world: int, kind: str) -> Tuple[float, 
     """Issue 48's variable bag sizes: 16 batches whose id count per feature varies (bags of 0-6 ids; MEAN and SUM,
     weighted features), replayed through ``StaticKJT``s after an eager first step and 2 eager warm-ups, against
     the PGAS twin trained eagerly and stock, on the same batches; after step 8 a batch past the capacity on every
-    rank, which ``copy_kjt_`` refuses before the replay. Returns the worst |graph - eager| and the worst
-    |graph - stock| (relative, ``state_difference``) over the steps, whether it replayed, the refusal's message,
-    and |graph - its state before the refused batch|."""
+    rank, which ``copy_kjt_`` refuses before the replay, and which, filled in past the capacity, the replay refuses
+    on the device. Returns the worst |graph - eager| and the worst |graph - stock| (relative,
+    ``state_difference``) over the steps, whether it replayed, the refusals' messages, and |graph - its state
+    before the refused batch|."""
     device = rank_device(rank, "cuda")
     case = Case(kind, EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling="mixed", owner_backward="pgas")
     model = _model(case, seed=5, min_rows=1)
@@ -376,12 +377,18 @@ def _captured_variable_counts(rank: int, world: int, kind: str) -> Tuple[float, 
             assert None not in capacities, capacities
             static = TrainBatch(*(StaticKJT.at_capacity(k, c) for k, c in zip((batch.kjt, batch.wkjt), capacities)))
             step = _captured_step(graphed, static, 2)
-        if i == 8:
-            before = local_state(graphed)
+        if i == 8:  # a batch past the capacity: copy_kjt_ refuses it; filled past it, the replay refuses it
+            before, over = local_state(graphed), _past_capacity(batch.kjt, capacities[0])
             try:
-                copy_kjt_(static.kjt, _past_capacity(batch.kjt, capacities[0]))
+                copy_kjt_(static.kjt, over)
             except PgasCapacityError as e:
                 refusal = str(e)
+            static.kjt.fill_(over, past_capacity=True)
+            try:
+                step()
+                check_errors(graphed)
+            except PgasError as e:
+                refusal += f"; replayed: {type(e).__name__}"
             got = local_state(graphed)
             untouched = max(float((got[k] - before[k]).abs().max()) for k in got if got[k].numel())
         if i == 0:
@@ -410,5 +417,5 @@ def test_a_replay_takes_batches_of_any_id_counts_up_to_the_capacity(kind: str) -
                                                                              device_type="cuda"):
         assert captured and worst == 0.0, worst
         assert worst_stock <= GPU_TOL, worst_stock
-        assert re.search(r"a batch of \d+ ids \(feature 'tf0': \d+ of them\) exceeds", refusal), refusal
+        assert re.search(r"a batch of \d+ ids \(feature 'tf0': \d+ of them\) exceeds .*; replayed: Pgas", refusal), refusal
         assert untouched == 0.0

@@ -38,7 +38,7 @@ class StaticKJT(KeyedJaggedTensor):
                      weights=None if weights is None else torch.zeros(capacity, dtype=weights.dtype,
                                                                       device=weights.device))
         static.counts = [0] * len(batch.keys())
-        static.fill_(batch)
+        static.fill_(batch, past_capacity=True)  # a batch past it: refused by the step that reads it
         return static
 
     @property
@@ -96,6 +96,16 @@ class StaticKJT(KeyedJaggedTensor):
         return KeyedJaggedTensor(keys=self.keys(), values=self.values()[:n], lengths=self.lengths(),
                                  offsets=self.offsets(), weights=None if weights is None else weights[:n],
                                  stride=self.stride(), length_per_key=self.counts)
+
+    def length_per_key(self) -> List[int]:
+        """Not on the host for a captured step's batch (a cached value would be the capture's, stale in every
+        replay): a module that reads per-key sizes must take plain KJTs (``ReplayTrainPipeline(...,
+        variable_counts=False)``)."""
+        raise PgasError("StaticKJT: a captured step's batch keeps no per-key sizes on the host (they change every "
+                        "replay); only a sharded EBC holding one PGAS sharding may take it, unchanged")
+
+    def offset_per_key(self) -> List[int]:
+        return self.length_per_key()  # raises: as above
 
     def split(self, segments: List[int]) -> List[KeyedJaggedTensor]:
         if list(segments) == [len(self.keys())]:

@@ -159,7 +159,8 @@ def step_unless(optimizer: torch.optim.Optimizer, refused: Optional[torch.Tensor
     if refused is None:
         optimizer.step()
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]  # what the step may change
+              if p.grad is not None and not hasattr(p, "_in_backward_optimizers")]
     tensors = params + [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
     for t in tensors:
@@ -192,16 +193,22 @@ class ReplayDataParallelWrapper(DefaultDataParallelWrapper):
 
 
 def wrap_dense_in_side_stream(model: nn.Module, device: torch.device) -> None:
-    """Rewrap the DDP of a ``DistributedModelParallel`` built with another wrapper (``ReplayDataParallelWrapper``):
-    the old DDP and the gradient accumulators it kept go, a new one is built in a side stream."""
+    """Rewrap the DDP of a ``DistributedModelParallel`` built by TorchRec's default wrapper in a side stream
+    (``ReplayDataParallelWrapper``, the same settings): the old DDP and the gradient accumulators it kept go. A
+    collective: DDP's construction checks and broadcasts the dense parameters (rank 0's, as when DMP built it)."""
     ddp = getattr(model, "_dmp_wrapped_module", None)
-    if not isinstance(ddp, DistributedDataParallel) or isinstance(
-            getattr(model, "_data_parallel_wrapper", None), ReplayDataParallelWrapper):
+    built_by = getattr(model, "_data_parallel_wrapper", None)
+    if not isinstance(ddp, DistributedDataParallel) or isinstance(built_by, ReplayDataParallelWrapper):
         return
+    if type(built_by) is not DefaultDataParallelWrapper:
+        raise PgasError(f"ReplayTrainPipeline: the model's DDP was built by {type(built_by).__name__}, in the default "
+                        "stream, where a CUDA graph cannot take its gradient accumulators: build the model with "
+                        "DistributedModelParallel(data_parallel_wrapper=torchrec_pgas.ReplayDataParallelWrapper(...))")
+    wrapper = ReplayDataParallelWrapper.__new__(ReplayDataParallelWrapper)
+    wrapper.__dict__.update(built_by.__dict__)  # the user's settings: bucket size, static graph, params to ignore
     model._dmp_wrapped_module = ddp.module  # type: ignore[assignment]
     del ddp
     gc.collect()  # the reducer's accumulators must go before the new DDP makes its own
-    wrapper = ReplayDataParallelWrapper()
     wrapper.wrap(model, model._env, device)  # type: ignore[arg-type]
     model._data_parallel_wrapper = wrapper  # type: ignore[assignment]
 
@@ -267,12 +274,16 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
     ``optimizer`` is the dense parameters' (the tables' optimizer runs in their backward); it steps after each
     replay. Returns the step's ``output`` (a copy, on the device). Batches come from ``dataloader_iter`` on the
     host; every batch the graph replays must match the first one's shapes (``batch_signature``), others train
-    eagerly. A refused step raises from ``progress`` with its batch consumed, as eager training raises; a replay
-    raises an earlier replay's refusal after its own launch, its own batch trained (``CapturedTrainStep``).
+    eagerly. Where the model's one sharded EBC can take a ``StaticKJT`` (``variable_counts``, the default), the
+    id counts per feature may vary up to its capacity; pass ``variable_counts=False`` for a model that reads the
+    batch's per-key sizes itself. A refused step raises from ``progress`` with its batch consumed, as eager
+    training raises; a replay raises an earlier replay's refusal after its own launch, its own batch trained
+    (``CapturedTrainStep``). On GPUs the constructor is a collective where it rebuilds DDP
+    (``wrap_dense_in_side_stream``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 warmup_steps: int = 2) -> None:
+                 warmup_steps: int = 2, variable_counts: bool = True) -> None:
         super().__init__()
         self._model, self._optimizer, self._device = model, optimizer, device
         cuda = device.type == "cuda"
@@ -289,7 +300,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         self._connected = False
         self._said: Set[str] = set()
         self._batches_off_graph = 0
-        self._counts_checked = False  # whether the static batch's KJT may be a StaticKJT was decided
+        self._counts_checked = not variable_counts  # whether the static batch's KJT may be a StaticKJT was decided
         self._static_kjt: Optional[StaticKJT] = None
         self._static_path: Optional[str] = None  # its path in the batch (``batch_signature``)
 
@@ -352,8 +363,8 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                     self._graph_grads = self._dense.held()
                 self._dense.restore(self._graph_grads)
                 self._step_dense(averaged=self._dense.capturable)
-        if past_capacity:
-            self._raise_past_capacity()
+                if past_capacity:  # this step's error; an earlier step's raised by the replay is its context
+                    self._raise_past_capacity()
         return clone_batch(output)
 
     def _take_variable_counts(self) -> None:

@@ -140,7 +140,9 @@ class StepSpec:
         if batch > max_batch:
             return PgasCapacityError(
                 f"{self.kind}: local batch size {batch} exceeds PgasConfig.max_local_batch_size={max_batch}")
-        over = kjt.capacity_error() if isinstance(kjt, StaticKJT) else None  # a graph's batch: host-known counts
+        # a static KJT's host-known count; a capture records the index dist whatever it holds: every rank's graph
+        # then runs the same stages (and collectives), and the device refuses a batch past the capacity in each replay
+        over = kjt.capacity_error() if isinstance(kjt, StaticKJT) and not _capturing(kjt) else None
         if over is not None:
             return PgasCapacityError(f"{self.kind}: rank {rank}: {over}")
         nnz = kjt.values().numel()
@@ -149,6 +151,10 @@ class StepSpec:
                 f"{self.kind}: rank {rank} has {nnz} ids in one step, above the capacity of {self.ids_capacity} "
                 "(PgasConfig.max_ids_per_rank / pooling_capacity / avg_pooling_capacity)")
         return None
+
+
+def _capturing(kjt: KeyedJaggedTensor) -> bool:
+    return kjt.values().is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class PgasStep(abc.ABC):
