@@ -361,6 +361,10 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
             fallbacks = [str(w.message) for w in caught if "owner_backward" in str(w.message)]
             assert not fallbacks, fallbacks  # FBGEMM's path would have served (and warned)
             if path == "auto":  # the 8 steps are the trial: both backwards ran, and a choice was made
+                if device_type == "cuda":  # made at the first backward after its events complete: ask once they have
+                    torch.cuda.synchronize()
+                    for t in trials:
+                        t.path()
                 assert counts["count"] > 0 and (counts["capacity"] > 0 or not op_available()), counts
                 assert trials and all(t.chosen is not None for t in trials), "owner_backward='auto' chose nothing"
             elif path == "count" or not op_available():
