@@ -41,8 +41,8 @@ def _expected_hbm_bytes(w: Any, world: int) -> int:
     return int((per_owner * 4 * w.dim).max())
 
 
-# 8 processes on the 2-core CI machine: the matrix stage's (make test's budget, README "Tests").
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.stacks), 4,
+# 4 and 8 processes on the 2-core CI machine: the matrix stage's (make test's budget, README "Tests").
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.stacks), pytest.param(4, marks=pytest.mark.matrix),
                                    pytest.param(8, marks=[pytest.mark.slow, pytest.mark.matrix])])
 def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any, world: int) -> None:
     out = _run(str(tmp_path), world)
@@ -191,6 +191,7 @@ def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pai
         assert row["train_floor_ms"] is None  # CPU: no bandwidths measured
 
 
+@pytest.mark.matrix  # ~20 s: two layouts benchmarked
 def test_layout_ab_times_both_layouts_after_checking_them(tmp_path: Any) -> None:
     """--layout-ab: the PGAS forward with PgasConfig(training=False) is checked against stock, then timed in
     blocks alternating with the training layout's; each row gets both medians."""

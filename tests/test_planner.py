@@ -653,6 +653,7 @@ def test_explain_training_with_a_fitted_profile(tmp_path: Any) -> None:
     assert out["fit"][2].split()[7] != out["fwd"][2].split()[7]  # the fitted backward, not the stand-in
 
 
+@pytest.mark.matrix  # ~25 s: a benchmark run, then the fit
 def test_calibrate_measures_and_writes_a_profile(tmp_path: Any) -> None:
     """The one-command calibration: benchmark run (smoke preset on 2 CPU ranks here), fit, profile JSON."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from torchrec_pgas.components import dlrm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,6 +33,7 @@ def test_torchx_local_cwd_runs_the_dlrm_example() -> None:
     assert "validate: first 3 steps" in log and "-> PASS" in log
 
 
+@pytest.mark.matrix  # ~20 s; make test trains the example directly (test_examples.py)
 def test_torchx_local_cwd_trains_the_dlrm_example_with_pgas() -> None:
     log = _torchx_dlrm("--sharding", "pgas", "--train", "--batch-size", "32", "--steps", "4", "--max-rows", "2000",
                        "--validate")
@@ -38,6 +41,7 @@ def test_torchx_local_cwd_trains_the_dlrm_example_with_pgas() -> None:
     assert "validate: 4 training steps" in log and "-> PASS" in log
 
 
+@pytest.mark.matrix  # ~25 s: four processes
 def test_torchx_local_cwd_trains_the_dlrm_example_on_two_nodes() -> None:
     """--nnodes 2: two replicas of two processes (TorchRec's nodes), every table pgas_table_row_wise, validated
     against stock table_row_wise."""

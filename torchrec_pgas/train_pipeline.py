@@ -290,6 +290,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         if cuda:
             wrap_dense_in_side_stream(model, device)
         self._dense = DenseGradients(model, optimizer)
+        self._steps = list(pgas_steps(model))  # whose device words say whether a step was refused
         self._copy_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if cuda else None
         self._replay: Optional[CapturedTrainStep] = (
             CapturedTrainStep(self._graph_step, warmup_steps) if cuda else None)
@@ -405,7 +406,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         refused steps raise before it, never takes it."""
         if not averaged:
             self._dense.average()
-        refused = [r for r in (s.last_step_refused() for s in pgas_steps(self._model)) if r is not None]
+        refused = [r for r in (s.last_step_refused() for s in self._steps) if r is not None]
         step_unless(self._optimizer, torch.cat(refused).any() if refused else None)
 
     def _forward_backward(self, batch: In) -> Out:
