@@ -179,7 +179,8 @@ class ReplayDataParallelWrapper(DefaultDataParallelWrapper):
     gradient accumulator, which runs in the stream it was made in; one made in the default stream cannot take part
     in a captured backward ("operation would make the legacy stream depend on a capturing blocking stream"), so
     PyTorch's CUDA-graph notes build DDP in a side stream. ``ReplayTrainPipeline`` rewraps a model built with
-    another wrapper this way; pass it to ``DistributedModelParallel(data_parallel_wrapper=...)`` to skip that."""
+    TorchRec's default wrapper this way (and refuses other wrappers); pass this one to
+    ``DistributedModelParallel(data_parallel_wrapper=...)`` to build it so at once."""
 
     def wrap(self, dmp: Any, env: ShardingEnv, device: torch.device) -> None:
         if device.type != "cuda":
