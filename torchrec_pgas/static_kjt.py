@@ -33,8 +33,8 @@ class StaticKJT(KeyedJaggedTensor):
         ``capacity`` ids, filled with ``batch``."""
         weights = batch.weights_or_none()
         values = torch.zeros(capacity, dtype=batch.values().dtype, device=batch.device())
-        static = cls(keys=batch.keys(), values=values, lengths=batch.lengths().clone(),
-                     offsets=batch.offsets().clone(), stride=batch.stride(),
+        static = cls(keys=batch.keys(), values=values, lengths=torch.empty_like(batch.lengths()),
+                     offsets=torch.empty_like(batch.offsets()), stride=batch.stride(),
                      weights=None if weights is None else torch.zeros(capacity, dtype=weights.dtype,
                                                                       device=weights.device))
         static.counts = [0] * len(batch.keys())

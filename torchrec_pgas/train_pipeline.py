@@ -19,10 +19,10 @@ device (a bad id, a batch past the capacity, on any rank) is known to no host be
 step is put back on the device where it was refused (``step_unless``), as eager training never takes it. A learning
 rate set on the tables' ``fused_optimizer`` reaches the next replay (``CapturedTrainStep``).
 
-A batch the graph cannot take (another batch size, id count per feature, or weightedness than the captured one:
-an epoch's short last batch, a multi-hot batch) trains eagerly, with a one-time message naming the difference; the
-warm-up steps before the capture run the graph's step eagerly, as every step does on CPUs, which have no CUDA
-graphs; an eval step runs forward only, as TorchRec's pipelines run it.
+A batch the graph cannot take (another batch size or weightedness than the captured one, an epoch's short last
+batch say, or other id counts per feature where the model cannot take a ``StaticKJT``) trains eagerly, with a
+one-time message naming the difference; the warm-up steps before the capture run the graph's step eagerly, as
+every step does on CPUs, which have no CUDA graphs; an eval step runs forward only, as TorchRec's pipelines do.
 """
 
 import contextlib
@@ -165,13 +165,13 @@ def step_unless(optimizer: torch.optim.Optimizer, refused: Optional[torch.Tensor
     groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
-    flat = {key: torch.cat([t.detach().reshape(-1) for t in ts]) for key, ts in groups.items()}
-    optimizer.step()
     with torch.no_grad():
-        for (_, device), ts in groups.items():
-            now = torch.cat([t.reshape(-1) for t in ts])
-            kept = torch.where(refused.to(device), flat[(now.dtype, device)], now)
-            torch._foreach_copy_(ts, [v.view_as(t) for v, t in zip(kept.split([t.numel() for t in ts]), ts)])
+        before = {key: _flatten_dense_tensors(ts) for key, ts in groups.items()}
+        optimizer.step()
+        for key, ts in groups.items():
+            kept = before[key]
+            torch.where(refused.to(key[1]), kept, _flatten_dense_tensors(ts), out=kept)
+            torch._foreach_copy_(ts, list(_unflatten_dense_tensors(kept, ts)))
 
 
 class ReplayDataParallelWrapper(DefaultDataParallelWrapper):
@@ -305,6 +305,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         self._counts_checked = not variable_counts  # whether the static batch's KJT may be a StaticKJT was decided
         self._static_kjt: Optional[StaticKJT] = None
         self._static_path: Optional[str] = None  # its path in the batch (``batch_signature``)
+        self._graph_refused: Optional[torch.Tensor] = None  # whether the graph's step was refused (``_refused``)
 
     @property
     def captured(self) -> bool:
@@ -351,7 +352,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         if self._replay is None:  # CPUs: the graph's step on the static batch, eagerly
             self._say_once("cpu", "ReplayTrainPipeline: no CUDA graphs on CPUs: every step runs eagerly")
             output = self._graph_step()
-            self._step_dense(averaged=self._dense.capturable)
+            self._step_dense(averaged=self._dense.capturable, refused=self._graph_refused)
             return clone_batch(output)
         was_captured, launches, returned = self._replay.captured, self._replay.launches, False
         past_capacity = self._static_kjt is not None and self._static_kjt.capacity_error() is not None
@@ -364,7 +365,7 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
                 if not was_captured and self._replay.captured:  # this call captured the step
                     self._graph_grads = self._dense.held()
                 self._dense.restore(self._graph_grads)
-                self._step_dense(averaged=self._dense.capturable)
+                self._step_dense(averaged=self._dense.capturable, refused=self._graph_refused)
                 if past_capacity:  # this step's error; an earlier step's raised by the replay is its context
                     self._raise_past_capacity()
         return clone_batch(output)
@@ -401,14 +402,19 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             raise err from recorded
         raise err
 
-    def _step_dense(self, averaged: bool) -> None:
-        """The dense optimizer's step, undone on the device where the PGAS step was refused on the device (a bad id
-        or a batch past the capacity on some rank: no rank knows it yet without a sync), as eager training, whose
-        refused steps raise before it, never takes it."""
+    def _step_dense(self, averaged: bool, refused: Optional[torch.Tensor]) -> None:
+        """The dense optimizer's step, undone on the device where ``refused`` says the PGAS step was refused on the
+        device (a bad id or a batch past the capacity on some rank: no rank knows it yet without a sync), as eager
+        training, whose refused steps raise before it, never takes it."""
         if not averaged:
             self._dense.average()
-        refused = [r for r in (s.last_step_refused() for s in self._steps) if r is not None]
-        step_unless(self._optimizer, torch.cat(refused).any() if refused else None)
+        step_unless(self._optimizer, refused)
+
+    def _refused(self) -> Optional[torch.Tensor]:
+        """Whether the PGAS step just run was refused on the device (any sharding, any rank), a device bool no host
+        reads; None on the host path, whose refused steps raise."""
+        flags = [r for r in (s.last_step_refused() for s in self._steps) if r is not None]
+        return torch.cat(flags).any() if flags else None
 
     def _forward_backward(self, batch: In) -> Out:
         self._dense.restore(self._graph_grads)  # a caller's zero_grad(set_to_none=True) may have dropped them
@@ -424,12 +430,13 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         output = self._forward_backward(self._static)
         if self._dense.capturable:
             self._dense.average()
+        self._graph_refused = self._refused()  # captured too: each replay rewrites it
         return output
 
     def _eager_step(self, batch: In) -> Out:
         self._batches_off_graph += 1
         output = self._forward_backward(batch)
-        self._step_dense(averaged=False)
+        self._step_dense(averaged=False, refused=self._refused())
         return output
 
     def _fetch(self, dataloader_iter: Iterator[In]) -> Optional[Tuple[In, Signature]]:
