@@ -373,12 +373,12 @@ def _captured_variable_counts(rank: int, world: int, kind: str) -> Tuple[float, 
     worst, worst_stock, refusal, untouched = 0.0, 0.0, "", -1.0
     for i, batch in enumerate(batches):
         if i == 1:  # the first step set the input dists up: each EBC now takes its static KJT
-            capacities = [ebc.static_ids_capacity for ebc in ebcs]
-            assert None not in capacities, capacities
-            static = TrainBatch(*(StaticKJT.at_capacity(k, c) for k, c in zip((batch.kjt, batch.wkjt), capacities)))
+            groups = [ebc.static_feature_groups for ebc in ebcs]
+            assert None not in groups and all(len(g) == (2 if kind == "pgas_mixed" else 1) for g in groups), groups
+            static = TrainBatch(*(StaticKJT.at_capacity(k, g) for k, g in zip((batch.kjt, batch.wkjt), groups)))
             step = _captured_step(graphed, static, 2)
         if i == 8:  # a batch past the capacity: copy_kjt_ refuses it; filled past it, the replay refuses it
-            before, over = local_state(graphed), _past_capacity(batch.kjt, capacities[0])
+            before, over = local_state(graphed), _past_capacity(batch.kjt, static.kjt.capacity)
             try:
                 copy_kjt_(static.kjt, over)
             except PgasCapacityError as e:
@@ -407,15 +407,15 @@ def _captured_variable_counts(rank: int, world: int, kind: str) -> Tuple[float, 
     return worst, worst_stock, step is not None and step.captured, refusal, untouched
 
 
-@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
+@pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise", "pgas_mixed"])
 def test_a_replay_takes_batches_of_any_id_counts_up_to_the_capacity(kind: str) -> None:
     """Issue 48, part 3: one captured step replays batches whose id count per feature varies, through a
-    ``StaticKJT`` a model's EBC (one PGAS sharding each) takes whole: bit-equal to the eager PGAS step, within fp32
-    rounding of stock; a batch past the capacity raises before the replay, naming its feature and count, and
-    changes nothing."""
+    ``StaticKJT`` each of a model's EBCs takes (one PGAS sharding reads it whole; "pgas_mixed": two, each its part
+    cut on the device): bit-equal to the eager PGAS step, within fp32 rounding of stock; a batch past the
+    capacity raises before the replay, naming its feature and count, and changes nothing."""
     for worst, worst_stock, captured, refusal, untouched in run_distributed(_captured_variable_counts, WORLD, kind,
                                                                              device_type="cuda"):
         assert captured and worst == 0.0, worst
         assert worst_stock <= GPU_TOL, worst_stock
-        assert re.search(r"a batch of \d+ ids \(feature 'tf0': \d+ of them\) exceeds .*; replayed: Pgas", refusal), refusal
+        assert re.search(r"a batch of \d+ ids \(feature 'tf\d': \d+ of them\) exceeds .*; replayed: Pgas", refusal), refusal
         assert untouched == 0.0

@@ -18,6 +18,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import (OwnerBackward, PgasCapacityError, PgasError, PgasTrainingConfig, ReplayTrainPipeline,
                            StaticKJT, copy_kjt_)
 from torchrec_pgas.testing import local_state, rank_device, run_distributed
+from torchrec_pgas.static_kjt import FeatureGroup
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_WISE
 from torchrec_pgas.train_pipeline import batch_signature, copy_batch_, signature_difference, step_unless
 
 WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
@@ -73,7 +75,7 @@ def test_a_static_kjt_takes_any_id_counts_up_to_its_capacity() -> None:
     assert static.split([2]) == [static]
     with pytest.raises(PgasError, match="no per-key sizes"):  # none on the host: a replay's would be stale
         static.length_per_key()
-    with pytest.raises(PgasError, match="split into"):
+    with pytest.raises(PgasError, match=r"split into \[1, 1\] features is not its shardings' \(\[\[0, 1\]\]\)"):
         static.split([1, 1])
     before = static.values().clone()
     with pytest.raises(PgasCapacityError, match=r"a batch of 13 ids \(feature 'a': 7 of them\) exceeds .* 12 ids"):
@@ -85,6 +87,47 @@ def test_a_static_kjt_takes_any_id_counts_up_to_its_capacity() -> None:
         copy_kjt_(static, kjt([1, 1], weighted=True))
     with pytest.raises(PgasError, match="no weights"):
         copy_kjt_(static, kjt([1, 1, 1, 1]))
+
+
+def test_a_static_kjt_is_permuted_and_split_by_sharding_on_the_device() -> None:
+    """An EBC of several PGAS shardings permutes its static KJT by sharding and splits it (TorchRec's
+    ``input_dist``): each part equals the plain KJT's, its ids first and zeros after them, at its sharding's
+    capacity; a batch past one sharding's capacity keeps its offsets whole, its part's ids cut (the step refuses
+    it on the device) and is named by ``capacity_error``."""
+    keys, rows = ["a", "b", "c", "d", "e"], 3
+    groups = (FeatureGroup((3, 0), 14), FeatureGroup((4,), 6), FeatureGroup((1, 2), 12))
+    gen = torch.Generator().manual_seed(0)
+
+    def batch_kjt(lengths: torch.Tensor) -> KeyedJaggedTensor:
+        n = int(lengths.sum())
+        return KeyedJaggedTensor(keys=keys, values=torch.randint(1, 100, (n,), generator=gen), lengths=lengths,
+                                 weights=torch.rand(n, generator=gen))
+
+    static = StaticKJT.at_capacity(batch_kjt(torch.ones(5 * rows, dtype=torch.int64)), groups)
+    assert static.capacity == 32
+    for trial in range(20):
+        lengths = torch.randint(0, 3, (5 * rows,), generator=gen)
+        if trial == 19:
+            lengths[12:] = torch.tensor([2, 2, 3])  # 7 ids of 'e': past its sharding's 6
+        plain = batch_kjt(lengths)
+        static.fill_(plain, past_capacity=True)
+        order = [3, 0, 4, 1, 2]
+        parts, expected = static.permute(order).split([2, 1, 2]), plain.permute(order).split([2, 1, 2])
+        for part, want, group in zip(parts, expected, groups):
+            n, fits = sum(want.length_per_key()), sum(want.length_per_key()) <= group.capacity
+            assert part.keys() == want.keys() and part.counts == want.length_per_key()
+            assert part.capacity == group.capacity and torch.equal(part.offsets(), want.offsets())
+            kept = min(n, group.capacity)
+            assert torch.equal(part.values()[:kept], want.values()[:kept])
+            assert torch.equal(part.weights()[:kept], want.weights()[:kept])
+            assert fits or trial == 19
+            assert not part.values()[kept:].any() and not part.weights()[kept:].any()
+        error = static.capacity_error()
+        assert (error is None) == (trial < 19)
+    assert re.search(r"feature 'e': 7 of them\) exceeds the capacity of the PGAS sharding that reads 'e': 7 ids of "
+                     r"its 1 features, over its 6", str(static.capacity_error()))
+    with pytest.raises(PgasError, match="does not give each feature to one sharding"):
+        static.permute([3, 0, 4, 1, 1])
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
@@ -186,13 +229,14 @@ def _feed(pipeline: ReplayTrainPipeline, piped: Any, dense_opt: torch.optim.Opti
     return losses, labels, raised
 
 
-def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, ids_per_bag: int) -> Tuple[
+def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, ids_per_bag: int, plan: str) -> Tuple[
         float, float, float, bool, int, bool, List[Tuple[int, str, str]]]:
     """The DLRM example's model (features of 1 to ``ids_per_bag`` ids a bag) through the pipeline and through a
     plain eager loop, on the same 30 training batches (``_feed``): an eval batch (forward only) after step 12; a
     batch past the ids capacity on every rank after step 2 (on GPUs, the call that captures) and after step 7, and
-    one with a bad id on the last rank after step 16 (refused: not trained by the eager loop); step 21 has another batch size, the last one is a short batch (both
-    eager). Returns the largest loss difference over the training steps, the table state difference, the dense
+    one with a bad id on the last rank after step 16 (refused: not trained by the eager loop); step 21 has another
+    batch size, the last one is a short batch (both eager). ``plan``: "pgas" (every table PGAS row-wise), or
+    "mixed" (every third table PGAS table-wise: the EBC permutes and splits its static KJT by sharding). Returns the largest loss difference over the training steps, the table state difference, the dense
     parameter difference, whether the pipeline captured its step, the batches it trained off the graph's step,
     whether every step's output kept its own batch's labels, and the errors raised."""
     from examples.dlrm.data import SyntheticCriteo
@@ -200,8 +244,10 @@ def _pipeline_against_eager(rank: int, world: int, device_type: str, root: str, 
 
     device = rank_device(rank, device_type) if device_type == "cuda" else torch.device("cpu")
     training = PgasTrainingConfig(owner_backward=OwnerBackward.PGAS)
-    piped, eager = (shard(build_model(16, 2000, device, seed=0), "pgas", device, 32, training, lr=0.5,
-                          ids_per_bag=ids_per_bag) for _ in "ab")
+    types = {f"t_cat_{i}": PGAS_TABLE_WISE if i % 3 == 0 else PGAS_ROW_WISE for i in range(26)}
+    piped, eager = (shard(build_model(16, 2000, device, seed=0), "auto" if plan == "mixed" else plan, device, 32,
+                          training, lr=0.5, types=types if plan == "mixed" else None, ids_per_bag=ids_per_bag)
+                    for _ in "ab")
     optimizers = [torch.optim.SGD(_dense(m), lr=0.5) for m in (piped, eager)]
 
     def draw(kind: str, size: int, n: int, seed: int) -> Fed:
@@ -248,16 +294,19 @@ def _check_against_eager(results: List[Any], captured: bool, ids_per_bag: int) -
         assert len(bad) == 1 and 19 <= bad[0][0] <= 21 and bad[0][1] == expected, (rank, raised)
 
 
+PLANS = [(1, "pgas"), (4, "pgas"), (4, "mixed")]  # (the most ids a bag, the plan: ``_pipeline_against_eager``)
+
+
 @pytest.mark.stacks  # TorchRec's TrainPipeline base and DMP's DDP wrapper, as each stack has them
-@pytest.mark.parametrize("ids_per_bag", [1, 4])
-def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any, ids_per_bag: int) -> None:
-    _check_against_eager(run_distributed(_pipeline_against_eager, 2, "cpu", str(tmp_path), ids_per_bag),
+@pytest.mark.parametrize(("ids_per_bag", "plan"), PLANS)
+def test_the_pipeline_trains_as_the_eager_loop(tmp_path: Any, ids_per_bag: int, plan: str) -> None:
+    _check_against_eager(run_distributed(_pipeline_against_eager, 2, "cpu", str(tmp_path), ids_per_bag, plan),
                          captured=False, ids_per_bag=ids_per_bag)
 
 
 @pytest.mark.gpu
 @pytest.mark.peers
-@pytest.mark.parametrize("ids_per_bag", [1, 4])
-def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any, ids_per_bag: int) -> None:
+@pytest.mark.parametrize(("ids_per_bag", "plan"), PLANS)
+def test_the_pipeline_replays_as_the_eager_loop_on_gpus(tmp_path: Any, ids_per_bag: int, plan: str) -> None:
     _check_against_eager(run_distributed(_pipeline_against_eager, max(WORLD, 2), "cuda", str(tmp_path), ids_per_bag,
-                                         device_type="cuda"), captured=True, ids_per_bag=ids_per_bag)
+                                         plan, device_type="cuda"), captured=True, ids_per_bag=ids_per_bag)

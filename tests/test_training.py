@@ -56,7 +56,7 @@ CONFIG = PgasConfig(max_local_batch_size=16, avg_pooling_capacity=12, wait_timeo
 class Case:
     """One training comparison: its plan, optimizer, tables and loop."""
 
-    kind: str  # PGAS_ROW_WISE, PGAS_TABLE_WISE or "mixed"
+    kind: str  # PGAS_ROW_WISE, PGAS_TABLE_WISE, "pgas_mixed" or "mixed" (``_types``)
     optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD
     weight_decay: float = 0.0
     decay_mode: WeightDecayMode = WeightDecayMode.NONE  # row-wise Adagrad's weight_decay_mode
@@ -103,10 +103,11 @@ def _types(case: Case, model: TwoEbcModel, world: int) -> Dict[str, str]:
     if case.kind == PGAS_TABLE_WISE:
         return spread_tables(model, world)
     types = all_tables(model, PGAS_ROW_WISE)
-    if case.kind == "mixed":  # all four types in one EBC each (the table-wise ones on rank 0 alone at W = 1)
-        last = min(1, world - 1)
-        types.update({"t0": "row_wise", "t1": f"pgas_table_wise@{last}", "t3": "table_wise@0",
-                      "w0": "pgas_table_wise@0", "w2": f"table_wise@{last}"})
+    if case.kind in ("mixed", "pgas_mixed"):  # both PGAS types in one EBC each, "mixed": stock's two as well (the
+        last = min(1, world - 1)  # table-wise ones on rank 0 alone at W = 1)
+        types.update({"t1": f"pgas_table_wise@{last}", "w0": "pgas_table_wise@0"})
+        if case.kind == "mixed":
+            types.update({"t0": "row_wise", "t3": "table_wise@0", "w2": f"table_wise@{last}"})
     return types
 
 

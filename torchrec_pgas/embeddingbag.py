@@ -33,6 +33,7 @@ from torchrec_pgas.sharding.step import PgasStep
 from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, counting_tbes
 from torchrec_pgas.sharding.tw_sharding import PgasTwPooledEmbeddingSharding
 from torchrec_pgas.sharding.twrw_sharding import PgasTwRwPooledEmbeddingSharding
+from torchrec_pgas.static_kjt import FeatureGroup
 from torchrec_pgas.types import (
     FUSED_PARAM_PGAS_CONFIG,
     PGAS_ROW_WISE,
@@ -113,18 +114,25 @@ class PgasShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return out
 
     @property
-    def static_ids_capacity(self) -> Optional[int]:
-        """The ids capacity of a ``StaticKJT`` this module can take as its input (a captured step's batch whose id
-        count per feature varies): its one sharding's, where that is a PGAS sharding reading the input KJT whole,
-        in its input order (no split or permute by host sizes); None otherwise, or before its first forward
-        (which sets up its input dist from a real batch)."""
-        if (self._has_uninitialized_input_dist or self._has_features_permute or self._has_mean_pooling_callback
-                or len(self._embedding_shardings) != 1):
+    def static_feature_groups(self) -> Optional[Tuple[FeatureGroup, ...]]:
+        """The features each sharding reads (positions in the input KJT) and its ids capacity, where this module
+        can take a ``StaticKJT`` (a captured step's batch whose id count per feature varies): every sharding a PGAS
+        one reading its input whole, no feature read by two of them, no mean callback (it reads per-key sizes);
+        None otherwise, or before its first forward (which sets up its input dist from a real batch)."""
+        shardings = self._embedding_shardings
+        if (self._has_uninitialized_input_dist or self._has_mean_pooling_callback or not shardings
+                or not all(isinstance(s, PgasShardingMixin) and s.reads_input_order and s.step is not None
+                           for s in shardings)):
             return None
-        sharding = self._embedding_shardings[0]
-        if not isinstance(sharding, PgasShardingMixin) or not sharding.reads_input_order or sharding.step is None:
+        capacities = [s.step.spec.ids_capacity for s in shardings]  # type: ignore[attr-defined]
+        if len(shardings) == 1 and not self._has_features_permute:  # it reads the input in its input order
+            return (FeatureGroup(tuple(range(len(shardings[0].feature_names()))), capacities[0]),)
+        order = self._features_order if self._has_features_permute else list(range(sum(self._feature_splits)))
+        if len(set(order)) != len(order):
             return None
-        return sharding.step.spec.ids_capacity
+        starts = [sum(self._feature_splits[:s]) for s in range(len(shardings))]
+        return tuple(FeatureGroup(tuple(order[a:a + n]), c)
+                     for a, n, c in zip(starts, self._feature_splits, capacities))
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         """Stock, except that a module holding one PGAS sharding (and no mean callback, which reads

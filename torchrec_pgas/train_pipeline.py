@@ -371,20 +371,21 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
         return clone_batch(output)
 
     def _take_variable_counts(self) -> None:
-        """Where the model's one sharded EBC can take a ``StaticKJT`` (``static_ids_capacity``) and the batch holds
-        one KJT, make the static batch's KJT one at that capacity: batches of any id count per key then replay
-        (those past the capacity are refused on the device). Before the capture: the graph reads it from then on."""
+        """Where the model's one sharded EBC can take a ``StaticKJT`` (``static_feature_groups``) and the batch
+        holds one KJT, make the static batch's KJT one at its shardings' capacities: batches of any id count per
+        key then replay (those past a capacity are refused on the device). Before the capture: the graph reads it
+        from then on."""
         self._counts_checked = True
         ebcs = [m for m in self._model.modules() if isinstance(m, PgasShardedEmbeddingBagCollection)]
-        capacity = ebcs[0].static_ids_capacity if len(ebcs) == 1 else None
+        groups = ebcs[0].static_feature_groups if len(ebcs) == 1 else None
         paths = kjt_paths(self._static_signature)
-        if capacity is None or len(paths) != 1 or (self._replay is not None and self._replay.captured):
+        if groups is None or len(paths) != 1 or (self._replay is not None and self._replay.captured):
             return
 
         def at_capacity(leaf: Any) -> Any:
             if not isinstance(leaf, KeyedJaggedTensor):
                 return leaf
-            self._static_kjt = StaticKJT.at_capacity(leaf, capacity)
+            self._static_kjt = StaticKJT.at_capacity(leaf, groups)
             return self._static_kjt
 
         self._static = map_batch(self._static, at_capacity)

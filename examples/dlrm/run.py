@@ -72,9 +72,10 @@ from torchrec_pgas.planner import (
     PgasEnumerator,
     pgas_row_wise,
     pgas_table_row_wise,
+    pgas_table_wise,
     with_compute_kernel,
 )
-from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_ROW_WISE
+from torchrec_pgas.types import PGAS_ROW_WISE, PGAS_TABLE_ROW_WISE, PGAS_TABLE_WISE
 from torchrec_pgas.testing import fill_embeddings_
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -143,7 +144,8 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int,
     if training is not None:
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": lr})
     names = [c.name for c in ebc.embedding_bag_configs()]
-    generators = {t: plan_generator(types[t] if types else sharding, i, world // node_size) for i, t in enumerate(names)}
+    generators = {t: plan_generator(types[t] if types else sharding, i, world, world // node_size)
+                  for i, t in enumerate(names)}
     sharder: EmbeddingBagCollectionSharder = EmbeddingBagCollectionSharder()
     if sharding == "pgas" or (types and any(t.startswith("pgas") for t in types.values())):
         # sized for the largest bags: a step's batch may average more ids a bag than the data's mean
@@ -161,11 +163,13 @@ def shard(model: DLRMTrain, sharding: str, device: torch.device, batch: int,
     return dmp
 
 
-def plan_generator(choice: str, table: int, nodes: int) -> ParameterShardingGenerator:
+def plan_generator(choice: str, table: int, world: int, nodes: int) -> ParameterShardingGenerator:
     """Table ``table``'s plan: "pgas" / "nccl" (row-wise in one node; beyond it table-row-wise, the table on node
-    ``table % nodes``), or a planned type (row-wise or PGAS row-wise; beyond one node the planner's table-row-wise
-    choice, placed on node ``table % nodes`` too)."""
+    ``table % nodes``), or a planned type (row-wise or PGAS row-wise; PGAS table-wise, the table on rank ``table %
+    world``; beyond one node the planner's table-row-wise choice, placed on node ``table % nodes`` too)."""
     fused = EmbeddingComputeKernel.FUSED.value
+    if choice == PGAS_TABLE_WISE:
+        return pgas_table_wise(table % world)
     if nodes > 1 and choice in ("pgas", "nccl", PGAS_TABLE_ROW_WISE, "table_row_wise"):
         return (pgas_table_row_wise(table % nodes) if choice in ("pgas", PGAS_TABLE_ROW_WISE)
                 else with_compute_kernel(table_row_wise(host_index=table % nodes), fused))
