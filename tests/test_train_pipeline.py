@@ -89,11 +89,13 @@ def test_a_static_kjt_takes_any_id_counts_up_to_its_capacity() -> None:
         copy_kjt_(static, kjt([1, 1, 1, 1]))
 
 
-def test_a_static_kjt_is_permuted_and_split_by_sharding_on_the_device() -> None:
+def test_a_static_kjt_is_permuted_and_split_by_sharding_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """An EBC of several PGAS shardings permutes its static KJT by sharding and splits it (TorchRec's
     ``input_dist``): each part equals the plain KJT's, its ids first and zeros after them, at its sharding's
-    capacity; a batch past one sharding's capacity keeps its offsets whole, its part's ids cut (the step refuses
-    it on the device) and is named by ``capacity_error``."""
+    capacity, with no tensor made from host values after ``at_capacity`` (a capture could not take one); a batch
+    past one sharding's capacity keeps its offsets whole, its part's ids cut (the step refuses it on the device)
+    and is named by ``capacity_error``; one past the whole capacity gives the other parts zeros where their ids
+    were cut, never another feature's ids."""
     keys, rows = ["a", "b", "c", "d", "e"], 3
     groups = (FeatureGroup((3, 0), 14), FeatureGroup((4,), 6), FeatureGroup((1, 2), 12))
     gen = torch.Generator().manual_seed(0)
@@ -103,29 +105,38 @@ def test_a_static_kjt_is_permuted_and_split_by_sharding_on_the_device() -> None:
         return KeyedJaggedTensor(keys=keys, values=torch.randint(1, 100, (n,), generator=gen), lengths=lengths,
                                  weights=torch.rand(n, generator=gen))
 
+    with pytest.raises(PgasError, match="do not hold each of the batch's 5 keys once"):
+        StaticKJT.at_capacity(batch_kjt(torch.ones(5 * rows, dtype=torch.int64)), groups[:2])
     static = StaticKJT.at_capacity(batch_kjt(torch.ones(5 * rows, dtype=torch.int64)), groups)
     assert static.capacity == 32
-    for trial in range(20):
+    for trial in range(21):
         lengths = torch.randint(0, 3, (5 * rows,), generator=gen)
-        if trial == 19:
-            lengths[12:] = torch.tensor([2, 2, 3])  # 7 ids of 'e': past its sharding's 6
+        if trial >= 19:  # 7 ids of 'e': past its sharding's 6; then 33 or more of 'a': past the whole capacity too
+            lengths[12:] = torch.as_tensor([2, 2, 3])
+            lengths[:3] += 11 * (trial == 20)
         plain = batch_kjt(lengths)
         static.fill_(plain, past_capacity=True)
         order = [3, 0, 4, 1, 2]
-        parts, expected = static.permute(order).split([2, 1, 2]), plain.permute(order).split([2, 1, 2])
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "tensor", None)  # at_capacity made every index tensor permute and split use
+            parts = static.permute(order).split([2, 1, 2])
+        expected = plain.permute(order).split([2, 1, 2])
         for part, want, group in zip(parts, expected, groups):
             n, fits = sum(want.length_per_key()), sum(want.length_per_key()) <= group.capacity
             assert part.keys() == want.keys() and part.counts == want.length_per_key()
             assert part.capacity == group.capacity and torch.equal(part.offsets(), want.offsets())
             kept = min(n, group.capacity)
-            assert torch.equal(part.values()[:kept], want.values()[:kept])
-            assert torch.equal(part.weights()[:kept], want.weights()[:kept])
-            assert fits or trial == 19
+            if trial < 20:
+                assert torch.equal(part.values()[:kept], want.values()[:kept])
+                assert torch.equal(part.weights()[:kept], want.weights()[:kept])
+            elif group.features == (1, 2):  # it fits, but its ids lie past the whole capacity: cut, never others'
+                assert fits and not part.values().any() and part.offsets()[-1] == n
+            assert fits or trial >= 19
             assert not part.values()[kept:].any() and not part.weights()[kept:].any()
         error = static.capacity_error()
         assert (error is None) == (trial < 19)
-    assert re.search(r"feature 'e': 7 of them\) exceeds the capacity of the PGAS sharding that reads 'e': 7 ids of "
-                     r"its 1 features, over its 6", str(static.capacity_error()))
+        assert trial != 19 or re.search(r"feature 'e': 7 of them\) exceeds the capacity of the PGAS sharding that "
+                                        r"reads 'e': 7 ids of its 1 features, over its 6", str(error))
     with pytest.raises(PgasError, match="does not give each feature to one sharding"):
         static.permute([3, 0, 4, 1, 1])
 

@@ -54,6 +54,9 @@ class StaticKJT(KeyedJaggedTensor):
         their capacities (room for all of them)."""
         groups = (tuple(capacity) if not isinstance(capacity, int)
                   else (FeatureGroup(tuple(range(len(batch.keys()))), capacity),))
+        if not covers_keys(groups, len(batch.keys())):  # a key no group holds would take room no group checks
+            raise PgasError(f"StaticKJT: the groups {[list(g.features) for g in groups]} do not hold each of the "
+                            f"batch's {len(batch.keys())} keys once")
         total = sum(g.capacity for g in groups)
         weights = batch.weights_or_none()
         values = torch.zeros(total, dtype=batch.values().dtype, device=batch.device())
@@ -63,6 +66,10 @@ class StaticKJT(KeyedJaggedTensor):
                                                                       device=weights.device))
         static.counts, static.groups, static._indices, static._whole = [0] * len(batch.keys()), groups, {}, None
         static.fill_(batch, past_capacity=True)  # a batch past it: refused by the step that reads it
+        if len(groups) > 1:  # TorchRec's permute and split, once now: their index tensors made before any capture
+            order = tuple(f for g in groups for f in g.features)
+            ordered = static if order == tuple(range(len(order))) else static.permute(list(order))
+            ordered.split([len(g.features) for g in groups])
         return static
 
     @property
@@ -186,10 +193,11 @@ class StaticKJT(KeyedJaggedTensor):
         ends = torch.cumsum(sizes, 0)  # where each feature's ids end in the part
         position = self._index("positions", (capacity,))
         feature = torch.searchsorted(ends, position, right=True)  # len(features) past the part's ids
-        inside = feature < len(features)
+        held = feature < len(features)
         feature = feature.clamp(max=len(features) - 1)
         source = (position - (ends - sizes).gather(0, feature) + first.gather(0, feature)).to(torch.int64)
-        source = torch.where(inside, source, 0).clamp(0, max(self.capacity - 1, 0))
+        inside = held & (source < self.capacity)  # a batch past the whole capacity: its cut ids read as zeros
+        source = torch.where(inside, source, 0)
 
         def pick(held: torch.Tensor) -> torch.Tensor:
             return torch.where(inside, held.gather(0, source), torch.zeros((), dtype=held.dtype, device=held.device))
@@ -204,9 +212,16 @@ class StaticKJT(KeyedJaggedTensor):
 
     def _index(self, kind: str, key: Tuple[int, ...]) -> torch.Tensor:
         """The ``features`` listed in ``key``, or the ``positions`` below ``key[0]``, as a device tensor of the
-        offsets' dtype: made once (before any capture: the first steps run eagerly) and reused."""
+        offsets' dtype: made once (``at_capacity`` makes every one TorchRec's permute and split ask for) and reused."""
         if (kind, key) not in self._indices:
+            if self.values().is_cuda and torch.cuda.is_current_stream_capturing():
+                raise PgasError(f"StaticKJT: {kind} {key[:8]} asked for in a capture, not made before it (a "
+                                "permute or split other than its groups')")
             values = key if kind == "features" else range(key[0])
             self._indices[kind, key] = torch.tensor(values, dtype=self.offsets().dtype, device=self.device())
         return self._indices[kind, key]
 
+
+def covers_keys(groups: Sequence[FeatureGroup], num_keys: int) -> bool:
+    """Whether ``groups`` hold each of ``num_keys`` keys once: a static KJT's room is its groups' capacities."""
+    return sorted(f for g in groups for f in g.features) == list(range(num_keys))

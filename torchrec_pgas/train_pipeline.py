@@ -44,7 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from torchrec_pgas.embeddingbag import PgasShardedEmbeddingBagCollection, check_errors, pgas_steps
-from torchrec_pgas.static_kjt import StaticKJT
+from torchrec_pgas.static_kjt import StaticKJT, covers_keys
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
 from torchrec_pgas.types import PgasError
 
@@ -383,12 +383,14 @@ class ReplayTrainPipeline(TrainPipeline[In, Out]):
             return
 
         def at_capacity(leaf: Any) -> Any:
-            if not isinstance(leaf, KeyedJaggedTensor):
-                return leaf
+            if not isinstance(leaf, KeyedJaggedTensor) or not covers_keys(groups, len(leaf.keys())):
+                return leaf  # keys the EBC does not read: their ids would take room no sharding checks
             self._static_kjt = StaticKJT.at_capacity(leaf, groups)
             return self._static_kjt
 
         self._static = map_batch(self._static, at_capacity)
+        if self._static_kjt is None:
+            return
         self._static_path = paths[0]
         self._static_signature = without_counts(self._static_signature, self._static_path)
 
