@@ -32,7 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import profiling
 from torchrec_pgas.runtime import one_host
 from torchrec_pgas.sharding.capture import record_captured_backward, record_captured_step
-from torchrec_pgas.sharding.device.backward import DeviceBackward, last_lookup_failed
+from torchrec_pgas.sharding.device.backward import DeviceBackward, last_training_step_refused
 from torchrec_pgas.sharding.device.errors import ErrorRecords
 from torchrec_pgas.sharding.device.features import (
     BOUNDS_MODES,
@@ -260,7 +260,7 @@ class DeviceStep(PgasStep):
         self.raise_recorded()
 
     def last_step_refused(self) -> Optional[torch.Tensor]:
-        return last_lookup_failed(self)
+        return last_training_step_refused(self)
 
     def raise_recorded(self) -> None:
         """Raise (or warn about) the error records of finished steps, the earliest first; no sync. A step

@@ -351,8 +351,8 @@ class PgasStep(abc.ABC):
         """
 
     def last_step_refused(self) -> Optional[torch.Tensor]:
-        """Whether the step of the last lookup was refused (on any rank), as a one-element device bool that no host
-        reads; None on the host path, whose refused steps raise in their forward."""
+        """Whether the last training step (forward and backward) was refused on any rank, as a one-element device
+        bool that no host reads; None on the host path, whose refused steps raise in their forward."""
         return None
 
     def raise_recorded(self) -> None:

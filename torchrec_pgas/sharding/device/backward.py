@@ -75,6 +75,13 @@ def last_lookup_failed(step: BackwardStep) -> torch.Tensor:
     return step.state_words.index_select(0, (StateWord.STEP_FAILED + epoch % step.layout.num_slots).view(1)).eq(epoch)
 
 
+def last_training_step_refused(step: BackwardStep) -> torch.Tensor:
+    """Whether ``step``'s last training step was refused on any rank, after its backward: a one-element device bool
+    (no host read). Its lookup failed here, or a source's gradients did not come: a peer whose own batch failed
+    (a bad id) after this rank's forward passed gives its gradients up, and this owner then applies none."""
+    return last_lookup_failed(step) | (step.grad_flags != 0).any().view(1)
+
+
 class DeviceBackward:
     """The backward of one GPU sharding's training steps (``step``: its stage state and records)."""
 
