@@ -775,6 +775,12 @@ def owner_backward_choices(dmp: DistributedModelParallel) -> List[Optional[str]]
     return [t.chosen.value if t.chosen is not None else None for t in trials]
 
 
+def owner_backward_trial_ms(dmp: DistributedModelParallel) -> List[Dict[str, float]]:
+    """The median apply times (ms) ``owner_backward='auto'``'s choice compared, per PGAS sharding on this rank."""
+    trials = [step.owner_apply.trial for step in pgas_steps(dmp) if step.owner_apply.trial is not None]
+    return [{path.value: ms for path, ms in t.medians.items()} for t in trials]
+
+
 def train_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
                    inputs: List[KeyedJaggedTensor], flows: Traffic, args: argparse.Namespace, device: torch.device,
                    bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
@@ -803,6 +809,7 @@ def train_workload(w: Workload, stock: DistributedModelParallel, pgas: Distribut
         after - before for after, before in zip(backward_graph_counts(pgas), graphs_before))
     row["speedup_train"] = row["stock_train_p50_ms"] / row["pgas_train_p50_ms"]
     row["pgas_owner_backward_chosen"] = owner_backward_choices(pgas)
+    row["pgas_owner_backward_trial_ms"] = owner_backward_trial_ms(pgas)
     for side, step in steps.items():  # after the timed steps, so that cProfile's cost stays out of them
         row[f"{side}_train_host_p50_ms"] = None
         if args.host_profile:

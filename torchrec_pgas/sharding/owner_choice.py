@@ -57,6 +57,7 @@ class OwnerBackwardTrial:
         self._next = 0  # the schedule's next backward
         self._timings: Dict[OwnerBackward, List[_Timing]] = {p: [] for p in _PATHS}
         self.chosen: Optional[OwnerBackward] = None  # once every timed trial has completed
+        self.medians: Dict[OwnerBackward, float] = {}  # the median apply (ms) of each path the choice compared
 
     def path(self) -> OwnerBackward:
         """The owner backward of the next apply: the schedule's while it lasts, then the choice (the owner update
@@ -122,7 +123,7 @@ class OwnerBackwardTrial:
                 else:
                     ms.append(t[0].elapsed_time(t[1]))
             medians[path] = statistics.median(ms)
-        self.chosen = min(_PATHS, key=lambda p: medians[p])  # the owner update on a tie
+        self.chosen, self.medians = min(_PATHS, key=lambda p: medians[p]), medians  # the owner update on a tie
         self._timings = {p: [] for p in _PATHS}
         other = next(p for p in _PATHS if p != self.chosen)
         logger.info("%s: owner_backward='auto' chose %r (median apply %.3f ms; %r: %.3f ms)", self.kind,
