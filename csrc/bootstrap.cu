@@ -7,8 +7,11 @@
 // arguments are ignored when the host side is already up).
 #include <cstring>
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -51,7 +54,7 @@ at::Tensor pgas_alloc(int64_t nbytes) {
   void* ptr = nvshmem_align(256, static_cast<size_t>(nbytes));
   PGAS_CHECK(ptr != nullptr, "nvshmem_align(%lld) failed: raise NVSHMEM_SYMMETRIC_SIZE before the first PGAS sharding",
              static_cast<long long>(nbytes));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   PGAS_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<size_t>(nbytes), stream));
   nvshmemx_barrier_all_on_stream(stream);  // peers must see zeroed pads before any put
   auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device());
@@ -66,6 +69,6 @@ int64_t pgas_peer_ptr(const at::Tensor& local, int64_t pe) {
 
 void pgas_free(const at::Tensor& buf) { nvshmem_free(buf.data_ptr()); }
 
-void pgas_barrier_all() { nvshmemx_barrier_all_on_stream(at::cuda::getCurrentCUDAStream()); }
+void pgas_barrier_all() { nvshmemx_barrier_all_on_stream(c10::cuda::getCurrentCUDAStream()); }
 
 }  // namespace torchrec_pgas

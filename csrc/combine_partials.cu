@@ -12,8 +12,10 @@
 // Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
 // CTA streams 4-element vectors (grid-stride, kVecs per thread at a time). The
 // last CTA publishes the step's ErrorRecord to pinned host memory and clears it.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "step_protocol.cuh"
 
@@ -137,7 +139,7 @@ void launch_combine(const StepParams& p, out_t* out, const int32_t* col_feature)
   const int64_t vecs = p.batch * p.dim_sum / 4;
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((vecs + kVecs * kThreads - 1) / (kVecs * kThreads), resident)));
-  launch_after_exit(true, combine_partials_kernel<out_t>, dim3(grid), dim3(kThreads), 0, at::cuda::getCurrentCUDAStream(), p,
+  launch_after_exit(true, combine_partials_kernel<out_t>, dim3(grid), dim3(kThreads), 0, c10::cuda::getCurrentCUDAStream(), p,
                     out, col_feature);
 }
 

@@ -30,8 +30,9 @@
 // from the exchange that reuses it, and the exchange from the next tile.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/cuda/CUDAContextLight.h>
 
 #include <cub/block/block_load.cuh>
 #include <cub/block/block_radix_rank.cuh>

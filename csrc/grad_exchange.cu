@@ -32,8 +32,9 @@
 // a training step captured in a CUDA graph runs its backward right after its
 // forward, and each replay's epoch is the device's, not the one the host saw
 // at capture.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "step_protocol.cuh"
 
@@ -163,7 +164,7 @@ void launch_grad_dist(const StepParams& p, const at::Tensor& grad, int64_t epoch
   const int64_t tiles = p.num_features * ((p.batch + 31) / 32);
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((tiles + kThreads / 32 - 1) / (kThreads / 32), resident)));
-  grad_dist_kernel<out_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  grad_dist_kernel<out_t><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       p, reinterpret_cast<const out_t*>(grad.data_ptr()), epoch, 1.f / divisor, abort);
 }
 
@@ -206,7 +207,7 @@ void await_grads(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor&
   PGAS_CHECK(epoch >= 0, "await_grads: epoch %lld", static_cast<long long>(epoch));
   PGAS_CHECK(flags.is_cuda() && flags.scalar_type() == at::kLong && flags.numel() >= p.world + 1,
              "await_grads: flags must be CUDA int64, one per rank and one for this rank's step");
-  await_grads_kernel<<<1, kMaxWorld + 1, 0, at::cuda::getCurrentCUDAStream()>>>(p, flags.data_ptr<int64_t>(), epoch);
+  await_grads_kernel<<<1, kMaxWorld + 1, 0, c10::cuda::getCurrentCUDAStream()>>>(p, flags.data_ptr<int64_t>(), epoch);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -215,7 +216,7 @@ void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Ten
                      const at::Tensor& status, const at::Tensor& config, int64_t epoch) {
   const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
   PGAS_CHECK(epoch >= 0, "release_sources: epoch %lld", static_cast<long long>(epoch));
-  release_sources_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(p, epoch);
+  release_sources_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(p, epoch);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -43,8 +43,9 @@
 // Completion: fence + done counter; the last CTA writes the header, the final
 // offset and the epoch into every owner's index slot, then advances the stage
 // epoch (publish_index).
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "step_protocol.cuh"
 
@@ -678,7 +679,7 @@ void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::
                  (weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->numel() == values.numel()),
              "index_dist: weights must be float32 CUDA, one per id");
   PGAS_CHECK(p.weighted == (weights.has_value() ? 1 : 0), "index_dist: weighted mismatch");
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const int flags = (give_up ? kGiveUp : 0) | (abort_on_failure ? kAbortOnFailure : 0);
   if (values.scalar_type() == at::kLong) {

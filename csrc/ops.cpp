@@ -1,9 +1,11 @@
 // Operator registration of torchrec-pgas (torch.ops.torchrec_pgas.*), FBGEMM style:
 // schemas here, CUDA implementations in the .cu files, meta implementations for
 // the ops that return tensors so that fake-tensor tracing sees their shapes.
-#include <ATen/ATen.h>
+#include <Python.h>  // first, as Python asks: the module's init below
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
-#include <torch/extension.h>
 
 #include "step_abi.h"
 
@@ -209,5 +211,8 @@ TORCH_LIBRARY_IMPL(torchrec_pgas, CUDA, m) {
   m.impl("release_sources", &torchrec_pgas::release_sources);
 }
 
-// Importing torchrec_pgas._C registers the ops above.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+// Importing torchrec_pgas._C registers the ops above; the module itself defines nothing, so it is built with
+// Python's C API alone (torch/extension.h would bring pybind11 and all of torch's headers into the build).
+static PyModuleDef pgas_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                                  nullptr, nullptr, nullptr, nullptr, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&pgas_module); }

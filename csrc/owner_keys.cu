@@ -4,8 +4,11 @@
 // limit's bits, carrying each key's bag (and per-sample weight: the two
 // packed in one 64-bit value): with a count word, counted_sort.cuh over the
 // positions it counts; without, CUB's onesweep radix sort over all of them.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -90,7 +93,7 @@ OwnerKeys sort_pairs(const at::Tensor& keys, const at::Tensor& bags, const at::T
                      const int64_t* count) {
   using ukey_t = std::make_unsigned_t<key_t>;
   const int64_t n = keys.numel();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto opts = keys.options();
   at::Tensor sorted_keys[2] = {at::empty_like(keys), at::empty_like(keys)};
   const auto value_type = sizeof(value_t) == 8 ? at::kLong : at::kInt;
@@ -139,7 +142,7 @@ OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>
   const int64_t threads = 32 * (p.config.end_bag - p.config.first_bag);
   const bool id64 = ids.scalar_type() == at::kLong, key64 = feature_base.scalar_type() == at::kLong;
   const auto launch = [&](auto kernel) {
-    kernel<<<grid_for(threads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+    kernel<<<grid_for(threads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p);
     PGAS_CUDA_CHECK(cudaGetLastError());
   };
   if (id64) {
@@ -158,7 +161,7 @@ KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, c
   const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, num_bags, weighted, out);
   const int64_t n = std::get<0>(out).numel();
   if (n > 0) {
-    kept_bags_kernel<<<grid_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p, n);
+    kept_bags_kernel<<<grid_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, n);
     PGAS_CUDA_CHECK(cudaGetLastError());
   }
   return out;

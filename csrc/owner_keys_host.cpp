@@ -2,7 +2,10 @@
 // written and the buffer elements read), the parameters built, and the CPU
 // path: the same per-bag and per-position code, then a stable sort of the
 // counted positions.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sort.h>
 #include <c10/util/safe_numerics.h>
 
 #include <algorithm>

@@ -6,8 +6,10 @@
 // phase 1's grid completes (stream order): the partials it reads are written.
 // No host sync: the id count is the tensors' size (or a device word), the
 // hyper-parameters are read on the device.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "owner_update.h"
@@ -88,7 +90,7 @@ void launch(OwnerUpdateParams p, int64_t max_dim) {
   p.partials = partials.data_ptr<float>();
   const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   walk<<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
   owner_finish_kernel<weight_t, grad_t, kOptimizer, kColumns><<<blocks, kThreads, 0, stream>>>(p);

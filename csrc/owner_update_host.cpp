@@ -1,10 +1,13 @@
 // The owner update's host side: its inputs checked (they decide the rows the
 // update writes and the gradient it reads), the kernels' parameters built, and
 // the CPU path: the walk of owner_update.h with one CPU thread per chunk of sorted ids.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
 #include <mutex>
@@ -111,7 +114,7 @@ at::Tensor device_copy(const at::Tensor& host, const at::Device& device) {
   auto it = copies.find(key);
   if (it != copies.end()) return it->second;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  AT_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &capture));
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()), &capture));
   PGAS_CHECK(capture == cudaStreamCaptureStatusNone,
              "owner_update: a TBE's first update (or its first since its storage moved) cannot be captured in a "
              "CUDA graph: its descriptors are uploaded then; run one step eagerly before capturing");

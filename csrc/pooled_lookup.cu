@@ -26,8 +26,9 @@
 //
 // Completion per source: fence + done counter; the last CTA of the source
 // stores the epoch into the requester's output slot (st.release.sys).
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "step_protocol.cuh"
 
@@ -491,7 +492,7 @@ void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tenso
   PGAS_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
              "pooled_lookup: output dtype must be float32, float16 or bfloat16");
   const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const int r = release ? 1 : 0;
   if (p.id_bytes == 4) {
     p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, after_exit, r, stream)

@@ -19,8 +19,9 @@
 // local slots until each is >= epoch (acquire loads), gives up when a peer
 // aborted this epoch (the abort word's epoch) or after a timeout, and reports either into a pinned status word
 // that the host reads after synchronizing.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -82,7 +83,7 @@ void pgas_put(const at::Tensor& dst, const at::Tensor& src, int64_t peer) {
   PGAS_CHECK(nvshmem_ptr(dst.data_ptr(), nvshmem_my_pe()) != nullptr, "pgas_put: destination is not symmetric memory");
   if (nbytes == 0) return;
   const unsigned blocks = static_cast<unsigned>((nbytes + kPutChunk - 1) / kPutChunk);
-  put_kernel<<<blocks, kPutThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  put_kernel<<<blocks, kPutThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       static_cast<uint8_t*>(dst.data_ptr()), static_cast<const uint8_t*>(src.data_ptr()), nbytes,
       static_cast<int>(peer));
   PGAS_CUDA_CHECK(cudaGetLastError());
@@ -92,7 +93,7 @@ void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer) {
   PGAS_CHECK(word.is_cuda() && word.scalar_type() == at::kLong && word.numel() == 1,
              "pgas_signal: one int64 CUDA word expected");
   PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_signal: peer %lld outside world", static_cast<long long>(peer));
-  signal_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+  signal_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<uint64_t*>(word.data_ptr()), static_cast<uint64_t>(value),
       static_cast<int>(peer));
   PGAS_CUDA_CHECK(cudaGetLastError());
@@ -106,7 +107,7 @@ void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, in
   PGAS_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 2,
              "pgas_wait: status must be a pinned int64 host tensor of 2 words");
   if (slots.numel() == 0) return;
-  wait_kernel<<<1, static_cast<unsigned>(slots.numel()), 0, at::cuda::getCurrentCUDAStream()>>>(
+  wait_kernel<<<1, static_cast<unsigned>(slots.numel()), 0, c10::cuda::getCurrentCUDAStream()>>>(
       pad.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<int>(slots.numel()), epoch,
       timeout_ns, status.data_ptr<int64_t>());
   PGAS_CUDA_CHECK(cudaGetLastError());

@@ -1,6 +1,6 @@
 // The host side of a stage launch: the op's tensors and StepConfig, checked
 // against each other before a kernel takes addresses from them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "step_protocol.cuh"
 

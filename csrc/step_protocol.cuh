@@ -86,7 +86,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "pgas_common.cuh"
 #include "step_abi.h"
