@@ -130,6 +130,7 @@ def test_dlrm_auto_sharding_trains_like_stock() -> None:
     assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
 
 
+@pytest.mark.matrix  # four processes (make test's budget: tests/test_twrw_sharding.py trains table-row-wise there)
 def test_dlrm_trains_beyond_one_node_like_stock_table_row_wise() -> None:
     """Four processes declared 2 nodes x 2 (--node-size 2): every table pgas_table_row_wise, its twin stock
     table_row_wise, trained on the same batches: the same loss after every step and the same AUC."""
