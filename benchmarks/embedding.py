@@ -88,7 +88,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
-from torchrec_pgas import CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder, check_errors, profiling, shutdown
+from torchrec_pgas import (AUTO_TRIAL_BACKWARDS, CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder,
+                           check_errors, profiling, shutdown)
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.placement import rank_placement
@@ -963,7 +964,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="--mode train: its learning rate")
     parser.add_argument("--owner-backward", default=OwnerBackward.PGAS.value, choices=[o.value for o in OwnerBackward],
                         help="--mode train: PgasTrainingConfig.owner_backward (who applies the owner's gradients; "
-                        "auto: its trial takes the first 8 steps of a sharding, so keep --warmup at 8 or more; each "
+                        f"auto: its trial takes the first {AUTO_TRIAL_BACKWARDS} steps of a sharding, so keep --warmup "
+                        f"at {AUTO_TRIAL_BACKWARDS} or more; each "
                         "workload gets its own models, so that each makes its own choice)")
     parser.add_argument("--launched-backward", action="store_true",
                         help="--mode train --owner-backward pgas: PgasTrainingConfig(eager_backward_graphs=False), the "

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torchrec_pgas import pooling_capacity_from_constraints
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_apply import OwnerApply
-from torchrec_pgas.sharding.owner_choice import TIMED_TRIALS, UNTIMED_TRIALS, OwnerBackwardTrial
+from torchrec_pgas.sharding.owner_choice import AUTO_TRIAL_BACKWARDS, TIMED_TRIALS, UNTIMED_TRIALS, OwnerBackwardTrial
 from torchrec_pgas.sharding.owner_backward import hyper_words, op_available, owner_backward, unsupported
 from torchrec_pgas.testing import (
     LossModel,
@@ -320,7 +320,7 @@ def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTria
 def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[Tuple[str, float, Dict[str, int]]]:
     """Both PGAS shardings trained with owner_backward="pgas" against stock (FBGEMM) on the same batches:
     SGD, row-wise Adagrad with fp32 and with fp16 weights; SUM and MEAN, weighted, a shared table, empty bags;
-    and with owner_backward="auto", whose 8 steps are its trial of both backwards (alternating).
+    and with owner_backward="auto", whose AUTO_TRIAL_BACKWARDS steps are its trial of both backwards (alternating).
     Each step lays the kept ids out at their capacity (as GPU eager and captured steps do) where the extension
     is built (the GPUs' default bound, set here: a CPU's reads the count), except with ``max_padded_eager_ids=0``
     (the ``count`` case), where it reads their count. Per case: the worst difference, and the positions sorted
@@ -344,7 +344,7 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
             gen = seeded(300 + rank)
             t, w = model.ebc.embedding_bag_configs(), model.webc.embedding_bag_configs()
             batches = [TrainBatch(random_kjt(t, 8, gen, 6), random_kjt(w, 8, gen, 6, weighted=True))
-                       for _ in range(8)]
+                       for _ in range(AUTO_TRIAL_BACKWARDS if path == "auto" else 8)]
             types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
             fused = {"optimizer": opt, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
             counts = {"capacity": 0, "count": 0, "positions": 0, "sorted": 0,
@@ -360,7 +360,7 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                 undo()
             fallbacks = [str(w.message) for w in caught if "owner_backward" in str(w.message)]
             assert not fallbacks, fallbacks  # FBGEMM's path would have served (and warned)
-            if path == "auto":  # the 8 steps are the trial: both backwards ran, and a choice was made
+            if path == "auto":  # the steps are the trial: both backwards ran, and a choice was made
                 if device_type == "cuda":  # made at the first backward after its events complete: ask once they have
                     torch.cuda.synchronize()
                     for t in trials:

@@ -15,6 +15,7 @@ from torchrec_pgas.embeddingbag import (
     trace_comm,
 )
 from torchrec_pgas.runtime import PgasRuntime
+from torchrec_pgas.sharding.owner_choice import AUTO_TRIAL_BACKWARDS
 from torchrec_pgas.sharding.step import PgasStep, StepSpec
 from torchrec_pgas.static_kjt import StaticKJT
 from torchrec_pgas.train_graph import CapturedTrainStep, copy_kjt_
@@ -36,6 +37,7 @@ from torchrec_pgas.types import (
 )
 
 __all__ = [
+    "AUTO_TRIAL_BACKWARDS",
     "CapturedTrainStep",
     "OwnerBackward",
     "PGAS_ROW_WISE",

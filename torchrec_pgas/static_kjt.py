@@ -199,8 +199,9 @@ class StaticKJT(KeyedJaggedTensor):
         inside = held & (source < self.capacity)  # a batch past the whole capacity: its cut ids read as zeros
         source = torch.where(inside, source, 0)
 
-        def pick(held: torch.Tensor) -> torch.Tensor:
-            return torch.where(inside, held.gather(0, source), torch.zeros((), dtype=held.dtype, device=held.device))
+        def pick(tensor: torch.Tensor) -> torch.Tensor:
+            zero = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
+            return torch.where(inside, tensor.gather(0, source), zero)
 
         weights = self.weights_or_none()
         part = StaticKJT(keys=[self.keys()[f] for f in features], values=pick(self.values()), lengths=lengths,

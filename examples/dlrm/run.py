@@ -57,6 +57,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from examples.dlrm.data import SyntheticCriteo, table_rows
 from torchrec_pgas import (
+    AUTO_TRIAL_BACKWARDS,
     OwnerBackward,
     PgasConfig,
     PgasEmbeddingBagCollectionSharder,
@@ -362,7 +363,7 @@ def main() -> None:
     parser.add_argument("--owner-backward", choices=[o.value for o in OwnerBackward if o != OwnerBackward.REFERENCE],
                         default=OwnerBackward.PGAS.value,
                         help="with --train: PgasTrainingConfig.owner_backward (auto: its trial takes a sharding's "
-                        "first 8 steps; raise --warmup to keep it out of samples/s)")
+                        f"first {AUTO_TRIAL_BACKWARDS} steps; raise --warmup to keep it out of samples/s)")
     parser.add_argument("--pipeline", choices=["plain", "sparse_dist", "replay"], default="plain",
                         help="with --train: the training loop (sparse_dist: TorchRec's TrainPipelineSparseDist; "
                         "replay: torchrec_pgas.ReplayTrainPipeline, --sharding pgas)")

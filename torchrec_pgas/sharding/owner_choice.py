@@ -30,11 +30,14 @@ from torchrec_pgas.types import OwnerBackward, PgasError
 
 logger = logging.getLogger(__name__)
 
-# Each path runs this many untimed backwards (first-step costs: descriptor uploads, allocator growth) and then
-# TIMED_TRIALS timed ones, the two paths alternating so that drift (clocks, the cache) falls on both alike.
-UNTIMED_TRIALS = 1
-TIMED_TRIALS = 3
+# Each path runs this many untimed backwards (first-step costs: descriptor uploads, the allocator's growth to the
+# path's temporaries, which grow again with a larger step's id count) and then TIMED_TRIALS timed ones, the two
+# paths alternating so that drift (clocks, the cache) falls on both alike; five timed a path, so that one late
+# growth of the allocator cannot move a median. A trial's backwards are a few of a training job's thousands.
+UNTIMED_TRIALS = 2
+TIMED_TRIALS = 5
 _PATHS = (OwnerBackward.PGAS, OwnerBackward.FBGEMM)
+AUTO_TRIAL_BACKWARDS = len(_PATHS) * (UNTIMED_TRIALS + TIMED_TRIALS)  # the eager backwards a sharding's trial takes
 
 _Timing = Union[Tuple[torch.cuda.Event, torch.cuda.Event], float]
 
