@@ -2,12 +2,12 @@
 mixed EBC runs before any backward (GPU kernels record a bad id instead of raising it in the forward; the end-to-end
 case is the refusal matrix's GPU twin in test_gpu_training.py)."""
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import pytest
 import torch
 
-from torchrec_pgas.sharding.group import StepGroup, first_cause
+from torchrec_pgas.sharding.group import StepGroup, first_cause, raise_first_cause
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
 from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
@@ -163,3 +163,22 @@ def test_a_step_raises_its_cause_not_the_consequences_in_later_shardings() -> No
     assert a.failure is None and c.failure is None  # consumed
     assert [int(s.tbe.iter_cpu) for s in (a, b, c)] == [6, 7, 6]  # b's own backward puts back its own
     assert model.step_error(b, 9, None) is None
+
+
+def test_recorded_errors_are_raised_from_every_sharding_at_once() -> None:
+    """A step refused on the device in several shardings of a model (a replay of a batch past the capacity of
+    both): each sharding's record is consumed when one is raised, the first cause standing for them, so that no
+    sibling's record fails the next, good step (what the GPU replay of a mixed plan raised before)."""
+    records = {"row_wise": [PgasError("row_wise: corrupt data from rank 0 (kind 1)")],
+               "table_wise": [PgasPeerAbortError("rank 1 aborted the table_wise step")]}
+
+    def raiser(kind: str) -> Callable[[], None]:
+        def call() -> None:
+            if records[kind]:
+                raise records[kind].pop()
+        return call
+
+    with pytest.raises(PgasError, match="row_wise: corrupt data") as raised:
+        raise_first_cause(raiser(k) for k in ("table_wise", "row_wise"))
+    assert type(raised.value) is PgasError and records == {"row_wise": [], "table_wise": []}
+    raise_first_cause(raiser(k) for k in ("table_wise", "row_wise"))  # the next step: nothing left to raise

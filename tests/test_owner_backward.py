@@ -272,12 +272,13 @@ def test_a_row_of_100k_ids_matches_fbgemm_on_gpu(optimizer: EmbOptimType, precis
 
 def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTrial],
                           device: torch.device) -> Callable[[], None]:
-    """Count the owner updates applied at capacity (``OwnerApply.update_at_capacity``) and the owner rebuilds at
-    the id count (``ReceivedBlocks.kept_ids``) of this process into ``counts``, with the positions the
+    """Count the owner updates of this process into ``counts``: the op's at capacity (``capacity``) and at the id
+    count (``count``, both ``OwnerApply.update``), and the kept ids rebuilt as a KJT (``rebuilt``,
+    ``ReceivedBlocks.kept_ids``: FBGEMM's path and the reference), with the positions the
     ``sort_owner_keys`` calls were given and those they sorted (their count word's, summed on ``device``: a
     backward captured as a graph replays the sums, and reads nothing on the host); collect the shardings'
     ``owner_backward='auto'`` trials into ``trials``; returns the undo."""
-    at_capacity, at_count, init = OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids, OwnerApply.__init__
+    update, at_count, init = OwnerApply.update, ReceivedBlocks.kept_ids, OwnerApply.__init__
     ops = torch.ops.torchrec_pgas
     sort = ops.sort_owner_keys if op_available() else None
     totals = torch.zeros(2, dtype=torch.int64, device=device)  # positions given, positions sorted
@@ -289,13 +290,13 @@ def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTria
         assert sort is not None
         return sort(keys, *args)
 
-    def capacity(*args: Any, **kwargs: Any) -> bool:
-        taken = at_capacity(*args, **kwargs)
-        counts["capacity"] += int(taken)
+    def updating(*args: Any, **kwargs: Any) -> bool:
+        taken = update(*args, **kwargs)
+        counts["count" if kwargs.get("at_count", args[9] if len(args) > 9 else False) else "capacity"] += int(taken)
         return taken
 
     def count(*args: Any, **kwargs: Any) -> Any:
-        counts["count"] += 1
+        counts["rebuilt"] += 1
         return at_count(*args, **kwargs)
 
     def collecting(apply: OwnerApply, *args: Any, **kwargs: Any) -> None:
@@ -303,13 +304,13 @@ def _counting_owner_paths(counts: Dict[str, int], trials: List[OwnerBackwardTria
         if apply.trial is not None:
             trials.append(apply.trial)
 
-    OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = capacity, count  # type: ignore[method-assign]
+    OwnerApply.update, ReceivedBlocks.kept_ids = updating, count  # type: ignore[method-assign]
     OwnerApply.__init__ = collecting  # type: ignore[method-assign]
     if sort is not None:
         ops.sort_owner_keys = counted_sort
 
     def undo() -> None:
-        OwnerApply.update_at_capacity, ReceivedBlocks.kept_ids = at_capacity, at_count  # type: ignore[method-assign]
+        OwnerApply.update, ReceivedBlocks.kept_ids = update, at_count  # type: ignore[method-assign]
         OwnerApply.__init__ = init  # type: ignore[method-assign]
         if sort is not None:
             ops.sort_owner_keys = sort
@@ -347,7 +348,7 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                        for _ in range(AUTO_TRIAL_BACKWARDS if path == "auto" else 8)]
             types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
             fused = {"optimizer": opt, "learning_rate": 0.05, "eps": 1e-3, "stochastic_rounding": False}
-            counts = {"capacity": 0, "count": 0, "positions": 0, "sorted": 0,
+            counts = {"capacity": 0, "count": 0, "rebuilt": 0, "positions": 0, "sorted": 0,
                       "ids": sum(b.kjt.values().numel() + b.wkjt.values().numel() for b in batches)}
             trials: List[OwnerBackwardTrial] = []
             undo = _counting_owner_paths(counts, trials, rank_device(rank, device_type))
@@ -365,12 +366,13 @@ def _train_with_owner_backward(rank: int, world: int, device_type: str) -> List[
                     torch.cuda.synchronize()
                     for t in trials:
                         t.path()
-                assert counts["count"] > 0 and (counts["capacity"] > 0 or not op_available()), counts
+                assert counts["rebuilt"] > 0 and (counts["capacity"] > 0 or not op_available()), counts
                 assert trials and all(t.chosen is not None for t in trials), "owner_backward='auto' chose nothing"
-            elif path == "count" or not op_available():
-                assert counts["capacity"] == 0 and counts["count"] > 0, counts
-            else:
-                assert counts["capacity"] > 0 and counts["count"] == 0, counts
+            elif not op_available():  # the reference, through the rebuilt KJT
+                assert counts["capacity"] == counts["count"] == 0 and counts["rebuilt"] > 0, counts
+            else:  # the op, at the count or at capacity, with no KJT rebuilt
+                assert counts[path] > 0 and counts["capacity" if path == "count" else "count"] == 0, counts
+                assert counts["rebuilt"] == 0, counts
             out.append((f"{kind} {opt.name} {dtype} {path}", max(diffs), counts))
     return out
 
@@ -384,17 +386,18 @@ def test_training_with_owner_backward_matches_stock() -> None:
 
 
 def check_owner_backward_training(results: List[List[Tuple[str, float, Dict[str, int]]]]) -> None:
-    """Every case equal to stock; and each eager step at capacity sorted its owners' ids only: the positions
-    sorted over all ranks are the ids their batches sent (each kept by one owner), well below the capacity's
-    positions the keys were laid out at (issue 44: an eager step's owner work follows its ids)."""
+    """Every case equal to stock; and each eager step sorted its owners' ids only: the positions sorted over all
+    ranks are the ids their batches sent (each kept by one owner), at capacity well below the positions the keys
+    were laid out at, at the count exactly those (issue 44: an eager step's owner work follows its ids)."""
     for rank_results in results:
         for case, worst, _ in rank_results:
             assert worst <= (1e-3 if " fp16 " in case else 1e-5), f"{case}: {worst}"
     for i, (case, _, counts) in enumerate(results[0]):
-        if not case.endswith(" capacity") or not op_available():
+        if not case.endswith((" capacity", " count")) or not op_available():
             continue
         sorted_, ids, positions = (sum(r[i][2][k] for r in results) for k in ("sorted", "ids", "positions"))
-        assert sorted_ == ids and positions > 2 * ids, f"{case}: sorted {sorted_} of {positions}, {ids} ids"
+        laid_out = positions > 2 * ids if case.endswith(" capacity") else positions == ids
+        assert sorted_ == ids and laid_out, f"{case}: sorted {sorted_} of {positions}, {ids} ids"
 
 
 @pytest.mark.gpu

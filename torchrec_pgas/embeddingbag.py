@@ -26,7 +26,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.sharding.device_step import DeviceStep
-from torchrec_pgas.sharding.group import StepGroup
+from torchrec_pgas.sharding.group import StepGroup, raise_first_cause
 from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
 from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_params
 from torchrec_pgas.sharding.step import PgasStep
@@ -272,5 +272,4 @@ def check_errors(module: nn.Module) -> None:
     mismatch or a peer's abort is raised at the next forward of the module at
     the latest, or here.
     """
-    for step in pgas_steps(module):
-        step.check()
+    raise_first_cause(step.check for step in pgas_steps(module))

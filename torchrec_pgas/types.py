@@ -65,10 +65,10 @@ class PgasTrainingConfig:
         owner_backward: who applies an owner's gradients (``OwnerBackward``, or its value as a string).
         max_padded_eager_ids: with the owner update, an eager step lays an owner's kept ids out at their
             fixed capacity (world size × ids capacity a TBE), as a captured step does, without reading their
-            count on the host, while those positions number at most this; past it, it reads the count (a host
-            sync). Either way only the ids are sorted and walked (at capacity their count is a device word);
-            what grows with the bound is scratch memory (~40-50 bytes a position). None: 2^24 on GPUs, 0 on CPUs (where
-            the count costs no sync).
+            count on the host, while those positions number at most this; past it, it reads each TBE's count (a
+            host sync) and lays out exactly those ids. Either way only the ids are sorted and walked (at capacity
+            their count is a device word); what grows with the bound is scratch memory (~40-50 bytes a
+            position). None: 2^24 on GPUs, 0 on CPUs (where the count costs no sync).
         eager_backward_graphs: on GPUs, replay an eager backward's kernels as one CUDA graph, kept per batch
             size and buffer slot (up to 12 a sharding, in a memory pool shared by every sharding on the GPU).
             False: launch them one by one.

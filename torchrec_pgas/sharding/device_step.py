@@ -14,11 +14,12 @@ not raised) changes no weight: its backward raises the error on every rank inste
 ids at the one host sync (the id count FBGEMM's backward needs, which brings the step's error record and the
 sources' flags along) and replays the stock lookup under autograd. The owner update op (``OwnerBackward.PGAS``, the
 default) needs no id count: the owner lays its ids out at a fixed capacity (``ReceivedBlocks.kept_ids_padded``) and
-the op applies nothing where a device word says the step failed on some rank. An eager step launches it before
-reading the flags (the host waits for the exchange, not for the update), and under CUDA-graph capture
-(``torchrec_pgas.CapturedTrainStep``) the backward reads nothing on the host: its kernels take each replay's epoch
-from the device. Those kernels also serve eager steps that follow their own forward, replayed as one graph
-(``PgasTrainingConfig.eager_backward_graphs``). The kernels' feature table is ``device/features.py``, their error
+the op applies nothing where a device word says the step failed on some rank (an eager step past
+``PgasTrainingConfig.max_padded_eager_ids`` reads each TBE's id count instead, and lays out exactly those ids). An
+eager step at capacity launches it before reading the flags (the host waits for the exchange, not for the update),
+and under CUDA-graph capture (``torchrec_pgas.CapturedTrainStep``) the
+backward reads nothing on the host: its kernels take each replay's epoch from the device. Those kernels also serve
+eager steps that follow their own forward, replayed as one graph (``PgasTrainingConfig.eager_backward_graphs``). The kernels' feature table is ``device/features.py``, their error
 records ``device/errors.py``, the comm timeline ``device/tracing.py``.
 """
 

@@ -52,6 +52,21 @@ def first_cause(errors: Iterable[Optional[PgasError]]) -> Optional[PgasError]:
     return min((e for e in errors if e is not None), key=lambda e: order.get(type(e), 0), default=None)
 
 
+def raise_first_cause(raisers: Iterable[Callable[[], None]]) -> None:
+    """Call every one of ``raisers`` (each raises what one sharding recorded of finished steps, consuming it),
+    then raise the first cause (:func:`first_cause`) of what they raised: a step refused in several shardings of
+    a model records it in each, and raising at the first would leave the others' records to fail a later step."""
+    errors: List[Optional[PgasError]] = []
+    for call in raisers:
+        try:
+            call()
+        except PgasError as e:
+            errors.append(e)
+    cause = first_cause(errors)
+    if cause is not None:
+        raise cause
+
+
 class StepGroup:
     """The PGAS steps of one model (weakly held: a group never keeps a sharded module alive)."""
 
@@ -104,8 +119,7 @@ class StepGroup:
         members = self.members()
         if any(m.issued > step.issued for m in members):
             return
-        for member in members:
-            member.raise_recorded()
+        raise_first_cause(member.raise_recorded for member in members)
 
     def forward_failed(self, step: GroupMember, epoch: int, err: PgasError) -> None:
         """``step`` raised ``err`` for step ``epoch`` in the model's forward, which ends that forward on every

@@ -264,18 +264,20 @@ class HostStep(PgasStep):
             self.release(epoch)
 
     def _apply(self, ticket: StepTicket, slot: int) -> None:
-        """The owner update at capacity where it serves, else the kept ids at their count and their apply (the
-        host path raised any failure of the step before its backward: the step is whole here)."""
+        """The owner update op at capacity or at the count where it serves, else the kept ids as a KJT and their
+        apply (the host path raised any failure of the step before its backward: the step is whole here)."""
         rows, block_features, columns, batches = self.owner_view(ticket)
-        if (block_features[1] and rows > 0 and self.owner_apply.at_capacity(ticket)
-                and self.owner_apply.update_at_capacity(ticket, slot, rows, block_features, columns, batches,
-                                                        torch.ones((), dtype=torch.bool), ticket.tbe_iters)):
+        apply = self.owner_apply
+        if (block_features[1] and rows > 0 and apply.op_serves(ticket)
+                and apply.update(ticket, slot, rows, block_features, columns, batches,
+                                 torch.ones((), dtype=torch.bool), ticket.tbe_iters,
+                                 at_count=not apply.at_capacity(ticket))):
             sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
             return
         kjt = self.received.kept_ids(ticket.epoch, rows, block_features, batches)
         profiling.mark("kept_ids")
         grads = self.received.kept_grads(slot, rows, columns, self.spec.out_dtype)
-        self.owner_apply.apply_at_count(ticket, kjt, grads)
+        apply.apply_at_count(ticket, kjt, grads)
 
     def _send_gradients(self, ticket: StepTicket, grad: torch.Tensor, slot: int) -> None:
         """Put this rank's gradient rows into every owner's gradient block, then signal the owners: only once

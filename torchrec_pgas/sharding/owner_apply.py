@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial, TrialApply
-from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, padded_owner_backward
+from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, padded_owner_backward, tbe_id_counts
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.sharding.tbe_counters import iterations_before_forward, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import StepTicket
@@ -34,7 +34,7 @@ class OwnerApply:
         self.out_dtype = out_dtype
         self._slot_bases = slot_bases
         self.gap: Optional[str] = None  # what the owner backward does not cover, once known
-        self._op_refused = False  # the update op refused a TBE at capacity: read the count instead
+        self._op_refused = False  # the update op refused a TBE: FBGEMM's or the reference's path instead
         self.trial = OwnerBackwardTrial(kind, device) if training.owner_backward == OwnerBackward.AUTO else None
         self._applying: Optional[TrialApply] = None  # the apply in progress (AUTO)
 
@@ -66,30 +66,38 @@ class OwnerApply:
             finally:
                 self._applying = None
 
+    def op_serves(self, ticket: StepTicket) -> bool:
+        """Whether the owner update op applies this step (``OwnerBackward.PGAS``, or ``AUTO``'s trial or choice of
+        it; the extension built; every TBE taken, and none refused by the op so far)."""
+        return (not self._op_refused and self.path() == OwnerBackward.PGAS and self.covers(ticket.tbes)
+                and op_available())
+
     def at_capacity(self, ticket: StepTicket) -> bool:
         """Whether an eager step's owner update lays the kept ids out at their fixed capacity, as a captured one
-        does, rather than at their count, which the host must read: the op applies every TBE
-        (``OwnerBackward.PGAS``, the extension built, and it has not refused one), and the positions sorted, TBEs ×
-        W × ids capacity, are within ``PgasTrainingConfig.max_padded_eager_ids`` (by default none on CPUs)."""
+        does, rather than at their count, which the host reads: the op serves (:meth:`op_serves`), and the
+        positions sorted, TBEs × W × ids capacity, are within ``PgasTrainingConfig.max_padded_eager_ids`` (by
+        default none on CPUs)."""
         # each TBE sorts the capacity
         positions = len(ticket.tbes) * self.received.world_size * self.received.layout.ids_capacity
-        return (positions <= self.training.padded_eager_ids(self.device.type) and not self._op_refused
-                and self.path() == OwnerBackward.PGAS and self.covers(ticket.tbes) and op_available())
+        return positions <= self.training.padded_eager_ids(self.device.type) and self.op_serves(ticket)
 
-    def update_at_capacity(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
-                           block_features: Tuple[int, int, int], columns: Tuple[int, int, int],
-                           batches: torch.Tensor, whole: torch.Tensor,
-                           iterations: Optional[Sequence[Optional[int]]]) -> bool:
-        """The owner update op over the ids kept in ``slot`` (an int, or the device's slot under capture) at
-        their fixed capacity (``ReceivedBlocks.kept_ids_padded``, ``kept_grads``' arguments), applied only where
-        the device word ``whole`` is true: nothing read on the host. False, with nothing applied, where the op does
-        not take some TBE."""
+    def update(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
+               block_features: Tuple[int, int, int], columns: Tuple[int, int, int], batches: torch.Tensor,
+               whole: torch.Tensor, iterations: Optional[Sequence[Optional[int]]], at_count: bool = False) -> bool:
+        """The owner update op over the ids kept in ``slot`` (an int, or the device's slot under capture), read
+        where the sources wrote them (``ReceivedBlocks.kept_ids_padded``, ``kept_grads``' arguments) and applied
+        only where the device word ``whole`` is true. Laid out at their fixed capacity, nothing read on the host;
+        or, ``at_count``, at each TBE's id count, read on the host (the one sync: a sort of exactly the ids, with
+        no rebuild of them as a KJT). False, with nothing applied, where the op does not take some TBE."""
         bases = self._slot_bases
         base = bases[slot:slot + 1] if isinstance(slot, int) else bases.index_select(0, slot.view(1))  # int: a view
         kept = self.received.kept_ids_padded(base, rows, block_features, batches, whole)
+        counts = tbe_id_counts(ticket.tbes, kept) if at_count else None
         profiling.mark("kept_ids")
+        if counts is not None and not any(counts) and self._applying is not None:
+            self._applying.updated = False  # no row to update: not a measure of the trial
         grads = self.received.kept_grads(slot, rows, columns, self.out_dtype)
-        taken = padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations)
+        taken = padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations, counts)
         self._op_refused = not taken  # the op's reasons (dims, dtypes) hold for the next steps too
         return taken
 

@@ -363,12 +363,15 @@ def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
 
 
 def padded_owner_backward(tbes: Sequence[nn.Module], kept: PaddedIds, grads: torch.Tensor, apply: torch.Tensor,
-                          iterations: Optional[Sequence[Optional[int]]]) -> bool:
-    """The owner backward without the id count on the host: each TBE's kept ids laid out at a fixed capacity by
-    the ``owner_keys`` op (padding keys past every table after its own ids, which the update never walks), and
-    nothing applied where the device word ``apply`` is 0. ``iterations``: an eager step's, whose
-    hyper-parameters it writes; None under capture (``CapturedTrainStep`` writes them before each replay).
-    False, with nothing applied, where the op does not take some TBE or the gradient."""
+                          iterations: Optional[Sequence[Optional[int]]],
+                          counts: Optional[Sequence[int]] = None) -> bool:
+    """The owner backward over the kept ids where the sources wrote them: each TBE's ids laid out by the
+    ``owner_keys`` op, sorted and applied, nothing applied where the device word ``apply`` is 0. Without
+    ``counts``, at a fixed capacity (padding keys past every table after its own ids, which the sort and the
+    update stop before, at the count word: no host sync); with them (:func:`tbe_id_counts`, an eager step), at
+    exactly each TBE's ids, which CUB's sort takes whole. ``iterations``: an eager step's, whose hyper-parameters
+    it writes; None under capture (``CapturedTrainStep`` writes them before each replay). False, with nothing
+    applied, where the op does not take some TBE or the gradient."""
     held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
     layouts = [_op_layout(tbe, grads, col) for tbe, col in zip(tbes, _first_columns(tbes))]
     if not all(_op_takes(layout, grads, kept.bags.offsets.numel() - 1, held_bags) for layout in layouts):
@@ -380,15 +383,26 @@ def padded_owner_backward(tbes: Sequence[nn.Module], kept: PaddedIds, grads: tor
         if hyper is None or hyper.device != grads.device:
             raise PgasError("a training step through the owner update op is captured only after an eager step")
         end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
-        keys, bags, psw = _owner_keys(layout, kept.ids, kept.weights, kept.bags.first_id, kept.bags.first_weight,
-                                      kept.bags.offsets, first_bag, end_bag, kept.stride, kept.capacity)
-        offsets = kept.bags.offsets[first_bag:end_bag + 1]
-        if first_bag:  # the op counts this TBE's ids from its first bag's
-            offsets = offsets - offsets[0]
-        _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
-                         kept.stride, hyper, apply, offsets[-1:])  # this TBE's ids sort first
+        if counts is None or counts[i]:
+            capacity = kept.capacity if counts is None else counts[i]
+            keys, bags, psw = _owner_keys(layout, kept.ids, kept.weights, kept.bags.first_id,
+                                          kept.bags.first_weight, kept.bags.offsets, first_bag, end_bag, kept.stride,
+                                          capacity)
+            offsets = kept.bags.offsets[first_bag:end_bag + 1]
+            if first_bag:  # the op counts this TBE's ids from its first bag's
+                offsets = offsets - offsets[0]
+            _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
+                             kept.stride, hyper, apply, offsets[-1:] if counts is None else None)
         first_bag = end_bag
     return True
+
+
+def tbe_id_counts(tbes: Sequence[nn.Module], kept: PaddedIds) -> List[int]:
+    """Each TBE's kept ids (its bags' in the kept offsets, TBEs in order), read on the host in one sync, at most
+    the capacity (the ``owner_keys`` op writes no position past it, whatever the sources' headers say)."""
+    firsts = itertools.accumulate([0] + [len(tbe.feature_table_map) * kept.stride for tbe in tbes])
+    cuts = kept.bags.offsets[torch.tensor(list(firsts), device=kept.bags.offsets.device)].tolist()
+    return [max(0, min(hi - lo, kept.capacity)) for lo, hi in zip(cuts, cuts[1:])]
 
 
 def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:

@@ -129,22 +129,25 @@ class DeviceBackward:
             self._apply(ticket, slot, rows, whole, gave_up)
 
     def _apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor, gave_up: bool) -> None:
-        """The owner update at capacity where it serves (launched before the sources' flags are read, it applies
-        nothing unless ``whole``: the host waits for the exchange only, not for the update), else at the count."""
+        """The owner update op at capacity where it serves (launched before the sources' flags are read, it applies
+        nothing unless ``whole``: the host waits for the exchange only, not for the update), else at the count:
+        the op's where it serves, else the kept ids as a KJT for FBGEMM's replay or the reference."""
         step, epoch = self.step, ticket.epoch
         f_lo, f_hi = step.lookup_features
-        if f_hi > f_lo and rows > 0 and not gave_up and step.owner_apply.at_capacity(ticket):
-            exchanged = torch.cuda.current_stream(step.device).record_event()
-            if self.update_held(ticket, slot, rows, whole, ticket.tbe_iters):
-                self.raise_problem(epoch, exchanged)
+        if f_hi > f_lo and rows > 0 and not gave_up and step.owner_apply.op_serves(ticket):
+            at_count = not step.owner_apply.at_capacity(ticket)
+            exchanged = None if at_count else torch.cuda.current_stream(step.device).record_event()
+            if self.update_held(ticket, slot, rows, whole, ticket.tbe_iters, at_count):
+                self.raise_problem(epoch, exchanged)  # at the count: after its sync
                 sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
-                if step.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words
-                    self.replay.cache.built_for([storage_key(t) for t in ticket.tbes])
+                if not at_count and step.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and
+                    self.replay.cache.built_for([storage_key(t) for t in ticket.tbes])  # hyper-parameter words
                 return
         self._count_and_apply(ticket, slot, rows, whole)
 
     def _count_and_apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor) -> None:
-        """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the op."""
+        """The kept ids as a KJT of their exact count (the one host sync), then FBGEMM's replay or the
+        reference."""
         step = self.step
         f_lo, f_hi = step.lookup_features
         batches = self._kept_batches(slot)
@@ -197,12 +200,12 @@ class DeviceBackward:
         return None
 
     def update_held(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int, whole: torch.Tensor,
-                    iterations: Optional[Sequence[Optional[int]]]) -> bool:
-        """``update_at_capacity`` of the features this rank holds, their sources' batches read on the device."""
+                    iterations: Optional[Sequence[Optional[int]]], at_count: bool = False) -> bool:
+        """``OwnerApply.update`` of the features this rank holds, their sources' batches read on the device."""
         step = self.step
         f_lo, f_hi = step.lookup_features
-        return step.owner_apply.update_at_capacity(ticket, slot, rows, (f_lo, f_hi - f_lo, step.layout.num_features),
-                                                   self._held_columns(), self._kept_batches(slot), whole, iterations)
+        return step.owner_apply.update(ticket, slot, rows, (f_lo, f_hi - f_lo, step.layout.num_features),
+                                       self._held_columns(), self._kept_batches(slot), whole, iterations, at_count)
 
     def _kept_batches(self, slot: Union[int, torch.Tensor]) -> torch.Tensor:
         """Each source's batch from its index block's header in ``slot`` (an int, or a device tensor), on the
