@@ -64,7 +64,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from torchrec_pgas import (AUTO_TRIAL_BACKWARDS, CapturedTrainStep, PgasConfig, PgasEmbeddingBagCollectionSharder,
-                           check_errors, profiling, shutdown)
+                           check_errors, owner_backward_trials, profiling, shutdown)
 from torchrec_pgas.embeddingbag import pgas_steps, trace_comm
 from torchrec_pgas.layout import StepLayout
 from torchrec_pgas.placement import rank_placement
@@ -392,10 +392,10 @@ def shard_ebc(w: Workload, pgas: bool, pair: str, config: PgasConfig, device: to
     return dmp
 
 
-ModelGroup = Callable[[Workload], Tuple[int, ...]]
+ModelGroup = Callable[[Workload], Tuple[Hashable, ...]]
 
 
-def shared_models(w: Workload) -> Tuple[int, ...]:
+def shared_models(w: Workload) -> Tuple[Hashable, ...]:
     """Workloads of one table shape share their models (and buffers sized for the largest of them)."""
     return w.model_key
 
@@ -406,13 +406,14 @@ def owns_models(args: argparse.Namespace) -> bool:
     return bool(args.train_graph or args.own_models or args.owner_backward == OwnerBackward.AUTO.value)
 
 
-def own_models(w: Workload) -> Tuple[int, ...]:
+def own_models(w: Workload) -> Tuple[Hashable, ...]:
     """Each workload its own models, buffers sized to its ids (``--train-graph``: a captured step sorts its
-    buffers' whole capacity, which a training job sizes to its batch)."""
-    return w.model_key + (w.batch_per_gpu, w.pooling)
+    buffers' whole capacity, which a training job sizes to its batch), workloads that differ only in their ids'
+    distribution too (``auto``'s choice follows the skew)."""
+    return (w.preset, w.name)
 
 
-def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Dict[Tuple[int, ...], int],
+def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Dict[Tuple[Hashable, ...], int],
                          group: ModelGroup) -> int:
     """NVSHMEM heap for every PGAS sharding of the run (buffers live until exit)."""
     total = 0
@@ -772,14 +773,12 @@ def backward_graph_counts(dmp: DistributedModelParallel) -> Tuple[int, int]:
 def owner_backward_choices(dmp: DistributedModelParallel) -> List[Optional[str]]:
     """``owner_backward='auto'``'s choice in each PGAS sharding of ``dmp`` on this rank (None: still timing);
     empty under another owner backward."""
-    trials = [step.owner_apply.trial for step in pgas_steps(dmp) if step.owner_apply.trial is not None]
-    return [t.chosen.value if t.chosen is not None else None for t in trials]
+    return [t.chosen.value if t.chosen is not None else None for t in owner_backward_trials(dmp)]
 
 
 def owner_backward_trial_ms(dmp: DistributedModelParallel) -> List[Dict[str, float]]:
     """The median apply times (ms) ``owner_backward='auto'``'s choice compared, per PGAS sharding on this rank."""
-    trials = [step.owner_apply.trial for step in pgas_steps(dmp) if step.owner_apply.trial is not None]
-    return [{path.value: ms for path, ms in t.medians.items()} for t in trials]
+    return [{path.value: ms for path, ms in t.medians.items()} for t in owner_backward_trials(dmp)]
 
 
 def train_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,
@@ -1006,7 +1005,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
     group = own_models if owns_models(args) else shared_models
-    capacity: Dict[Tuple[int, ...], int] = {}
+    capacity: Dict[Tuple[Hashable, ...], int] = {}
     for k, w in enumerate(workloads):
         inputs[w] = make_inputs(w, w.tables, w.batch_per_gpu, args.sets, seed=1000 * rank + k, device=device)
         nnz = torch.tensor(max(x.values().numel() for x in inputs[w]), device=device)

@@ -10,7 +10,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from benchmarks.embedding import ID_HASH, PRESETS, _ids, make_inputs
+from benchmarks.embedding import ID_HASH, PRESETS, _ids, make_inputs, own_models, shared_models
 from benchmarks.owner_op import INPUT_SEED
 from torchrec_pgas.sharding.owner_backward import op_available
 
@@ -216,3 +216,12 @@ def test_hashed_zipf_ids_are_the_zipf_ranks_scattered_by_the_hash() -> None:
     second = int(moved.topk(2).indices[1])
     assert second == ID_HASH % rows and second >= rows // 8
     assert [w.ids for w in PRESETS["s000-strong-zipf"](4)] == ["hzipf0.9", "hzipf1.05", "hzipf1.2"]
+
+
+def test_each_workload_owns_its_models_under_auto_whatever_differs() -> None:
+    """--owner-backward auto (and --own-models) gives every workload its own models: the three hashed Zipf
+    workloads of a preset differ only in their ids, and a shared model's trial would choose for all three on the
+    first one's skew (what the s000-weak-zipf runs of two sessions did)."""
+    workloads = PRESETS["s000-weak-zipf"](2)
+    assert len({shared_models(w) for w in workloads}) == 1
+    assert len({own_models(w) for w in workloads}) == len(workloads) == 3

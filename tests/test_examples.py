@@ -106,6 +106,8 @@ def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) 
     assert got["pass"] and got["pipeline"] == "sparse_dist"
     assert got["samples_per_s"] > 0 and got["stock_samples_per_s"] > 0
     assert len(got["losses"]) == len(got["stock_losses"]) == 6
+    # auto's trial of each PGAS sharding on rank 0 (14 backwards: still timing after 6 steps)
+    assert got["owner_backward_chosen"] and set(got["owner_backward_chosen"]) == {None}, got
 
 
 def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:

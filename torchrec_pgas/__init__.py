@@ -11,6 +11,7 @@ from torchrec_pgas.embeddingbag import (
     PgasEmbeddingBagCollectionSharder,
     PgasShardedEmbeddingBagCollection,
     check_errors,
+    owner_backward_trials,
     pgas_steps,
     trace_comm,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "StaticKJT",
     "StepSpec",
     "check_errors",
+    "owner_backward_trials",
     "copy_kjt_",
     "finalize_all",
     "pooling_capacity_from_constraints",

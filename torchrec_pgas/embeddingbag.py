@@ -27,6 +27,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.sharding.device_step import DeviceStep
 from torchrec_pgas.sharding.group import StepGroup, raise_first_cause
+from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial
 from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
 from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_params
 from torchrec_pgas.sharding.step import PgasStep
@@ -263,6 +264,13 @@ def trace_comm(module: nn.Module, records: int, step_bytes: int) -> Dict[str, to
     ``DeviceStep.comm_trace.stop()`` ends it; ``DeviceStep.comm_trace.remote_bytes()`` reads the count."""
     return {step.spec.name: step.comm_trace.start(records, step_bytes)
             for step in pgas_steps(module) if isinstance(step, DeviceStep)}
+
+
+def owner_backward_trials(module: nn.Module) -> List[OwnerBackwardTrial]:
+    """The ``owner_backward="auto"`` trial of each PGAS sharding inside ``module`` on this rank, in module order
+    (``chosen``: the path it chose, None while timing; ``medians``: the apply times it compared); empty under
+    another owner backward."""
+    return [step.owner_apply.trial for step in pgas_steps(module) if step.owner_apply.trial is not None]
 
 
 def check_errors(module: nn.Module) -> None:

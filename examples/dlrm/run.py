@@ -14,7 +14,7 @@ TrainPipelineSparseDist (the next batch's input dist overlaps this one's step), 
 with --pipeline replay and every table PGAS, through ReplayTrainPipeline (each step
 replayed as one CUDA graph; its stock twin under --validate runs sparse_dist);
 --owner-backward picks who applies an owner's gradients (pgas, fbgemm, or auto:
-the faster of the two, timed on the first 8 steps).
+the faster of the two, timed on the first 14 steps).
 --max-ids-per-bag N makes the features multi-hot (1 to N ids a bag).
 Prints samples/s (global) and AUC / log loss over the run. --validate shards the
 same model the other way: for inference it compares the first steps' predictions;
@@ -64,6 +64,7 @@ from torchrec_pgas import (
     PgasTrainingConfig,
     ReplayTrainPipeline,
     check_errors,
+    owner_backward_trials,
     pooling_capacity_from_constraints,
     shutdown,
 )
@@ -184,6 +185,9 @@ class RunResult:
     labels: List[torch.Tensor]
     losses: List[float]  # the global mean log loss of each step (before its update)
     off_graph: Optional[int] = None  # --pipeline replay: this rank's batches trained off the graph's step
+    # --owner-backward auto: each PGAS sharding's choice on this rank (None: still timing), and the medians it compared
+    auto_chose: List[Optional[str]] = dataclasses.field(default_factory=list)
+    auto_trial_ms: List[Dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_opt: Optional[torch.optim.Optimizer],
@@ -239,8 +243,11 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     world = dist.get_world_size()
     global_losses = torch.stack(losses).float()
     dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
+    trials = owner_backward_trials(dmp)
     return RunResult(world * data.batch_size * timed / max(elapsed, 1e-9), preds, labels,
-                     (global_losses / world).tolist(), None if replay is None else replay.batches_off_graph)
+                     (global_losses / world).tolist(), None if replay is None else replay.batches_off_graph,
+                     [None if t.chosen is None else t.chosen.value for t in trials],
+                     [{path.value: ms for path, ms in t.medians.items()} for t in trials])
 
 
 def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, float]:
@@ -285,10 +292,14 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
                        "auc_diff": auc_diff, "pipeline": args.pipeline, "samples_per_s": pgas.samples_per_s,
                        "stock_samples_per_s": stock.samples_per_s, "losses": pgas.losses,
                        "stock_losses": stock.losses, "metrics": pgas_m, "stock_metrics": stock_m,
-                       "batches_off_graph": pgas.off_graph}, f, indent=1)
+                       "batches_off_graph": pgas.off_graph, "owner_backward_chosen": pgas.auto_chose,
+                       "owner_backward_trial_ms": pgas.auto_trial_ms}, f, indent=1)
     if dist.get_rank() == 0:
         print(f"samples/s ({args.pipeline} loop): {args.sharding} {ours.samples_per_s:,.0f}, {other} twin "
               f"{theirs.samples_per_s:,.0f}, ratio {ours.samples_per_s / theirs.samples_per_s:.2f}x", flush=True)
+        if pgas.auto_chose:
+            print(f"owner_backward auto, rank 0: chose {pgas.auto_chose} (median applies, ms: {pgas.auto_trial_ms})",
+                  flush=True)
         print(f"validate: {len(rel)} training steps, loss per step max rel diff {rel[worst]:.2e} (step {worst}: "
               f"{ours.losses[worst]:.6f} vs {other} {theirs.losses[worst]:.6f}), final loss {ours.losses[-1]:.6f} vs "
               f"{theirs.losses[-1]:.6f}, AUC {our_metrics['auc']:.4f} vs {their_metrics['auc']:.4f} "
