@@ -969,6 +969,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--launched-backward", action="store_true",
                         help="--mode train --owner-backward pgas: PgasTrainingConfig(eager_backward_graphs=False), the "
                              "eager backward's kernels launched one by one, not replayed as CUDA graphs (its A/B)")
+    parser.add_argument("--max-padded-eager-ids", type=int, default=None, metavar="POSITIONS",
+                        help="--mode train: PgasTrainingConfig.max_padded_eager_ids (0: every eager step lays the "
+                             "owner's ids out at their count, one host sync; default: the device's bound), the A/B "
+                             "of the two layouts")
     parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                         help="--mode train: each side's host time a step (p50 over STEPS calls, recorded as "
                              "<side>_train_host_p50_ms) and cProfile's top functions, <out>/host_profile/<workload>-"
@@ -985,6 +989,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                      "replays' iteration counts would part the model from stock's for the next workloads)")
     if args.launched_backward and (args.mode != "train" or args.owner_backward != "pgas"):
         parser.error("--launched-backward needs --mode train and --owner-backward pgas (the backward it launches)")
+    if args.max_padded_eager_ids is not None and args.mode != "train":
+        parser.error("--max-padded-eager-ids sets the training layout: add --mode train")
     if args.host_profile and args.mode != "train":
         parser.error("--host-profile profiles the training step: add --mode train")
     if args.layout_ab and (args.inference_only or args.mode == "train"):
@@ -1027,7 +1033,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "own_models": owns_models(args),
             "pgas_training_layout": not args.inference_only, "mode": args.mode,
             "optimizer": args.optimizer if args.mode == "train" else None, "owner_backward": args.owner_backward,
-            "eager_backward_graphs": not args.launched_backward,
+            "eager_backward_graphs": not args.launched_backward, "max_padded_eager_ids": args.max_padded_eager_ids,
             "learning_rate": args.lr if args.mode == "train" else None,
             "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
             "argv": sys.argv,
@@ -1044,7 +1050,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             config = PgasConfig(max_local_batch_size=max(w.batch_per_gpu for w in ws), max_ids_per_rank=capacity[key],
                                 training=None if args.inference_only else PgasTrainingConfig(
                                     owner_backward=args.owner_backward,
-                                    eager_backward_graphs=not args.launched_backward))
+                                    eager_backward_graphs=not args.launched_backward,
+                                    max_padded_eager_ids=args.max_padded_eager_ids))
             stock = shard_ebc(ws[0], False, args.pair, config, device, fused_params)
             pgas = shard_ebc(ws[0], True, args.pair, config, device, fused_params)
             inference = (shard_ebc(ws[0], True, args.pair, dataclasses.replace(config, training=None), device,

@@ -108,8 +108,10 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
     side's updates come from the owner backward (no replayed lookup among its stages), and the states still agree
     with stock's after the timed steps (the benchmark's own check raises past atol 1e-4 + rtol 1e-5: the op's compensated sums and FBGEMM's
     CPU running sums differ in the last bits, most in row-wise Adagrad's sums of squares, which run to tens)."""
-    out = _run(str(tmp_path), 2, "--mode", "train", "--own-models", "--host-profile", "2")
+    out = _run(str(tmp_path), 2, "--mode", "train", "--own-models", "--host-profile", "2",
+               "--max-padded-eager-ids", str(1 << 20))  # the layout at capacity, as on GPUs
     assert out["meta"]["owner_backward"] == "pgas" and out["meta"]["eager_backward_graphs"]  # GPUs only
+    assert out["meta"]["max_padded_eager_ids"] == 1 << 20
     assert out["meta"]["own_models"]
     for row in out["rows"]:
         assert row["max_state_diff"] <= 1e-3

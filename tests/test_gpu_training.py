@@ -10,7 +10,7 @@ rank, and changes nothing. World size ``PGAS_TEST_WORLD`` (ranks share a GPU whe
 import json
 import os
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -50,6 +50,9 @@ from torchrec_pgas.testing import (
 
 pytestmark = pytest.mark.gpu
 WORLD = int(os.environ.get("PGAS_TEST_WORLD", "2"))
+# The owner backwards a refused step must apply nothing through: FBGEMM's; the owner update at capacity, its eager
+# backward replayed as a graph or launched; the owner update at the count (launched before the flags are read too)
+OWNER_PATHS = [("fbgemm", False, None), ("pgas", True, None), ("pgas", False, None), ("pgas", False, 0)]
 PEERS = max(WORLD, 2)
 # FBGEMM's CUDA backward sums a row's gradients in the same order for both (the ids arrive in stock's order),
 # but its kernels are not promised deterministic: 1e-5, and the report shows the differences measured.
@@ -104,10 +107,11 @@ def test_training_matches_stock_on_gpus() -> None:
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("owner_backward,graphs", [("fbgemm", False), ("pgas", True), ("pgas", False)])
+@pytest.mark.parametrize("owner_backward,graphs,padded", OWNER_PATHS)
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
 @pytest.mark.parametrize("what", ["id", "wid", "capacity"])
-def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backward: str, graphs: bool) -> None:
+def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backward: str, graphs: bool,
+                                            padded: Optional[int]) -> None:
     """A bad id is recorded by its rank's kernels, which give the training step up on every owner (``id``: in
     the EBC whose backward runs second, so the first one's backward must give the step up too; ``wid``: in the
     one that runs first); a
@@ -116,8 +120,9 @@ def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backwar
     (the bad rank its error, the peer the abort), no weight moves, and the next steps train on both. With
     ``owner_backward="pgas"`` the eager update is launched before the host reads the sources' flags and must
     apply nothing of the refused step (its reference: a twin of the same config that skips the step), whether
-    the backward replays graphs (``graphs``: eager_backward_graphs) or launches its kernels."""
-    results = run_distributed(_bad_batch, 2, kind, what, "cuda", owner_backward, graphs)
+    the backward replays graphs (``graphs``: eager_backward_graphs) or launches its kernels, at capacity or at
+    the count (``padded``: max_padded_eager_ids 0)."""
+    results = run_distributed(_bad_batch, 2, kind, what, "cuda", owner_backward, graphs, padded)
     r0, r1 = results
     expected = "exceeds PgasConfig.max_local_batch_size=16" if what == "capacity" else "has id 37 outside [0, 37)"
     assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")], r1
@@ -149,14 +154,15 @@ def test_a_stalled_rank_fails_the_step_once_on_gpus(kind: str) -> None:
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize("owner_backward,graphs", [("fbgemm", False), ("pgas", True), ("pgas", False)])
+@pytest.mark.parametrize("owner_backward,graphs,padded", OWNER_PATHS)
 @pytest.mark.parametrize("kind", ["pgas_row_wise", "pgas_table_wise"])
-def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str, graphs: bool) -> None:
+def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str, graphs: bool,
+                                                 padded: Optional[int]) -> None:
     """The CPU twin's case. On GPUs a failed backward's exception alone (a reference cycle through the frame
     that raised it) keeps the step's graph to a garbage collection: test_a_bad_batch_changes_nothing_on_gpus
     failed so, three steps after the bad one. Through the owner update, the timed-out exchange's flag must
     stop the update launched before the host read it."""
-    check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward, graphs))
+    check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward, graphs, padded))
 
 
 def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[Tuple[int, ...], bool]]]:

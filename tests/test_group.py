@@ -2,12 +2,14 @@
 mixed EBC runs before any backward (GPU kernels record a bad id instead of raising it in the forward; the end-to-end
 case is the refusal matrix's GPU twin in test_gpu_training.py)."""
 
-from typing import Callable, List, Optional, Tuple
+import gc
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
-from torchrec_pgas.sharding.group import StepGroup, first_cause, raise_first_cause
+from torchrec_pgas.sharding.group import StepGroup, first_cause
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
 from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
@@ -165,20 +167,74 @@ def test_a_step_raises_its_cause_not_the_consequences_in_later_shardings() -> No
     assert model.step_error(b, 9, None) is None
 
 
-def test_recorded_errors_are_raised_from_every_sharding_at_once() -> None:
+
+class _Recording(_Step):
+    """A GPU sharding's step as the group reads its error records (``records``: step -> error, as its kernels
+    left them; ``None``: a warning's record)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.records: Dict[int, Optional[PgasError]] = {}
+
+    def earliest_recorded(self) -> Optional[int]:
+        return min(self.records, default=None)
+
+    def take_recorded(self, epoch: int) -> Optional[PgasError]:
+        return self.records.pop(epoch, None)
+
+
+def _model(*names: str) -> Tuple[StepGroup, List[_Recording]]:
+    steps = [_Recording(n) for n in names]
+    model = StepGroup()
+    model.join(steps)
+    return model, steps
+
+
+def _raised(model: StepGroup) -> Optional[PgasError]:
+    try:
+        model.raise_recorded()
+    except PgasError as e:
+        return e
+    return None
+
+
+def test_a_step_recorded_in_several_shardings_raises_once_and_each_step_in_order() -> None:
     """A step refused on the device in several shardings of a model (a replay of a batch past the capacity of
-    both): each sharding's record is consumed when one is raised, the first cause standing for them, so that no
-    sibling's record fails the next, good step (what the GPU replay of a mixed plan raised before)."""
-    records = {"row_wise": [PgasError("row_wise: corrupt data from rank 0 (kind 1)")],
-               "table_wise": [PgasPeerAbortError("rank 1 aborted the table_wise step")]}
+    both) records it in each: one call raises its first cause and consumes every sharding's record, so that no
+    sibling's record fails the next, good step (what the GPU replay of a mixed plan raised before); records of
+    different steps raise one step a call, the earliest first; a sibling's record of a step already raised,
+    seen late (no sync), is consumed silently; a warning's record raises nothing."""
+    corrupt, abort = PgasError("row_wise: corrupt data from rank 0 (kind 1)"), PgasPeerAbortError("rank 1 aborted")
+    model, (tw, rw) = _model("table_wise", "row_wise")
+    tw.records, rw.records = {5: abort}, {5: corrupt}
+    assert _raised(model) is corrupt and tw.records == rw.records == {}
+    assert _raised(model) is None
+    bad = PgasInputError("bad id")
+    tw.records, rw.records = {6: abort, 7: bad}, {7: corrupt}
+    assert _raised(model) is abort and _raised(model) is bad and _raised(model) is None
+    rw.records = {7: corrupt}  # step 7's record in the second sharding, published after the first was raised
+    tw.records = {8: None}  # a warning
+    assert _raised(model) is None and rw.records == tw.records == {}
 
-    def raiser(kind: str) -> Callable[[], None]:
-        def call() -> None:
-            if records[kind]:
-                raise records[kind].pop()
-        return call
 
-    with pytest.raises(PgasError, match="row_wise: corrupt data") as raised:
-        raise_first_cause(raiser(k) for k in ("table_wise", "row_wise"))
-    assert type(raised.value) is PgasError and records == {"row_wise": [], "table_wise": []}
-    raise_first_cause(raiser(k) for k in ("table_wise", "row_wise"))  # the next step: nothing left to raise
+def test_a_raised_record_keeps_no_frame_alive() -> None:
+    """The raise leaves no reference cycle through its frame: what the caller held is freed at once, not at the
+    next garbage collection (GPU tensors of a step)."""
+    model, (step,) = _model("row_wise")
+    held = torch.zeros(4)
+    ref = weakref.ref(held)
+
+    def caller(t: torch.Tensor) -> None:
+        step.records = {3: PgasError("corrupt")}
+        try:
+            model.raise_recorded()
+        except PgasError:
+            pass
+
+    gc.disable()
+    try:
+        caller(held)
+        del held
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -7,7 +7,7 @@ the next steps ran. CPU (shm backend) here; the GPU twins are in test_gpu_traini
 
 import contextlib
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -48,15 +48,17 @@ FUSED: Dict[str, Any] = {"learning_rate": 0.05, "stochastic_rounding": False}
 
 
 def _sides(rank: int, world: int, kind: str, device_type: str, wait_s: float = 60,
-           owner_backward: str = "fbgemm", graphs: bool = True) -> Tuple[Any, Any, List[TrainBatch]]:
+           owner_backward: str = "fbgemm", graphs: bool = True,
+           padded: Optional[int] = None) -> Tuple[Any, Any, List[TrainBatch]]:
     """PGAS and stock over the same SUM tables (bit-exact training: see test_training.py); with
     ``owner_backward="pgas"``, whose sums differ from FBGEMM's in order, a PGAS twin of the same config in
-    place of stock."""
+    place of stock (``padded``: its ``max_padded_eager_ids``; 0: the owner update at the count)."""
     model = default_model(all_sum=True)
     types = all_tables(model, kind) if kind == PGAS_ROW_WISE else spread_tables(model, world)
     dev = rank_device(rank, device_type)
     config = PgasConfig(max_local_batch_size=16, wait_timeout_s=wait_s,
-                        training=PgasTrainingConfig(owner_backward=owner_backward, eager_backward_graphs=graphs))
+                        training=PgasTrainingConfig(owner_backward=owner_backward, eager_backward_graphs=graphs,
+                                                    max_padded_eager_ids=padded))
     wrapped = LossModel(model)
     pgas = shard(wrapped, types, dist.group.WORLD, dev, config, FUSED, path="model.")
     if owner_backward == "pgas":
@@ -100,9 +102,10 @@ def _outcome(pgas: Any, stock: Any, initial: Dict[str, torch.Tensor], errors: Li
 
 
 def _bad_batch(rank: int, world: int, kind: str, what: str, device_type: str,
-               owner_backward: str = "fbgemm", graphs: bool = True) -> Dict[str, Any]:
+               owner_backward: str = "fbgemm", graphs: bool = True, padded: Optional[int] = None) -> Dict[str, Any]:
     """Rank 1's step 2 is bad; every rank catches what it raises (in forward or backward) and goes on."""
-    pgas, stock, batches = _sides(rank, world, kind, device_type, owner_backward=owner_backward, graphs=graphs)
+    pgas, stock, batches = _sides(rank, world, kind, device_type, owner_backward=owner_backward, graphs=graphs,
+                                  padded=padded)
     initial = local_state(pgas)
     errors = []
     for i, batch in enumerate(batches):
@@ -128,13 +131,14 @@ def test_a_bad_batch_changes_nothing_and_the_next_steps_train(kind: str, what: s
 
 
 def _failed_backward(rank: int, world: int, kind: str, device_type: str,
-                     owner_backward: str = "fbgemm", graphs: bool = True) -> Dict[str, Any]:
+                     owner_backward: str = "fbgemm", graphs: bool = True,
+                     padded: Optional[int] = None) -> Dict[str, Any]:
     """Rank 1 skips step 2's backward, so rank 0's times out in the sharding whose backward runs first, which
     ends the model's backward before its other sharding's. Rank 0 keeps the failed step's output (a logged
     loss does; so does the exception's traceback until a garbage collection) and trains three more steps, the
     last one in step 2's buffer slot."""
     pgas, stock, batches = _sides(rank, world, kind, device_type, wait_s=5, owner_backward=owner_backward,
-                                  graphs=graphs)
+                                  graphs=graphs, padded=padded)
     initial = local_state(pgas)
     errors, kept = [], []
     for i, batch in enumerate(batches):

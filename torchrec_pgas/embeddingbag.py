@@ -26,7 +26,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_pgas.sharding.device_step import DeviceStep
-from torchrec_pgas.sharding.group import StepGroup, raise_first_cause
+from torchrec_pgas.sharding.group import StepGroup, groups_of
 from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial
 from torchrec_pgas.sharding.rw_sharding import PgasRwPooledEmbeddingSharding
 from torchrec_pgas.sharding.stages import PgasShardingMixin, strip_pgas_fused_params
@@ -280,4 +280,8 @@ def check_errors(module: nn.Module) -> None:
     mismatch or a peer's abort is raised at the next forward of the module at
     the latest, or here.
     """
-    raise_first_cause(step.check for step in pgas_steps(module))
+    steps = list(pgas_steps(module))
+    for step in steps:
+        step.synchronize()
+    for group in groups_of(steps):
+        group.raise_recorded()

@@ -16,7 +16,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_pgas.sharding.capture import CapturedStep, recording_captured_steps
-from torchrec_pgas.sharding.group import raise_first_cause
+from torchrec_pgas.sharding.group import groups_of
 from torchrec_pgas.sharding.owner_backward import storage_key, write_hyper
 from torchrec_pgas.sharding.tbe_counters import advance_tbe_iterations, sync_tbe_iterations
 from torchrec_pgas.static_kjt import StaticKJT
@@ -78,8 +78,8 @@ class CapturedTrainStep:
         self._launches += 1
         for c in self._captured:
             sync_tbe_iterations(c.tbes, c.iterations)  # the device counters, as an eager step leaves them
-        # an earlier replay's refused step (no sync: the records are pinned), in every sharding that recorded it
-        raise_first_cause(c.step.raise_recorded for c in self._captured)
+        for group in groups_of(c.step for c in self._captured):
+            group.raise_recorded()  # an earlier replay's refused step (no sync: the records are pinned)
         return self._loss
 
     def _check_storage(self) -> None:

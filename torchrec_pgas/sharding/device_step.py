@@ -256,17 +256,17 @@ class DeviceStep(PgasStep):
         self._config.copy_(as_tensor(self.layout.config(**self._config_args, trace=on)))
         self.backward_runner.replay.cache.clear()  # their kernels were captured with the config as it was
 
-    def check(self) -> None:
+    def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
-        self.raise_recorded()
 
     def last_step_refused(self) -> Optional[torch.Tensor]:
         return last_training_step_refused(self)
 
-    def raise_recorded(self) -> None:
-        """Raise (or warn about) the error records of finished steps, the earliest first; no sync. A step
-        that waits for its backward keeps its record: the backward raises it."""
-        self.errors.raise_finished(self.backwards.awaits)
+    def earliest_recorded(self) -> Optional[int]:
+        return self.errors.earliest_finished(self.backwards.awaits)
+
+    def take_recorded(self, epoch: int) -> Optional[PgasError]:
+        return self.errors.take_finished(epoch)
 
 
 def _peer_table(step: PgasStep) -> torch.Tensor:

@@ -10,8 +10,9 @@ backwards. The group is the sharder's (``PgasEmbeddingBagCollectionSharder``: DM
 model through the one sharder it is given), so it spans a model's EBCs; give each model its own sharder.
 """
 
+import collections
 import weakref
-from typing import Callable, Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
@@ -29,7 +30,9 @@ class GroupMember(Protocol):
 
     def fail(self, err: PgasError, epoch: int) -> PgasError: ...
 
-    def raise_recorded(self) -> None: ...
+    def earliest_recorded(self) -> Optional[int]: ...
+
+    def take_recorded(self, epoch: int) -> Optional[PgasError]: ...
 
     def step_failure(self, epoch: int) -> Optional[PgasError]: ...
 
@@ -52,19 +55,13 @@ def first_cause(errors: Iterable[Optional[PgasError]]) -> Optional[PgasError]:
     return min((e for e in errors if e is not None), key=lambda e: order.get(type(e), 0), default=None)
 
 
-def raise_first_cause(raisers: Iterable[Callable[[], None]]) -> None:
-    """Call every one of ``raisers`` (each raises what one sharding recorded of finished steps, consuming it),
-    then raise the first cause (:func:`first_cause`) of what they raised: a step refused in several shardings of
-    a model records it in each, and raising at the first would leave the others' records to fail a later step."""
-    errors: List[Optional[PgasError]] = []
-    for call in raisers:
-        try:
-            call()
-        except PgasError as e:
-            errors.append(e)
-    cause = first_cause(errors)
-    if cause is not None:
-        raise cause
+def groups_of(steps: Iterable[GroupMember]) -> List["StepGroup"]:
+    """The groups (models) ``steps`` belong to, each once, in the order of their first step."""
+    groups: List[StepGroup] = []
+    for step in steps:
+        if not any(g is step.group for g in groups):
+            groups.append(step.group)
+    return groups
 
 
 class StepGroup:
@@ -74,6 +71,7 @@ class StepGroup:
         self._refs: List["weakref.ref[GroupMember]"] = []  # in joining order: the first live one leads
         self._stock: List["weakref.ref[StockForwardCounters]"] = []  # the model's stock-sharded TBEs' counters
         self._agreed_whole = 0  # the last step the ranks agreed no rank failed (``refuse_failed_step``)
+        self._raised: Deque[int] = collections.deque(maxlen=8)  # the last steps ``raise_recorded`` raised
 
     def __reduce__(self) -> Tuple[type, Tuple[()]]:
         """A copied or pickled group (of a copied or pickled sharder) is a new, empty one: steps belong to the
@@ -116,10 +114,29 @@ class StepGroup:
         before the model's first index dist of a step: once another sharding has claimed the next epoch, ``step``
         must claim it too (raising here would leave it an epoch behind); the records wait for the next step's
         first index dist."""
-        members = self.members()
-        if any(m.issued > step.issued for m in members):
+        if any(m.issued > step.issued for m in self.members()):
             return
-        raise_first_cause(member.raise_recorded for member in members)
+        self.raise_recorded()
+
+    def raise_recorded(self) -> None:
+        """Raise what the model's shardings recorded for finished steps (no sync), the earliest step first: its
+        records consumed in every sharding, the first cause standing for them (a step refused in several shardings
+        records it in each: raising one would leave the others to fail a later, good step); a later step's records
+        wait for the next call. A sharding's record of a step already raised, seen late (each sharding publishes
+        its record at its own stage of the step), is consumed silently; a warning's record warns."""
+        members = self.members()
+        while True:
+            epoch = min((e for e in (m.earliest_recorded() for m in members) if e is not None), default=None)
+            if epoch is None:
+                return
+            errors = [m.take_recorded(epoch) for m in members]
+            cause = None if epoch in self._raised else first_cause(errors)
+            if cause is not None:
+                self._raised.append(epoch)
+                try:
+                    raise cause
+                finally:  # else the traceback's frames (this one's locals: the errors) and the exception form a
+                    del cause, errors  # cycle that keeps the caller's tensors alive until a garbage collection
 
     def forward_failed(self, step: GroupMember, epoch: int, err: PgasError) -> None:
         """``step`` raised ``err`` for step ``epoch`` in the model's forward, which ends that forward on every

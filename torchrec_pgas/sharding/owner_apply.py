@@ -94,6 +94,9 @@ class OwnerApply:
         kept = self.received.kept_ids_padded(base, rows, block_features, batches, whole)
         counts = tbe_id_counts(ticket.tbes, kept) if at_count else None
         profiling.mark("kept_ids")
+        if at_count and counts is None:  # not the TBEs' bags: the op does not take them
+            self._op_refused = True
+            return False
         if counts is not None and not any(counts) and self._applying is not None:
             self._applying.updated = False  # no row to update: not a measure of the trial
         grads = self.received.kept_grads(slot, rows, columns, self.out_dtype)

@@ -397,11 +397,14 @@ def padded_owner_backward(tbes: Sequence[nn.Module], kept: PaddedIds, grads: tor
     return True
 
 
-def tbe_id_counts(tbes: Sequence[nn.Module], kept: PaddedIds) -> List[int]:
+def tbe_id_counts(tbes: Sequence[nn.Module], kept: PaddedIds) -> Optional[List[int]]:
     """Each TBE's kept ids (its bags' in the kept offsets, TBEs in order), read on the host in one sync, at most
-    the capacity (the ``owner_keys`` op writes no position past it, whatever the sources' headers say)."""
-    firsts = itertools.accumulate([0] + [len(tbe.feature_table_map) * kept.stride for tbe in tbes])
-    cuts = kept.bags.offsets[torch.tensor(list(firsts), device=kept.bags.offsets.device)].tolist()
+    the capacity (the ``owner_keys`` op writes no position past it, whatever the sources' headers say); None
+    where the kept bags are not the TBEs' (:func:`padded_owner_backward` refuses them)."""
+    firsts = list(itertools.accumulate([0] + [len(tbe.feature_table_map) * kept.stride for tbe in tbes]))
+    if kept.bags.offsets.numel() != firsts[-1] + 1:
+        return None
+    cuts = kept.bags.offsets[torch.tensor(firsts, device=kept.bags.offsets.device)].tolist()
     return [max(0, min(hi - lo, kept.capacity)) for lo, hi in zip(cuts, cuts[1:])]
 
 

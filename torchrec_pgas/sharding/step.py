@@ -355,9 +355,14 @@ class PgasStep(abc.ABC):
         bool that no host reads; None on the host path, whose refused steps raise in their forward."""
         return None
 
-    def raise_recorded(self) -> None:
-        """Raise the errors the device recorded for finished steps, without a sync; the host path raises its
-        errors as they happen."""
+    def earliest_recorded(self) -> Optional[int]:
+        """The earliest finished step whose error the device recorded (no sync; the backward raises a step that
+        waits for it), None if none; the host path raises its errors as they happen."""
+        return None
 
-    def check(self) -> None:
-        """Raise errors the device recorded (after a stream sync); nothing to do where stages raise."""
+    def take_recorded(self, epoch: int) -> Optional[PgasError]:
+        """Step ``epoch``'s recorded error, consumed (``StepGroup.raise_recorded`` raises it)."""
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for the step's device work (its error records are then complete); nothing where stages raise."""

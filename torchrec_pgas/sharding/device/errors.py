@@ -61,19 +61,22 @@ class ErrorRecords:
             record.zero_()
         return err
 
-    def raise_finished(self, awaits_backward: Callable[[int], bool]) -> None:
-        """Raise (or warn about) the records of finished steps, the earliest first; no sync. A step that waits
-        for its backward keeps its record: the backward raises it."""
-        records = sorted(r for r in self.status.tolist() if r[1] != ErrorCode.NONE)
-        for epoch, *_ in records:
-            if awaits_backward(epoch):
-                continue
-            record = self.record(epoch)
-            values = record.tolist()
-            record.zero_()
-            err = self.gave_up.pop(epoch, None) or self.error(values)
-            if err is not None:
-                raise err
+    def earliest_finished(self, awaits_backward: Callable[[int], bool]) -> Optional[int]:
+        """The earliest step with a record (a warning's too) that does not wait for its backward (the backward
+        raises that one), as the host sees the records now: no sync; None if there is none."""
+        epochs = [epoch for epoch, code, *_ in self.status.tolist()
+                  if code != ErrorCode.NONE and not awaits_backward(epoch)]
+        return min(epochs, default=None)
+
+    def take_finished(self, epoch: int) -> Optional[PgasError]:
+        """Step ``epoch``'s recorded error, the record consumed (a WARNING-mode bad id warns and gives None);
+        None without a record of the step."""
+        record = self.record(epoch)
+        values = record.tolist()
+        if values[0] != epoch or values[1] == ErrorCode.NONE:
+            return None
+        record.zero_()
+        return self.gave_up.pop(epoch, None) or self.error(values)
 
     def error(self, record: Sequence[int]) -> Optional[PgasError]:
         """The error an ErrorRecord (epoch, code, a, b, c) reports; a WARNING-mode bad id warns instead."""
