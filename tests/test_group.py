@@ -8,9 +8,12 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
+from torchrec_pgas.sharding.device.errors import ErrorRecords
 from torchrec_pgas.sharding.group import StepGroup, first_cause
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
+from torchrec_pgas.step_abi import ErrorCode
 from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
 
@@ -238,3 +241,47 @@ def test_a_raised_record_keeps_no_frame_alive() -> None:
         assert ref() is None
     finally:
         gc.enable()
+
+
+class _Device(_Step):
+    """A GPU sharding's step with its real error records (three slots; host memory standing in for pinned)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.errors = ErrorRecords(name, 0, 3, BoundsCheckMode.FATAL, lambda f, v: f"feature {f}: bad id {v}")
+
+    def record(self, epoch: int, code: ErrorCode, slot: Optional[int] = None) -> None:
+        self.errors.status[epoch % 3 if slot is None else slot] = torch.tensor([epoch, int(code), 1, 0, 0])
+
+    def earliest_recorded(self) -> Optional[int]:
+        return self.errors.earliest_finished(self.backwards.awaits)
+
+    def take_recorded(self, epoch: int) -> Optional[PgasError]:
+        return self.errors.take_finished(epoch, self.backwards.awaits)
+
+
+@pytest.fixture
+def host_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no GPU here: the records in host memory
+
+
+def test_records_of_a_step_awaiting_its_backward_and_torn_records_stay(host_records: None) -> None:
+    """The group's raise leaves a sharding's record of a step that waits for its backward there (its backward
+    raises it, and the ranks agree on it: ``refuse_failed_step``), though a sibling that does not wait raises
+    its own record of the step; it does not spin on a torn record (a slot whose step is not the slot's: the host
+    cleared it while the device wrote its next record); and a new model's group raises its own steps again."""
+    a, b = _Device("a"), _Device("b")
+    model = StepGroup()
+    model.join([a, b])
+    a.await_backward(5)
+    a.record(5, ErrorCode.PEER_ABORT)
+    b.record(5, ErrorCode.PEER_ABORT)
+    assert isinstance(_raised(model), PgasPeerAbortError)
+    assert isinstance(a.errors.step_failure(5), PgasPeerAbortError)  # a's backward still finds it
+    b.record(0, ErrorCode.TIMEOUT, slot=2)  # torn: step 0 in slot 2
+    assert _raised(model) is None
+    del a, b
+    c = _Device("c")
+    model.join([c])
+    c.record(5, ErrorCode.PEER_ABORT)  # the new model's step 5, not the old one's
+    assert isinstance(_raised(model), PgasPeerAbortError)

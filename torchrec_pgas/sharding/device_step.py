@@ -266,7 +266,7 @@ class DeviceStep(PgasStep):
         return self.errors.earliest_finished(self.backwards.awaits)
 
     def take_recorded(self, epoch: int) -> Optional[PgasError]:
-        return self.errors.take_finished(epoch)
+        return self.errors.take_finished(epoch, self.backwards.awaits)
 
 
 def _peer_table(step: PgasStep) -> torch.Tensor:

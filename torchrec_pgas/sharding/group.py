@@ -12,7 +12,7 @@ model through the one sharder it is given), so it spans a model's EBCs; give eac
 
 import collections
 import weakref
-from typing import Callable, Deque, Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
@@ -85,6 +85,8 @@ class StepGroup:
     def join(self, steps: Iterable[GroupMember]) -> None:
         """Make ``steps`` members of this group, leaving the group each was in; every member then waits
         against the leader's deadlines."""
+        if not self.members():  # a new model (a sharder reused): its epochs start again
+            self._raised.clear()
         for step in steps:
             if any(member is step for member in self.members()):
                 continue
@@ -123,12 +125,15 @@ class StepGroup:
         records consumed in every sharding, the first cause standing for them (a step refused in several shardings
         records it in each: raising one would leave the others to fail a later, good step); a later step's records
         wait for the next call. A sharding's record of a step already raised, seen late (each sharding publishes
-        its record at its own stage of the step), is consumed silently; a warning's record warns."""
+        its record at its own stage of the step), is consumed silently; a warning's record warns; a sharding whose
+        step waits for its backward keeps its record (the backward raises it, and the ranks agree on it)."""
         members = self.members()
+        taken: Set[int] = set()  # the steps this call took: a record no member consumes is not spun on
         while True:
             epoch = min((e for e in (m.earliest_recorded() for m in members) if e is not None), default=None)
-            if epoch is None:
+            if epoch is None or epoch in taken:
                 return
+            taken.add(epoch)
             errors = [m.take_recorded(epoch) for m in members]
             cause = None if epoch in self._raised else first_cause(errors)
             if cause is not None:

@@ -361,7 +361,8 @@ class PgasStep(abc.ABC):
         return None
 
     def take_recorded(self, epoch: int) -> Optional[PgasError]:
-        """Step ``epoch``'s recorded error, consumed (``StepGroup.raise_recorded`` raises it)."""
+        """Step ``epoch``'s recorded error, consumed (``StepGroup.raise_recorded`` raises it), unless the step waits
+        for its backward here (the backward raises it)."""
         return None
 
     def synchronize(self) -> None:

@@ -63,14 +63,19 @@ class ErrorRecords:
 
     def earliest_finished(self, awaits_backward: Callable[[int], bool]) -> Optional[int]:
         """The earliest step with a record (a warning's too) that does not wait for its backward (the backward
-        raises that one), as the host sees the records now: no sync; None if there is none."""
-        epochs = [epoch for epoch, code, *_ in self.status.tolist()
-                  if code != ErrorCode.NONE and not awaits_backward(epoch)]
+        raises that one), as the host sees the records now: no sync; None if there is none. A record whose step
+        is not its slot's (torn: the host's clearing of a slot raced the device's next record there) is not a
+        step's and is left to be overwritten."""
+        epochs = [epoch for slot, (epoch, code, *_) in enumerate(self.status.tolist())
+                  if code != ErrorCode.NONE and epoch > 0 and epoch % self.num_slots == slot
+                  and not awaits_backward(epoch)]
         return min(epochs, default=None)
 
-    def take_finished(self, epoch: int) -> Optional[PgasError]:
+    def take_finished(self, epoch: int, awaits_backward: Callable[[int], bool]) -> Optional[PgasError]:
         """Step ``epoch``'s recorded error, the record consumed (a WARNING-mode bad id warns and gives None);
-        None without a record of the step."""
+        None without a record of the step, or while the step waits for its backward (which raises it)."""
+        if awaits_backward(epoch):
+            return None
         record = self.record(epoch)
         values = record.tolist()
         if values[0] != epoch or values[1] == ErrorCode.NONE:
