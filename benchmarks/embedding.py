@@ -773,12 +773,12 @@ def backward_graph_counts(dmp: DistributedModelParallel) -> Tuple[int, int]:
 def owner_backward_choices(dmp: DistributedModelParallel) -> List[Optional[str]]:
     """``owner_backward='auto'``'s choice in each PGAS sharding of ``dmp`` on this rank (None: still timing);
     empty under another owner backward."""
-    return [t.chosen.value if t.chosen is not None else None for t in owner_backward_trials(dmp)]
+    return [t.report()[0] for t in owner_backward_trials(dmp)]
 
 
 def owner_backward_trial_ms(dmp: DistributedModelParallel) -> List[Dict[str, float]]:
     """The median apply times (ms) ``owner_backward='auto'``'s choice compared, per PGAS sharding on this rank."""
-    return [{path.value: ms for path, ms in t.medians.items()} for t in owner_backward_trials(dmp)]
+    return [t.report()[1] for t in owner_backward_trials(dmp)]
 
 
 def train_workload(w: Workload, stock: DistributedModelParallel, pgas: DistributedModelParallel,

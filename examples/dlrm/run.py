@@ -243,11 +243,10 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     world = dist.get_world_size()
     global_losses = torch.stack(losses).float()
     dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
-    trials = owner_backward_trials(dmp)
+    trials = [t.report() for t in owner_backward_trials(dmp)]
     return RunResult(world * data.batch_size * timed / max(elapsed, 1e-9), preds, labels,
                      (global_losses / world).tolist(), None if replay is None else replay.batches_off_graph,
-                     [None if t.chosen is None else t.chosen.value for t in trials],
-                     [{path.value: ms for path, ms in t.medians.items()} for t in trials])
+                     [chosen for chosen, _ in trials], [medians for _, medians in trials])
 
 
 def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, float]:

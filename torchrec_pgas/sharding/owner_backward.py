@@ -404,7 +404,8 @@ def tbe_id_counts(tbes: Sequence[nn.Module], kept: PaddedIds) -> Optional[List[i
     firsts = list(itertools.accumulate([0] + [len(tbe.feature_table_map) * kept.stride for tbe in tbes]))
     if kept.bags.offsets.numel() != firsts[-1] + 1:
         return None
-    cuts = kept.bags.offsets[torch.tensor(firsts, device=kept.bags.offsets.device)].tolist()
+    offsets = kept.bags.offsets  # the TBEs' first offsets as views, gathered by one cat: no host-to-device copy
+    cuts = torch.cat([offsets[f:f + 1] for f in firsts]).tolist()
     return [max(0, min(hi - lo, kept.capacity)) for lo, hi in zip(cuts, cuts[1:])]
 
 

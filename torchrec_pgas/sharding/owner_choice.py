@@ -71,6 +71,11 @@ class OwnerBackwardTrial:
             return self.chosen
         return self._schedule[self._next] if self._next < len(self._schedule) else OwnerBackward.PGAS
 
+    def report(self) -> Tuple[Optional[str], Dict[str, float]]:
+        """The choice's value (None while timing) and the medians it compared (ms by path value), for reports."""
+        return (None if self.chosen is None else self.chosen.value,
+                {path.value: ms for path, ms in self.medians.items()})
+
     def deciding(self) -> bool:
         """Whether backwards are still being timed."""
         return self._next < len(self._schedule)
