@@ -45,16 +45,21 @@ def test_dlrm_inference_with_pgas_matches_stock() -> None:
 @pytest.mark.stacks
 def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     """--train --sharding pgas --validate: the stock twin trained on the same batches has the same loss after
-    every step (1e-4 relative) and the same final AUC (1e-3); the trajectories are the run's own report."""
+    every step (1e-4 relative) and the same final AUC (1e-3); the trajectories are the run's own report.
+    --profile writes each side's op table: the owner update on the PGAS side only."""
     report = tmp_path / "dlrm_train.json"
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--batch-size", "32",
-                   "--steps", "8", "--max-rows", "2000", "--validate", "--report", str(report))
+                   "--steps", "8", "--max-rows", "2000", "--validate", "--report", str(report),
+                   "--profile", str(tmp_path / "profile"))
     assert any(line.startswith("DLRM train, sharding=pgas (shm)") for line in out), out
     assert any(line.startswith("validate: 8 training steps") and line.endswith("PASS") for line in out), out
     got = json.loads(report.read_text())
     assert len(got["losses"]) == len(got["stock_losses"]) == 8
     assert got["losses"][-1] < got["losses"][0]  # it trained
     assert max(abs(a - b) / b for a, b in zip(got["losses"], got["stock_losses"])) <= 1e-4
+    ours, stock = ((tmp_path / "profile" / f"{side}_b32.txt").read_text() for side in ("pgas", "nccl"))
+    assert ours.startswith("5 steps") and "torchrec_pgas::owner_update" in ours, ours
+    assert "torchrec_pgas::" not in stock, stock
 
 
 def test_dlrm_multi_hot_replays_like_stock(tmp_path: pathlib.Path) -> None:

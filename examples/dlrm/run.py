@@ -82,6 +82,7 @@ from torchrec_pgas.testing import fill_embeddings_
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 StepOutput = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # DLRMTrain's detached (loss, logits, labels)
+PROFILED_STEPS = 5  # --profile
 
 
 def build_model(dim: int, max_rows: int, device: torch.device, seed: int) -> DLRMTrain:
@@ -217,8 +218,28 @@ def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_o
     return step, None
 
 
+def step_profiler(path: Optional[str], warmup: int, device: torch.device) -> Optional[torch.profiler.profile]:
+    """--profile: torch.profiler over the first PROFILED_STEPS timed steps (their samples/s carries its cost);
+    rank 0 writes their ops and kernels by self device time (CPU time on CPUs) to ``path``."""
+    if path is None:
+        return None
+    on_gpu = device.type == "cuda"
+
+    def write(prof: torch.profiler.profile) -> None:
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"{PROFILED_STEPS} steps\n" + prof.key_averages().table(
+                    sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=60,
+                    max_name_column_width=100))
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    schedule = torch.profiler.schedule(wait=max(warmup - 1, 0), warmup=min(warmup, 1), active=PROFILED_STEPS)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)
+
+
 def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool, lr: float,
-        warmup: int, pipeline: str = "plain") -> RunResult:
+        warmup: int, pipeline: str = "plain", profile: Optional[str] = None) -> RunResult:
     dense_opt = None
     if train:
         dense = [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
@@ -226,6 +247,9 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     step_fn, replay = stepper(dmp, data, device, dense_opt, pipeline)
     preds, labels, losses = [], [], []
     start, timed = 0.0, 0
+    profiler = step_profiler(profile, warmup, device)
+    if profiler is not None:
+        profiler.start()
     for step in range(len(data)):
         if step == warmup:
             if device.type == "cuda":
@@ -237,9 +261,13 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
         preds.append(torch.sigmoid(logits))
         labels.append(step_labels)
         timed += step >= warmup
+        if profiler is not None:
+            profiler.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.stop()
     world = dist.get_world_size()
     global_losses = torch.stack(losses).float()
     dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
@@ -262,6 +290,11 @@ def metrics(preds: List[torch.Tensor], labels: List[torch.Tensor]) -> Dict[str, 
     return {"auc": float(auc), "logloss": float(logloss)}
 
 
+def profile_path(args: argparse.Namespace, sharding: str) -> Optional[str]:
+    """Where --profile writes one side's table."""
+    return None if args.profile is None else os.path.join(args.profile, f"{sharding}_b{args.batch_size}.txt")
+
+
 def twin_sharding(sharding: str) -> str:
     """--validate's other side: stock for pgas and auto, PGAS for nccl."""
     return "pgas" if sharding == "nccl" else "nccl"
@@ -276,7 +309,8 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
                       device: torch.device, args: argparse.Namespace) -> bool:
     """Train the twin on the same batches through the same loop: the loss of every step within 1e-4 relative,
     the AUC within 1e-3; both samples/s side by side (the report's keys name the stock side as such)."""
-    theirs = run(twin, data, device, True, args.lr, args.warmup, twin_pipeline(args.pipeline))
+    theirs = run(twin, data, device, True, args.lr, args.warmup, twin_pipeline(args.pipeline),
+                 profile_path(args, twin_sharding(args.sharding)))
     their_metrics = metrics(theirs.preds, theirs.labels)
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours.losses, theirs.losses)]
     worst = max(range(len(rel)), key=rel.__getitem__)
@@ -333,7 +367,8 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
     data = SyntheticCriteo(args.batch_size, args.steps, args.max_rows, seed=1000 * args.seed + rank,
                            max_ids_per_bag=args.max_ids_per_bag)
 
-    result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline)
+    result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline,
+                 profile_path(args, args.sharding))
     check_errors(dmp)
     m = metrics(result.preds, result.labels)
     mode = "train" if args.train else "inference"
@@ -385,6 +420,8 @@ def main() -> None:
                         "host's ranks as several nodes, e.g. 4 processes on CPUs as 2 x 2")
     parser.add_argument("--report", help="with --train --validate: write both loss trajectories and samples/s "
                         "here (JSON)")
+    parser.add_argument("--profile", help=f"a directory: torch.profiler's table of the first {PROFILED_STEPS} timed "
+                        "steps of each side, by self device time (their samples/s carries the profiler's cost)")
     args = parser.parse_args()
     if args.pipeline != "plain" and not args.train:
         parser.error(f"--pipeline {args.pipeline} trains: add --train")
