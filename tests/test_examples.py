@@ -1,5 +1,6 @@
 """The examples, launched the way users launch them (torchrun, 2 processes, CPU here)."""
 
+import gzip
 import json
 import os
 import pathlib
@@ -60,6 +61,8 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     ours, stock = ((tmp_path / "profile" / f"{side}_b32.txt").read_text() for side in ("pgas", "nccl"))
     assert ours.startswith("5 steps") and "torchrec_pgas::owner_update" in ours, ours
     assert "torchrec_pgas::" not in stock, stock
+    trace = json.loads(gzip.decompress((tmp_path / "profile" / "pgas_b32.trace.json.gz").read_bytes()))
+    assert any(e.get("name") == "torchrec_pgas::owner_update" for e in trace["traceEvents"])
 
 
 def test_dlrm_multi_hot_replays_like_stock(tmp_path: pathlib.Path) -> None:

@@ -220,7 +220,8 @@ def stepper(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, dense_o
 
 def step_profiler(path: Optional[str], warmup: int, device: torch.device) -> Optional[torch.profiler.profile]:
     """--profile: torch.profiler over the first PROFILED_STEPS timed steps (their samples/s carries its cost);
-    rank 0 writes their ops and kernels by self device time (CPU time on CPUs) to ``path``."""
+    rank 0 writes their ops and kernels by self device time (CPU time on CPUs) to ``path`` and their timeline
+    (where the device waits on the host) next to it, a gzipped Chrome trace."""
     if path is None:
         return None
     on_gpu = device.type == "cuda"
@@ -232,6 +233,7 @@ def step_profiler(path: Optional[str], warmup: int, device: torch.device) -> Opt
                 f.write(f"{PROFILED_STEPS} steps\n" + prof.key_averages().table(
                     sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total", row_limit=60,
                     max_name_column_width=100))
+            prof.export_chrome_trace(os.path.splitext(path)[0] + ".trace.json.gz")
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     schedule = torch.profiler.schedule(wait=max(warmup - 1, 0), warmup=min(warmup, 1), active=PROFILED_STEPS)
@@ -420,8 +422,8 @@ def main() -> None:
                         "host's ranks as several nodes, e.g. 4 processes on CPUs as 2 x 2")
     parser.add_argument("--report", help="with --train --validate: write both loss trajectories and samples/s "
                         "here (JSON)")
-    parser.add_argument("--profile", help=f"a directory: torch.profiler's table of the first {PROFILED_STEPS} timed "
-                        "steps of each side, by self device time (their samples/s carries the profiler's cost)")
+    parser.add_argument("--profile", help=f"a directory: torch.profiler's table and trace of the first {PROFILED_STEPS} "
+                        "timed steps of each side (their samples/s carries the profiler's cost)")
     args = parser.parse_args()
     if args.pipeline != "plain" and not args.train:
         parser.error(f"--pipeline {args.pipeline} trains: add --train")
