@@ -65,6 +65,7 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     assert any(e.get("name") == "torchrec_pgas::owner_update" for e in trace["traceEvents"])
 
 
+@pytest.mark.matrix  # ~10 s; make test trains through the replay pipeline one-hot (below)
 def test_dlrm_multi_hot_replays_like_stock(tmp_path: pathlib.Path) -> None:
     """--max-ids-per-bag 20: multi-hot features (1 to 20 ids a bag), the PGAS buffers sized for the largest bags
     from the plan's pooling factors, through the replay pipeline: every batch after the first takes the graph's
@@ -118,6 +119,7 @@ def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) 
     assert got["owner_backward_chosen"] and set(got["owner_backward_chosen"]) == {None}, got
 
 
+@pytest.mark.matrix  # ~10 s; make test plans and trains with --sharding auto (below)
 def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
     """--sharding auto: collective_plan with PgasEnumerator decides per table (the shipped H200 profile
     prices PGAS lower for every row-wise table), and the result still matches stock."""

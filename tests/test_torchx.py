@@ -27,6 +27,7 @@ def _torchx_dlrm(*script_args: str, nnodes: int = 1) -> str:
     return log
 
 
+@pytest.mark.matrix  # ~17 s; make test runs the example directly (test_examples.py) and the component's arguments
 def test_torchx_local_cwd_runs_the_dlrm_example() -> None:
     log = _torchx_dlrm("--sharding", "pgas", "--batch-size", "32", "--steps", "4", "--max-rows", "2000", "--validate")
     assert "DLRM inference, sharding=pgas (shm), world 2" in log
