@@ -34,6 +34,7 @@ struct WarpLanes {
   static constexpr int kDepth = kColumns == 1 ? 3 : kColumns == 2 ? 2 : kColumns <= 4 ? 2 : 1;
   static constexpr int kMinBlocks = kColumns <= 2 ? 4 : kColumns <= 4 ? 2 : 1;
   int lane;
+  IdMeta* slots;  // the warp's 32 staged positions, in shared memory
   __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; d < dim guards
   __device__ float sum(float x) const {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -41,8 +42,13 @@ struct WarpLanes {
   }
   __device__ unsigned ballot(bool flag) const { return __ballot_sync(0xffffffffu, flag); }
   __device__ int first(unsigned mask) const { return __ffs(mask) - 1; }
-  template <typename T>
-  __device__ T broadcast(T x, int from) const { return __shfl_sync(0xffffffffu, x, from); }
+  // After every lane's reads of the previous batch's slots; then visible to the warp.
+  __device__ void stage(const IdMeta& m) const {
+    __syncwarp();
+    slots[lane] = m;
+    __syncwarp();
+  }
+  __device__ IdMeta staged(int i) const { return slots[i]; }
   __device__ void sync() const { __syncwarp(); }
 };
 
@@ -51,7 +57,8 @@ struct WarpLanes {
 template <int kColumns, typename Walk>
 __device__ __forceinline__ void for_each_chunk(const OwnerUpdateParams& p, Walk&& walk) {
   if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every walker reads the word first
-  const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32)};
+  __shared__ IdMeta slots[kWarps][32];
+  const WarpLanes<kColumns> lanes{static_cast<int>(threadIdx.x % 32), slots[threadIdx.x / 32]};
   const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
   const int64_t chunks = (used + size - 1) / size, stride = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < chunks; c += stride) {

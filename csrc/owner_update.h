@@ -192,8 +192,11 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
 // Lanes (a warp, or one CPU thread) play two parts in the walk below. Over a
 // row, lane l holds columns l, l + kCount, ... in arrays of kMaxColumns
 // (columns(dim) of them in use); over the sorted positions, a batch of kCount
-// positions is read lane-per-position, then each position's fields are
-// broadcast. sum adds a value over the lanes, ballot gathers a flag per lane
+// positions is read lane-per-position and staged (stage: each lane's IdMeta
+// into the walker's slots, a warp's in shared memory), then the lanes read each
+// position's fields from its slot (staged: one broadcast read of 16 bytes where
+// a shuffle moves 4, and no lane holds its position's fields while the batch is
+// walked). sum adds a value over the lanes, ballot gathers a flag per lane
 // (lane i: bit i), sync orders the lanes' reads of a row's state before a
 // write. kDepth: the ids whose gradient rows (and, at a run's start, weight
 // row) are loaded before the first of them is summed.
@@ -202,12 +205,13 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
 // (table -1: a key outside every table's rows, whose run is skipped), whether it
 // starts its row's run, and its term's source: where its gradient row starts
 // (-1: the id adds nothing: a bad bag, or a feature of another table than its
-// key's), its per-sample weight and its MEAN factor.
-struct IdMeta {
-  int32_t row;  // < 2^31: checked on the host
+// key's), its per-sample weight and its MEAN factor. 32 bytes, the term's
+// fields first: a staged slot is read as two 16-byte words.
+struct alignas(16) IdMeta {
   int64_t src;
   float weight;
   float inv_length;
+  int32_t row;  // < 2^31: checked on the host
   int32_t table;
   int32_t dim;
   bool starts;
@@ -216,7 +220,7 @@ struct IdMeta {
 
 PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
   const int64_t key = key_at(p, q);
-  IdMeta m{0, -1, 0.f, 0.f, -1, 0, q == 0 || key_at(p, q - 1) != key, false};
+  IdMeta m{-1, 0.f, 0.f, 0, -1, 0, q == 0 || key_at(p, q - 1) != key, false};
   const int64_t t = table_of(p, key);
   const int64_t row = key - p.tables[t].key_base;
   m.beyond = t == p.num_tables - 1 && row >= p.tables[t].rows;
@@ -414,8 +418,9 @@ PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
   for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
-    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, false, false};
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, false, false};
     prefetch_grad_row<grad_t>(p, mine);
+    lanes.stage(mine);
     const int count = hi - q0 < Lanes::kCount ? static_cast<int>(hi - q0) : Lanes::kCount;
     for (int i0 = 0; i0 < count; i0 += kDepth) {
       float term[kDepth][kColumns];
@@ -423,10 +428,9 @@ PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only
         const int i = i0 + k < count ? i0 + k : count - 1;
-        const int64_t src = lanes.broadcast(mine.src, i);
-        const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
-        adds[k] = i0 + k < count && src >= 0;
-        load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dim, weight, inv_length, lanes, term[k]);
+        const IdMeta id = lanes.staged(i);
+        adds[k] = i0 + k < count && id.src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? id.src : -1, dim, id.weight, id.inv_length, lanes, term[k]);
       }
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {
@@ -485,13 +489,19 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
   bool opened = false;  // a run of this chunk has started
   for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
-    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{0, -1, 0.f, 0.f, -1, 0, true, true};
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, true, true};
     prefetch_grad_row<grad_t>(p, mine);
+    lanes.stage(mine);
     // The batch ends at hi or at the first key past every table (the padding of a captured step's fixed
     // capacity: never walked).
     const unsigned past = lanes.ballot(mine.starts && mine.beyond);
     const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
     const unsigned starts = lanes.ballot(mine.starts);
+    // The batch's live positions (bit i: position q0 + i): those before its end in a run of this chunk, one
+    // opened in an earlier batch or at the batch's first start or after it; and the live ones that open a run.
+    const unsigned before_end = end == Lanes::kCount ? ~0u : (1u << end) - 1u;
+    const unsigned live = before_end & (opened ? ~0u : starts == 0 ? 0u : ~0u << lanes.first(starts));
+    const unsigned opening = live & starts;
     for (int i0 = 0; i0 < end; i0 += kDepth) {
       float term[kDepth][kColumns];
       RowBefore<kColumns> before[kDepth];
@@ -500,16 +510,14 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
         const int i = i0 + k < end ? i0 + k : end - 1;
-        // a live id belongs to a run of this chunk: one opened before, or at or before it in this batch
-        const bool live = i0 + k < end && (opened || (starts & (~0u >> (31 - i))) != 0);
-        opens[k] = live && ((starts >> i) & 1u) != 0;
-        tables[k] = lanes.broadcast(mine.table, i);
-        dims[k] = lanes.broadcast(mine.dim, i);
-        rows[k] = lanes.broadcast(mine.row, i);
-        const int64_t src = lanes.broadcast(mine.src, i);
-        const float weight = lanes.broadcast(mine.weight, i), inv_length = lanes.broadcast(mine.inv_length, i);
-        adds[k] = live && src >= 0;
-        load_term<Lanes, grad_t>(p, adds[k] ? src : -1, dims[k], weight, inv_length, lanes, term[k]);
+        const bool is_live = i0 + k < end && ((live >> i) & 1u) != 0;
+        opens[k] = i0 + k < end && ((opening >> i) & 1u) != 0;
+        const IdMeta id = lanes.staged(i);
+        tables[k] = id.table;
+        dims[k] = id.dim;
+        rows[k] = id.row;
+        adds[k] = is_live && id.src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? id.src : -1, dims[k], id.weight, id.inv_length, lanes, term[k]);
         if (opens[k]) load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, before[k]);
       }
       PGAS_UNROLL

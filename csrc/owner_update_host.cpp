@@ -134,8 +134,9 @@ struct HostLanes {
   float sum(float x) const { return x; }
   unsigned ballot(bool flag) const { return flag ? 1u : 0u; }
   int first(unsigned) const { return 0; }
-  template <typename T>
-  T broadcast(T x, int) const { return x; }
+  IdMeta* slot;  // the walker's one staged position
+  void stage(const IdMeta& m) const { *slot = m; }
+  IdMeta staged(int) const { return *slot; }
   void sync() const {}
 };
 
@@ -150,10 +151,16 @@ void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
   p.partials = partials.data();
   using Lanes = HostLanes;
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) walk_chunk<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{});
+    IdMeta staged;
+    for (int64_t c = lo; c < hi; ++c) {
+      walk_chunk<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{0, &staged});
+    }
   });
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) finish_run<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{});
+    IdMeta staged;
+    for (int64_t c = lo; c < hi; ++c) {
+      finish_run<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{0, &staged});
+    }
   });
 }
 
