@@ -56,6 +56,9 @@ def test_dlrm_trains_with_pgas_like_stock(tmp_path: pathlib.Path) -> None:
     assert any(line.startswith("validate: 8 training steps") and line.endswith("PASS") for line in out), out
     got = json.loads(report.read_text())
     assert len(got["losses"]) == len(got["stock_losses"]) == 8
+    assert len(got["step_ms"]) == len(got["stock_step_ms"]) == 8 - 3  # after the default warmup
+    assert min(got["step_ms"] + got["stock_step_ms"]) > 0
+    assert any(line.startswith("samples/s (plain loop): pgas ") and " ms (" in line for line in out), out
     assert got["losses"][-1] < got["losses"][0]  # it trained
     assert max(abs(a - b) / b for a, b in zip(got["losses"], got["stock_losses"])) <= 1e-4
     ours, stock = ((tmp_path / "profile" / f"{side}_b32.txt").read_text() for side in ("pgas", "nccl"))

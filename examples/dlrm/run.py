@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import json
 import os
+import statistics
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -182,6 +183,10 @@ def plan_generator(choice: str, table: int, world: int, nodes: int) -> Parameter
 @dataclasses.dataclass
 class RunResult:
     samples_per_s: float  # global, over the steps after the warmup
+    # this rank's host time of each step after the warmup, start to start (the last one to the device's end): a
+    # step syncs at least once on either side (stock's split all-to-alls, PGAS's backward), so the host cannot run
+    # more than a step ahead and its pace is the step's; a median over them is not moved by a few slow steps
+    step_ms: List[float]
     preds: List[torch.Tensor]  # this rank's, per step
     labels: List[torch.Tensor]
     losses: List[float]  # the global mean log loss of each step (before its update)
@@ -248,7 +253,7 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
         dense_opt = torch.optim.SGD(dense, lr=lr)
     step_fn, replay = stepper(dmp, data, device, dense_opt, pipeline)
     preds, labels, losses = [], [], []
-    start, timed = 0.0, 0
+    marks: List[float] = []  # the host clock at each timed step's start, then at the end
     profiler = step_profiler(profile, warmup, device)
     if profiler is not None:
         profiler.start()
@@ -257,24 +262,25 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()
-            start = time.perf_counter()
+        if step >= warmup:
+            marks.append(time.perf_counter())
         loss, logits, step_labels = step_fn()
         losses.append(loss)
         preds.append(torch.sigmoid(logits))
         labels.append(step_labels)
-        timed += step >= warmup
         if profiler is not None:
             profiler.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
+    marks.append(time.perf_counter())
+    step_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
     if profiler is not None:
         profiler.stop()
     world = dist.get_world_size()
     global_losses = torch.stack(losses).float()
     dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
     trials = [t.report() for t in owner_backward_trials(dmp)]
-    return RunResult(world * data.batch_size * timed / max(elapsed, 1e-9), preds, labels,
+    return RunResult(world * data.batch_size * len(step_ms) / max(1e-3 * sum(step_ms), 1e-9), step_ms, preds, labels,
                      (global_losses / world).tolist(), None if replay is None else replay.batches_off_graph,
                      [chosen for chosen, _ in trials], [medians for _, medians in trials])
 
@@ -325,13 +331,16 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
         with open(args.report, "w") as f:
             json.dump({"args": vars(args), "world": dist.get_world_size(), "pass": ok, "max_rel_loss_diff": rel[worst],
                        "auc_diff": auc_diff, "pipeline": args.pipeline, "samples_per_s": pgas.samples_per_s,
-                       "stock_samples_per_s": stock.samples_per_s, "losses": pgas.losses,
+                       "stock_samples_per_s": stock.samples_per_s, "step_ms": pgas.step_ms,
+                       "stock_step_ms": stock.step_ms, "losses": pgas.losses,
                        "stock_losses": stock.losses, "metrics": pgas_m, "stock_metrics": stock_m,
                        "batches_off_graph": pgas.off_graph, "owner_backward_chosen": pgas.auto_chose,
                        "owner_backward_trial_ms": pgas.auto_trial_ms}, f, indent=1)
     if dist.get_rank() == 0:
+        ours_ms, theirs_ms = (statistics.median(r.step_ms or [float("nan")]) for r in (ours, theirs))
         print(f"samples/s ({args.pipeline} loop): {args.sharding} {ours.samples_per_s:,.0f}, {other} twin "
-              f"{theirs.samples_per_s:,.0f}, ratio {ours.samples_per_s / theirs.samples_per_s:.2f}x", flush=True)
+              f"{theirs.samples_per_s:,.0f}, ratio {ours.samples_per_s / theirs.samples_per_s:.2f}x; median step "
+              f"{ours_ms:.2f} against {theirs_ms:.2f} ms ({theirs_ms / ours_ms:.2f}x)", flush=True)
         if pgas.auto_chose:
             print(f"owner_backward auto, rank 0: chose {pgas.auto_chose} (median applies, ms: {pgas.auto_trial_ms})",
                   flush=True)
