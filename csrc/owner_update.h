@@ -194,9 +194,9 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
 // (columns(dim) of them in use); over the sorted positions, a batch of kCount
 // positions is read lane-per-position and staged (stage: each lane's IdMeta
 // into the walker's slots, a warp's in shared memory), then the lanes read each
-// position's fields from its slot (staged: one broadcast read of 16 bytes where
-// a shuffle moves 4, and no lane holds its position's fields while the batch is
-// walked). sum adds a value over the lanes, ballot gathers a flag per lane
+// position's fields from its slot (staged: broadcast reads of 8 or 16 bytes
+// where a shuffle moves 4, and no lane holds its position's fields while the
+// batch is walked). sum adds a value over the lanes, ballot gathers a flag per lane
 // (lane i: bit i), sync orders the lanes' reads of a row's state before a
 // write. kDepth: the ids whose gradient rows (and, at a run's start, weight
 // row) are loaded before the first of them is summed.
@@ -206,7 +206,7 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
 // starts its row's run, and its term's source: where its gradient row starts
 // (-1: the id adds nothing: a bad bag, or a feature of another table than its
 // key's), its per-sample weight and its MEAN factor. 32 bytes, the term's
-// fields first: a staged slot is read as two 16-byte words.
+// fields first, aligned for wide shared-memory reads of a staged slot.
 struct alignas(16) IdMeta {
   int64_t src;
   float weight;

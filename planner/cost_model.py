@@ -24,10 +24,10 @@ compare fairly. The backward is a bytes model (``backward_bytes``: the pooled-ou
 back, and the owner's fused TBE backward + optimizer; PGAS also replays the lookup) mapped to ms with the
 backend's backward coefficients where a training benchmark fitted them (``<backend>_bwd`` next to the
 forward's in a profile), else with its forward per-byte coefficients and no fixed cost. The bytes model
-prices PGAS's backward as FBGEMM's owner path (``owner_backward="fbgemm"``: a replayed lookup) and so were the H200
-profiles fitted; the default owner update skips the replay and the host sync (2.3-2.5x faster at W = 2 on s004,
-``benchmarks/archive/NOTES-2026-11.md.gz`` §40). ``h100x2_nvlink.json``'s backward is fitted on the owner update, whose fixed cost
-and per-byte price absorb the difference; on the H200 profiles a training plan errs towards stock until refitted.
+prices PGAS's backward as FBGEMM's owner path (``owner_backward="fbgemm"``: a replayed lookup); the default owner
+update skips the replay and the host sync (2.3-2.5x faster at W = 2 on s004, ``benchmarks/archive/NOTES-2026-11.md.gz``
+§40). The backward terms of ``h100x2_nvlink.json`` and ``h200x2_nvlink.json`` are fitted on the owner update, whose
+fixed cost and per-byte price absorb the difference; ``h200x8_nvlink.json`` has none (forward prices, no fixed cost).
 """
 
 import dataclasses
