@@ -20,7 +20,9 @@ Prints samples/s (global) and AUC / log loss over the run. --validate shards the
 same model the other way: for inference it compares the first steps' predictions;
 with --train it trains that twin on the same batches (and the same loop) and
 compares the loss after every step (within 1e-4 relative) and the final AUC
-(within 1e-3), and prints both samples/s.
+(within 1e-3), and prints both samples/s and both median step times (--report
+keeps every timed step's host time of each side: a host-bound step moves between
+runs, and a median is not moved by a few slow steps).
 """
 
 import argparse
