@@ -185,9 +185,9 @@ def plan_generator(choice: str, table: int, world: int, nodes: int) -> Parameter
 @dataclasses.dataclass
 class RunResult:
     samples_per_s: float  # global, over the steps after the warmup
-    # this rank's host time of each step after the warmup, start to start (the last one to the device's end): a
-    # step syncs at least once on either side (stock's split all-to-alls, PGAS's backward), so the host cannot run
-    # more than a step ahead and its pace is the step's; a median over them is not moved by a few slow steps
+    # this rank's host time of each step after the warmup, start to start (the last one to the device's end):
+    # where a step waits on the device (stock's input dist, PGAS's eager backward) the host's pace is the step's;
+    # a median over them is not moved by a few slow steps
     step_ms: List[float]
     preds: List[torch.Tensor]  # this rank's, per step
     labels: List[torch.Tensor]
