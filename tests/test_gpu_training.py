@@ -25,6 +25,7 @@ from test_training_errors import (
     _failed_backward,
     _misuse,
     _refusals,
+    _sides,
     _stall,
     check_failed_backward,
     check_misuse,
@@ -163,6 +164,37 @@ def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str,
     failed so, three steps after the bad one. Through the owner update, the timed-out exchange's flag must
     stop the update launched before the host read it."""
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward, graphs, padded))
+
+
+def _checks_pending_at_the_end(rank: int, world: int, graphs: bool) -> List[List[bool]]:
+    """Four steps of the two-EBC model, row-wise, through the owner update at capacity: per step, whether each
+    sharding's check of it still waited once autograd had run every node of the backward (a final callback queued
+    before the first node ran runs before theirs)."""
+    pgas, _, batches = _sides(rank, world, "pgas_row_wise", "cuda", owner_backward="pgas", graphs=graphs)
+    steps = list(pgas_steps(pgas))
+    seen: List[List[bool]] = []
+
+    def probe(grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: seen.append([s.group.deferred.pending(s, s.looked_up) for s in steps]))
+        return grad
+
+    for batch in batches[:4]:
+        loss, _ = pgas(batch)
+        loss.register_hook(probe)
+        loss.backward()
+        pgas.fused_optimizer.step()
+    assert not any(s.group.deferred.pending(s, s.looked_up) for s in steps)  # settled by the end of backward()
+    return seen
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_eager_backward_reads_the_flags_after_the_rest_of_the_backward(graphs: bool) -> None:
+    """The sources' flags of an eager backward at capacity (replayed or launched) are read at the end of the
+    autograd backward, not in its node, where the host would wait for the GPU before launching the rest."""
+    for rank_seen in run_distributed(_checks_pending_at_the_end, 2, graphs):
+        assert rank_seen == [[True, True]] * 4, rank_seen
 
 
 def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[Tuple[int, ...], bool]]]:

@@ -21,6 +21,7 @@ class _Tbe(torch.nn.Module):
     def __init__(self, it: int) -> None:
         super().__init__()
         self.iter_cpu = torch.tensor(it)
+        self.iter = torch.tensor(it)
 
 
 class _Step:

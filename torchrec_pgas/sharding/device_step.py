@@ -119,6 +119,7 @@ class DeviceStep(PgasStep):
                 self.errors.status, self._config)
 
     def index_dist(self, kjt: KeyedJaggedTensor) -> None:
+        self.group.deferred.settle()  # a backward that raised elsewhere left its checks
         self.group.raise_records(self)
         epoch = self.claim_slot()
         err = self.spec.input_error(kjt, self.rank)
@@ -237,6 +238,10 @@ class DeviceStep(PgasStep):
     def device_siblings(self, epoch: int) -> Tuple["DeviceStep", ...]:
         """The model's other GPU shardings whose step ``epoch`` awaits its backward."""
         return tuple(o for o, _ in self.group.siblings_awaiting(self, epoch) if isinstance(o, DeviceStep))
+
+    def deferred_siblings(self, epoch: int) -> Tuple["DeviceStep", ...]:
+        """The model's other GPU shardings whose backward of step ``epoch`` ran, its check deferred."""
+        return tuple(o for o in self.group.deferred_siblings(self, epoch) if isinstance(o, DeviceStep))
 
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         return self.errors.step_failure(epoch)

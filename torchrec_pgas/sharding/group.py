@@ -14,7 +14,8 @@ import collections
 import weakref
 from typing import Callable, Deque, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
-from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, undo_tbe_iterations
+from torchrec_pgas.sharding.deferred_checks import DeferredCheck, DeferredChecks
+from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, sync_tbe_iterations, undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
 from torchrec_pgas.types import PgasError, PgasPeerAbortError, PgasTimeoutError
 
@@ -72,6 +73,7 @@ class StepGroup:
         self._stock: List["weakref.ref[StockForwardCounters]"] = []  # the model's stock-sharded TBEs' counters
         self._agreed_whole = 0  # the last step the ranks agreed no rank failed (``refuse_failed_step``)
         self._raised: Deque[int] = collections.deque(maxlen=8)  # the last steps ``raise_recorded`` raised
+        self.deferred = DeferredChecks(self.settle_checks)  # backward checks run at the end of the backward
 
     def __reduce__(self) -> Tuple[type, Tuple[()]]:
         """A copied or pickled group (of a copied or pickled sharder) is a new, empty one: steps belong to the
@@ -159,14 +161,45 @@ class StepGroup:
         pairs = [(other, other.backwards.ticket(epoch)) for other in self.members() if other is not step]
         return [(other, ticket) for other, ticket in pairs if ticket is not None]
 
+    def deferred_siblings(self, step: GroupMember, epoch: int) -> List[GroupMember]:
+        """The group's other steps whose backward of step ``epoch`` ran and whose check waits for the end of the
+        autograd backward (``DeferredChecks``)."""
+        return [other for other in self.members() if other is not step and self.deferred.pending(other, epoch)]
+
+    def settle_checks(self, checks: Sequence[DeferredCheck]) -> Optional[PgasError]:
+        """A backward's deferred checks, each step's in node order: a step applied everywhere counts its TBEs'
+        iterations; a refused one puts every sharding's counters back and is given up in the model
+        (``give_up_backward``, as a sharding's backward that raised would). Returns the earliest refused step's
+        error: its cause first (``first_cause``), a failure here that no sharding recorded after every recorded
+        cause."""
+        first: Optional[PgasError] = None
+        for epoch in sorted({c.ticket.epoch for c in checks}):
+            of_step = [c for c in checks if c.ticket.epoch == epoch]
+            refusals = [c.refusal() for c in of_step]
+            cause = first_cause(err for err, _ in refusals)
+            if cause is None:
+                cause = next((c.failed_here() for c, (_, failed) in zip(of_step, refusals) if failed), None)
+            if cause is None:
+                for c in of_step:
+                    sync_tbe_iterations(c.ticket.tbes, c.ticket.tbe_iters)
+                continue
+            for c in of_step:
+                undo_tbe_iterations(c.ticket.tbes, c.ticket.tbe_iters)
+            self.give_up_backward(of_step[0].owner, of_step[0].ticket, cause)
+            first = first or cause
+        return first
+
     def step_error(self, step: GroupMember, epoch: int, own: Optional[PgasError]) -> Optional[PgasError]:
         """Step ``epoch``'s error for the model, as ``step``'s backward raises it: ``own`` (``step``'s, or None)
         and the errors of the step in the other shardings whose backward of it has not run yet (then no sharding
-        of the model may apply the step), its cause first (``first_cause``). Every rank records a failed step
-        (the failing rank its error, the others the abort), so every rank refuses alike. The siblings' records
-        are consumed (none raises the step again later) and their failed step's TBE counters go back as their
-        own backwards would put them."""
+        of the model may apply the step) or whose check of it is deferred (unless ``step``'s is: the deferred
+        checks are then settled together, ``settle_checks``), its cause first (``first_cause``). Every rank
+        records a failed step (the failing rank its error, the others the abort), so every rank refuses alike.
+        The siblings' records are consumed (none raises the step again later) and the TBE counters of those
+        awaiting their backward go back as their own backwards would put them."""
         awaiting = dict((id(other), ticket) for other, ticket in self.siblings_awaiting(step, epoch))
+        deferred = set() if self.deferred.pending(step, epoch) else {
+            id(other) for other in self.deferred_siblings(step, epoch)}
         errors: List[Optional[PgasError]] = []
         for member in self.members():
             ticket = awaiting.get(id(member))
@@ -176,6 +209,8 @@ class StepGroup:
                 errors.append(member.step_failure(epoch))
                 if errors[-1] is not None:
                     undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+            elif id(member) in deferred:
+                errors.append(self.deferred.cause(member, epoch))
         return first_cause(errors)
 
     def refuse_failed_step(self, epochs: Sequence[int], first_failed_rank: Callable[[bool], int]) -> None:
@@ -220,6 +255,7 @@ class StepGroup:
         (a kept loss, or this exception's traceback until a garbage collection, holds it past the slot's next
         use). A failure of this rank's own (not a peer's abort or silence) aborts their step on the peers too,
         which may wait in them first."""
+        self.deferred.settle()  # the checks of the backward's earlier nodes: this exception skips its end
         local = not isinstance(err, (PgasPeerAbortError, PgasTimeoutError))
         undo_tbe_iterations(ticket.tbes, ticket.tbe_iters)
         for other, t in self.siblings_awaiting(step, ticket.epoch):

@@ -5,7 +5,9 @@ gradients must not be applied (the sources' flags, this rank's records, the mode
 ``grad_dist`` stores the gradient rows into the owners that served each bag, ``await_grads`` waits for this owner's
 sources, the owner applies them (the owner update op, or FBGEMM's path: ``OwnerApply``) and ``release_sources``
 hands the slot back. A step that failed on any rank changes no weight: its backward raises the error on every rank
-instead.
+instead. Where the update runs at capacity (launched or replayed), it applies nothing unless every source sent its
+rows, and the host reads the sources' flags at the end of the autograd backward (``FlagsCheck``,
+``DeferredChecks``), not in this sharding's node.
 """
 
 import warnings
@@ -15,6 +17,7 @@ import torch
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import StepLayout
+from torchrec_pgas.sharding.deferred_checks import Refusal
 from torchrec_pgas.sharding.device.backward_graphs import (
     FLAGS_UNSET,
     BackwardGraph,
@@ -63,6 +66,8 @@ class BackwardStep(GroupMember, Protocol):
 
     def device_siblings(self, epoch: int) -> Tuple["BackwardStep", ...]: ...
 
+    def deferred_siblings(self, epoch: int) -> Tuple["BackwardStep", ...]: ...
+
 
 def _failed_word(step: BackwardStep, epoch: int) -> torch.Tensor:
     """The device word of ``step`` that holds the epoch of the last failed step in ``epoch``'s slot."""
@@ -82,6 +87,46 @@ def last_training_step_refused(step: BackwardStep) -> torch.Tensor:
     return last_lookup_failed(step) | (step.grad_flags != 0).any().view(1)
 
 
+def _refused_here(step: BackwardStep, epoch: int) -> torch.Tensor:
+    """Whether ``step``'s backward of step ``epoch``, which ran last, applied nothing: its own step failed here or
+    a source's flag refused it (one-element device bool, no host read)."""
+    return _failed_word(step, epoch).eq(epoch).view(1) | (step.grad_flags != 0).any().view(1)
+
+
+class FlagsCheck:
+    """The host's check of one eager backward at capacity (a ``DeferredCheck``): once ``exchanged`` (an event after
+    the sources' flags were copied to the host) has passed, why the step's gradients were not applied, if they
+    were not (read once: it consumes records). A replayed backward (``stream``: its stream) fills the host flags
+    before the replay: where one still holds the fill, the event did not wait (the CUDA docs imply that a graph's
+    event is armed by each launch rather than promise it; the drivers we ran do), and the stream's sync does."""
+
+    def __init__(self, backward: "DeviceBackward", ticket: StepTicket, exchanged: torch.cuda.Event,
+                 stream: Optional[torch.cuda.Stream]) -> None:
+        self.backward = backward
+        self.owner = backward.step
+        self.ticket = ticket
+        self.exchanged = exchanged
+        self.stream = stream
+        self._refusal: Optional[Refusal] = None
+
+    def refusal(self) -> Refusal:
+        if self._refusal is None:
+            self._wait()
+            self._refusal = self.backward.refusal(self.ticket.epoch)
+        return self._refusal
+
+    def failed_here(self) -> PgasError:
+        return self.backward.failed_here(self.ticket.epoch)
+
+    def _wait(self) -> None:
+        self.exchanged.synchronize()
+        step = self.owner
+        if self.stream is not None and min(step.grad_flags_host.tolist()) == FLAGS_UNSET:
+            warnings.warn(f"{step.kind}: the backward graph's event returned before its flags copy ran; waiting for "
+                          "the stream instead (the update too)")
+            self.stream.synchronize()
+
+
 class DeviceBackward:
     """The backward of one GPU sharding's training steps (``step``: its stage state and records)."""
 
@@ -89,10 +134,25 @@ class DeviceBackward:
         self.step = step
         self.grad_sent = 0  # the last step whose gradient (or give-up) grad_dist sent
         self.replay = BackwardReplay(self)  # eager backwards replayed as CUDA graphs
+        self._unread: Optional[FlagsCheck] = None  # the last deferred check: the next backward reuses its flags
+
+    def check(self, ticket: StepTicket, exchanged: torch.cuda.Event, stream: Optional[torch.cuda.Stream]) -> None:
+        """The host's check of ``ticket``'s step (``FlagsCheck``): at the end of the autograd backward running
+        it (``DeferredChecks``), or now outside one."""
+        check = FlagsCheck(self, ticket, exchanged, stream)
+        if self.step.group.deferred.defer(check):
+            self._unread = check
+            return
+        cause, failed = check.refusal()
+        self._raise(cause or (check.failed_here() if failed else None))
+        sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
 
     def run(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The eager backward of ``ticket``'s step: exchange, then update (launched, or one graph replay)."""
         step, epoch = self.step, ticket.epoch
+        if self._unread is not None:  # read its flags before this backward's copy replaces them
+            self._unread.refusal()
+            self._unread = None
         try:
             self._exchange_and_apply(ticket, grad)
         except PgasError:
@@ -130,18 +190,21 @@ class DeviceBackward:
 
     def _apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor, gave_up: bool) -> None:
         """The owner update op at capacity where it serves (launched before the sources' flags are read, it applies
-        nothing unless ``whole``: the host waits for the exchange only, not for the update), else at the count:
-        the op's where it serves, else the kept ids as a KJT for FBGEMM's replay or the reference."""
+        nothing unless ``whole``: the host reads them later, ``check``), else at the count: the op's where it
+        serves, else the kept ids as a KJT for FBGEMM's replay or the reference."""
         step, epoch = self.step, ticket.epoch
         f_lo, f_hi = step.lookup_features
         if f_hi > f_lo and rows > 0 and not gave_up and step.owner_apply.op_serves(ticket):
             at_count = not step.owner_apply.at_capacity(ticket)
             exchanged = None if at_count else torch.cuda.current_stream(step.device).record_event()
             if self.update_held(ticket, slot, rows, whole, ticket.tbe_iters, at_count):
-                self.raise_problem(epoch, exchanged)  # at the count: after its sync
-                sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
-                if not at_count and step.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and
-                    self.replay.cache.built_for([storage_key(t) for t in ticket.tbes])  # hyper-parameter words
+                if exchanged is None:  # at the count: after its sync
+                    self.raise_problem(epoch)
+                    sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+                    return
+                if step.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words
+                    self.replay.cache.built_for([storage_key(t) for t in ticket.tbes])
+                self.check(ticket, exchanged, None)
                 return
         self._count_and_apply(ticket, slot, rows, whole)
 
@@ -153,36 +216,42 @@ class DeviceBackward:
         batches = self._kept_batches(slot)
         kjt = step.received.kept_ids(ticket.epoch, rows, (f_lo, f_hi - f_lo, step.layout.num_features), batches, whole)
         profiling.mark("kept_ids")
-        self.raise_problem(ticket.epoch, None)  # after the sync
+        self.raise_problem(ticket.epoch)  # after the sync
         if f_hi > f_lo:
             grads = step.received.kept_grads(slot, rows, self._held_columns(), step.spec.out_dtype)
             step.owner_apply.apply_at_count(ticket, kjt, grads)
 
-    def raise_problem(self, epoch: int, ready: Optional[torch.cuda.Event]) -> None:
-        """Raise why step ``epoch``'s gradients must not be applied, if they must not, once ``ready`` (an event
-        after the exchange; None: already synced) has passed: then every sharding's records of the step are
-        in (their combines ran before), and the sources' flags on the host."""
-        if ready is not None:
-            ready.synchronize()
-        problem = self._problem(epoch)
+    def raise_problem(self, epoch: int) -> None:
+        """Raise why step ``epoch``'s gradients must not be applied, if they must not (after a sync past the
+        exchange: every sharding's records of the step are in, their combines ran before, and the sources'
+        flags on the host)."""
+        cause, failed = self.refusal(epoch)
+        self._raise(cause or (self.failed_here(epoch) if failed else None))
+
+    @staticmethod
+    def _raise(problem: Optional[PgasError]) -> None:
         if problem is not None:
             try:
                 raise problem
             finally:  # else the traceback holds this frame and the frame the exception: a cycle that keeps the
                 del problem  # step's graph and its GPU tensors alive until a garbage collection
 
-    def _problem(self, epoch: int) -> Optional[PgasError]:
-        """Why step ``epoch``'s gradients must not be applied (after the sync), if they must not: this rank's
-        failure, a peer's (its flag), or the step's failure in another sharding of the model, the cause first
-        (``StepGroup.step_error``)."""
+    def refusal(self, epoch: int) -> Refusal:
+        """Why step ``epoch``'s gradients must not be applied (the sources' flags on the host), if they must not:
+        this rank's failure, a peer's (its flag), or the step's failure in another sharding of the model, the
+        cause first (``StepGroup.step_error``); and whether the step failed on this rank (its cause may be
+        recorded by no sharding: ``failed_here``)."""
         step = self.step
         flags = step.grad_flags_host.tolist()
         if flags[step.world_size]:  # this rank's step failed: its record (or what it gave up for) says why
-            err = step.group.step_error(step, epoch, step.errors.own_failure(epoch))
-            return err or PgasError(f"{step.kind}: step {epoch} failed on rank {step.rank}")
+            return step.group.step_error(step, epoch, step.errors.own_failure(epoch)), True
         if any(flag in (1, 2) for flag in flags[:step.world_size]):
             step.errors.consume_refusal(epoch)
-        return step.group.step_error(step, epoch, self._flagged_source(epoch, flags[:step.world_size]))
+        return step.group.step_error(step, epoch, self._flagged_source(epoch, flags[:step.world_size])), False
+
+    def failed_here(self, epoch: int) -> PgasError:
+        step = self.step
+        return PgasError(f"{step.kind}: step {epoch} failed on rank {step.rank}")
 
     def _flagged_source(self, epoch: int, flags: Sequence[int]) -> Optional[PgasError]:
         """The first source whose gradient flag refuses step ``epoch``: it gave the backward up (1), or this
@@ -233,19 +302,23 @@ class DeviceBackward:
         if ticket.epoch != step.looked_up or step.backwards.pending():  # the kernels take the last lookup's epoch
             raise PgasError(f"{step.kind}: a captured training step must run each sharding's forward once, then "
                             f"its backward (step {ticket.epoch}'s backward after lookup {step.looked_up})")
-        whole = self.exchange_kernels(grad, ticket.batch, step.device_siblings(ticket.epoch))
+        whole = self.exchange_kernels(grad, ticket.batch, step.device_siblings(ticket.epoch), ())
         self.update_kernels(ticket, step.state_words[StateWord.CTR_LOOKUP] % step.layout.num_slots, whole)
         torch.ops.torchrec_pgas.release_sources(*step.state_args(), 0)
 
-    def exchange_kernels(self, grad: torch.Tensor, batch: int, siblings: Sequence[BackwardStep]) -> torch.Tensor:
+    def exchange_kernels(self, grad: torch.Tensor, batch: int, siblings: Sequence[BackwardStep],
+                         deferred: Sequence[BackwardStep]) -> torch.Tensor:
         """The gradient exchange with nothing read on the host, for a CUDA graph (a captured training step's, or
-        an eager step's: ``BackwardReplay``): the epoch is the device's last lookup's, and ``siblings``' failures
-        of the step fail it here too. Returns ``whole``: the device word that says every source sent its rows."""
+        an eager step's: ``BackwardReplay``): the epoch is the device's last lookup's, and the failures of the
+        step in ``siblings`` (awaiting their backward) and its refusals in ``deferred`` (their backward ran, its
+        check deferred) fail it here too. Returns ``whole``: the device word that says every source sent its
+        rows."""
         step = self.step
         ops, args, state = torch.ops.torchrec_pgas, step.state_args(), step.state_words
         epoch = state[StateWord.CTR_LOOKUP]  # the replayed step's, on the device
-        if siblings:  # as _adopt_sibling_failures, from device words
-            failed = torch.cat([last_lookup_failed(o) for o in siblings]).any()
+        if siblings or deferred:  # as _adopt_sibling_failures, from device words
+            failed = torch.cat([last_lookup_failed(o) for o in siblings]
+                               + [last_training_step_refused(o) for o in deferred]).any()
             at = (StateWord.STEP_FAILED + epoch % step.layout.num_slots).view(1)  # index_select, not [tensor]:
             state.index_put_((at,), torch.where(failed, epoch, state.index_select(0, at)))  # no read
         ops.grad_dist(self.sent_gradient(grad, batch), *args, 0, batch, gradient_divisor(step.world_size), False)
@@ -279,13 +352,14 @@ class DeviceBackward:
 
     def _adopt_sibling_failures(self, epoch: int) -> bool:
         """Make step ``epoch`` failed here where it failed in another sharding of the model whose backward has
-        not run (a device-recorded bad id is recorded on its rank only): this rank's grad dist then gives
-        up, so every peer refuses this sharding's step too. Device words, no sync; True where a sibling gave
-        the step up on the host."""
-        siblings = self.step.device_siblings(epoch)
-        if not siblings:
+        not run (a device-recorded bad id is recorded on its rank only), or where another's backward that ran,
+        its check deferred, applied nothing: this rank's grad dist then gives up, so every peer refuses this
+        sharding's step too. Device words, no sync; True where a sibling gave the step up on the host."""
+        siblings, deferred = self.step.device_siblings(epoch), self.step.deferred_siblings(epoch)
+        if not siblings and not deferred:
             return False
-        failed = torch.stack([_failed_word(o, epoch) for o in siblings]).eq(epoch).any()
+        failed = torch.cat([_failed_word(o, epoch).eq(epoch).view(1) for o in siblings]
+                           + [_refused_here(o, epoch) for o in deferred]).any()
         word = _failed_word(self.step, epoch)
         word.copy_(torch.where(failed, epoch, word))
         return any(epoch in o.errors.gave_up for o in siblings)
@@ -293,9 +367,9 @@ class DeviceBackward:
 
 class BackwardReplay:
     """An eager backward's kernels replayed as one CUDA graph (``PgasTrainingConfig.eager_backward_graphs``),
-    captured once per batch size, slot and sibling set (``BackwardGraphCache``). The graph copies the sources'
+    captured once per batch size, slot and sibling sets (``BackwardGraphCache``). The graph copies the sources'
     flags to the host and records an event between the exchange and the update: as on the launched path, the
-    host waits for the exchange only, and raises as it does."""
+    host checks them later (``DeviceBackward.check``), and raises as it does."""
 
     def __init__(self, backward: DeviceBackward) -> None:
         self.backward = backward
@@ -305,7 +379,8 @@ class BackwardReplay:
         """Whether this eager backward replays a graph: ``eager_backward_graphs`` (and no capture failed here), the
         capacity path (``OwnerApply.at_capacity``) taken since the TBEs' storage last moved (it builds what a
         capture reads), and a step whose kernels may take the device's epoch: it follows its own forward in this
-        sharding and in every sibling awaiting it, and no sharding gave it up on the host."""
+        sharding and in every sibling awaiting it or deferring its check, and no sharding gave it up on the
+        host."""
         step, epoch = self.backward.step, ticket.epoch
         if not step.owner_apply.training.eager_backward_graphs or self.cache.failed or step.owner_apply.choosing():
             return False
@@ -316,16 +391,17 @@ class BackwardReplay:
             return False
         siblings = step.device_siblings(epoch)
         return len(siblings) == len(step.group.siblings_awaiting(step, epoch)) and all(
-            o.looked_up == epoch and epoch not in o.errors.gave_up for o in siblings)
+            o.looked_up == epoch and epoch not in o.errors.gave_up for o in siblings + step.deferred_siblings(epoch))
 
     def replay(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
         """The backward of ``ticket``'s step as one replay; False, with nothing run, where the capture failed (the
         launched path serves)."""
         step, epoch = self.backward.step, ticket.epoch
-        siblings = step.device_siblings(epoch)
+        siblings, deferred = step.device_siblings(epoch), step.deferred_siblings(epoch)
         slot = epoch % step.layout.num_slots
-        key = (ticket.batch, slot, gradient_divisor(step.world_size), tuple(sorted(id(o) for o in siblings)))
-        graph = self.cache.take(key) or self._capture(ticket, grad, siblings, slot)
+        key = (ticket.batch, slot, gradient_divisor(step.world_size), tuple(sorted(id(o) for o in siblings)),
+               tuple(sorted(id(o) for o in deferred)))
+        graph = self.cache.take(key) or self._capture(ticket, grad, siblings, deferred, slot)
         if graph is None:
             return False
         self.cache.keep(key, graph)
@@ -340,25 +416,12 @@ class BackwardReplay:
         shared.replayed(stream)
         profiling.mark("owner_update")
         self.cache.replays += 1
-        self._await_flags(graph.exchanged, stream)
-        self.backward.raise_problem(epoch, None)
-        sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+        self.backward.check(ticket, graph.exchanged, stream)
         return True
 
-    def _await_flags(self, exchanged: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        """Wait until the replay's copy of the flags is on the host: on ``exchanged``, the event recorded inside the
-        graph, which each launch arms (the CUDA docs imply it rather than promise it; the drivers we ran do). Where
-        a flag still holds the host's fill, the event did not wait: the stream's sync does, the update included."""
-        exchanged.synchronize()
-        step = self.backward.step
-        if min(step.grad_flags_host.tolist()) == FLAGS_UNSET:
-            warnings.warn(f"{step.kind}: the backward graph's event returned before its flags copy ran; waiting for "
-                          "the stream instead (the update too)")
-            stream.synchronize()
-
-    def _capture(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple[Any, ...],
+    def _capture(self, ticket: StepTicket, grad: torch.Tensor, siblings: Tuple[Any, ...], deferred: Tuple[Any, ...],
                  slot: int) -> Optional[BackwardGraph]:
-        """The backward's graph for this step's batch, slot and siblings, reading the gradient from a static
+        """The backward's graph for this step's batch, slot and sibling sets, reading the gradient from a static
         buffer, in the device's pool (``DeviceGraphs``). A capture runs nothing: where ours refuses (a
         ``PgasError`` inside a valid capture), graphs are off for this sharding (a warning says why), and None.
         A CUDA error that breaks the capture propagates: the allocator and stream are then not ours to fall back
@@ -369,7 +432,7 @@ class BackwardReplay:
         graph, exchanged = torch.cuda.CUDAGraph(), torch.cuda.Event(external=True)
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                whole = backward.exchange_kernels(static, ticket.batch, siblings)
+                whole = backward.exchange_kernels(static, ticket.batch, siblings, deferred)
                 step.grad_flags_host.copy_(step.grad_flags, non_blocking=True)
                 exchanged.record()
                 backward.update_kernels(ticket, slot, whole)
@@ -379,4 +442,4 @@ class BackwardReplay:
                           f"failed ({e})")
             return None
         self.cache.captured(step.grad_flags_host)
-        return BackwardGraph(graph, exchanged, static, whole, siblings)
+        return BackwardGraph(graph, exchanged, static, whole, siblings + deferred)

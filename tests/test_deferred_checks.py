@@ -1,0 +1,160 @@
+"""A model's backward checks deferred to the end of the autograd backward (``DeferredChecks``), with stand-in
+steps and checks on CPU autograd: the check runs after every later node of the backward and its error still
+leaves ``backward()``; a step's checks settle together (its recorded cause first, counters counted or put back);
+a backward that raised before its end leaves its checks to ``settle``. The GPU sharding's use of it (the
+sources' flags read there) is in test_gpu_training.py's refusal, failed-backward and stall tests."""
+
+from typing import Callable, List, Optional, Tuple
+
+import pytest
+import torch
+
+from torchrec_pgas.sharding.deferred_checks import Refusal
+from torchrec_pgas.sharding.group import StepGroup
+from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError
+
+from tests.test_group import _Step
+
+
+class _Check:
+    """A sharding's check of one step: ``cause`` and ``failed`` are what its flags and records say, read once
+    (``reads``: the reads, as ``FlagsCheck`` reads its flags and consumes its records)."""
+
+    def __init__(self, step: _Step, log: List[str], cause: Optional[PgasError] = None, failed: bool = False) -> None:
+        self.owner, self.ticket = step, step.tickets[-1]
+        self.log, self.cause, self.failed = log, cause, failed
+        self.reads = 0
+
+    def refusal(self) -> Refusal:
+        if not self.reads:
+            self.reads += 1
+            self.log.append(f"check {self.owner.kind}")
+        return self.cause, self.failed
+
+    def failed_here(self) -> PgasError:
+        return PgasError(f"{self.owner.kind}: step failed here")
+
+
+class _Node(torch.autograd.Function):
+    """An autograd node whose backward runs ``action``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, action: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+        ctx.action = action
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.action()
+        return grad, None
+
+
+def _backward(*actions: Callable[[], None]) -> None:
+    """One backward through a chain of nodes: ``actions`` run in this order (the last node applied first)."""
+    x = torch.ones(2, requires_grad=True)
+    y = x
+    for action in reversed(actions):
+        y = _Node.apply(y, action)
+    y.sum().backward()
+
+
+def _defers(model: StepGroup, check: _Check) -> Callable[[], None]:
+    """A sharding's node: it hands its check to the model."""
+    def node() -> None:
+        check.log.append(f"node {check.owner.kind}")
+        assert model.deferred.defer(check)
+    return node
+
+
+def _model(*names: str, epoch: int = 4) -> Tuple[StepGroup, List[_Step]]:
+    steps = [_Step(n) for n in names]
+    model = StepGroup()
+    model.join(steps)
+    for s in steps:
+        s.await_backward(epoch)
+        s.backwards.begin(s.tickets[-1])  # its backward ran
+        s.tbe.iter_cpu.fill_(7)
+    return model, steps
+
+
+def test_a_check_runs_after_the_later_nodes_and_its_error_leaves_backward() -> None:
+    """The refused step's recorded cause is raised by ``backward()`` once every node ran; its counter goes back
+    and the model gives the step up."""
+    model, (a,) = _model("a")
+    log: List[str] = []
+    check = _Check(a, log, PgasInputError("a: id 37 outside [0, 37)"), failed=True)
+    with pytest.raises(PgasInputError, match="id 37"):
+        _backward(_defers(model, check), lambda: log.append("mlp"))
+    assert log == ["node a", "mlp", "check a"]
+    assert int(a.tbe.iter_cpu) == 6 and not model.deferred.pending(a, 4)
+
+
+def test_an_applied_step_counts_its_iterations_and_raises_nothing() -> None:
+    model, (a, b) = _model("a", "b")
+    log: List[str] = []
+    checks = [_Check(a, log), _Check(b, log)]
+    a.tbe.iter.fill_(3)
+    _backward(_defers(model, checks[0]), _defers(model, checks[1]))
+    assert log == ["node a", "node b", "check a", "check b"] and [c.reads for c in checks] == [1, 1]
+    assert int(a.tbe.iter) == 7 and int(a.tbe.iter_cpu) == 7  # the device counter as a replayed step leaves it
+
+
+def test_a_steps_checks_settle_together_its_recorded_cause_first() -> None:
+    """A sharding that adopted its sibling's failure fails here with no record of its own (its check runs
+    first); the sibling's recorded bad id stands for the step, and both counters go back."""
+    model, (w, t) = _model("webc", "ebc")
+    log: List[str] = []
+    bad = PgasInputError("ebc: id 37 outside [0, 37)")
+    checks = [_Check(w, log, failed=True), _Check(t, log, bad, failed=True)]
+    with pytest.raises(PgasInputError) as raised:
+        _backward(_defers(model, checks[0]), _defers(model, checks[1]))
+    assert raised.value is bad
+    assert int(w.tbe.iter_cpu) == int(t.tbe.iter_cpu) == 6
+
+
+def test_a_failure_here_with_no_recorded_cause_still_raises() -> None:
+    model, (a,) = _model("a")
+    with pytest.raises(PgasError, match="a: step failed here"):
+        _backward(_defers(model, _Check(a, [], failed=True)))
+
+
+def test_outside_a_backward_nothing_is_deferred() -> None:
+    model, (a,) = _model("a")
+    assert not model.deferred.defer(_Check(a, []))
+    assert not model.deferred.pending(a, 4)
+
+
+def test_a_backward_that_raised_later_leaves_its_checks_to_settle() -> None:
+    """A node after the deferring one raises: autograd skips the end of the backward, the check waits, and
+    ``settle`` (the model's next index dist) reads it and gives the refused step up without raising."""
+    model, (a,) = _model("a")
+    check = _Check(a, [], PgasPeerAbortError("rank 1 gave up"))
+
+    def dense_fails() -> None:
+        raise RuntimeError("dense layer failed")
+
+    with pytest.raises(RuntimeError, match="dense layer"):
+        _backward(_defers(model, check), dense_fails)
+    assert model.deferred.pending(a, 4) and check.reads == 0
+    model.deferred.settle()
+    assert check.reads == 1 and not model.deferred.pending(a, 4) and int(a.tbe.iter_cpu) == 6
+
+
+def test_a_sibling_that_raises_in_its_node_names_the_deferred_ones_cause_and_settles_them() -> None:
+    """Sharding b's backward checks at once (at the count) and raises after a's deferred: its error is a's
+    recorded cause (``step_error``), and giving the step up settles a's check (autograd skips its end)."""
+    model, (a, b) = _model("a", "b")
+    bad = PgasInputError("a: id 37 outside [0, 37)")
+    check = _Check(a, [], bad, failed=True)
+
+    def b_node() -> None:
+        err = model.step_error(b, 4, None)
+        assert err is bad
+        model.give_up_backward(b, b.tickets[-1], err)
+        raise err
+
+    with pytest.raises(PgasInputError):
+        _backward(_defers(model, check), b_node)
+    assert check.reads == 1 and not model.deferred.pending(a, 4)
+    assert int(a.tbe.iter_cpu) == int(b.tbe.iter_cpu) == 6
+    assert model.step_error(a, 4, None) is None  # a pending check's own step_error leaves the others to settle

@@ -1,0 +1,90 @@
+"""A model's backward checks deferred to the end of the autograd backward.
+
+A GPU sharding's eager backward launches its gradient exchange and its update (which applies nothing unless every
+source sent its rows), then must read the sources' flags on the host to raise a refused step inside
+``backward()``. Waiting for them in the sharding's autograd node would stall the host there, with only the
+kernels queued before it to run on the GPU, while the rest of the model's backward (the bottom MLP's, ...) waits
+to be launched. So the node hands its check to its model's ``DeferredChecks``, which runs every check of the
+backward once autograd has launched all of it (a final callback of the graph task), and raises the step's error
+from there: ``backward()`` still raises it, on every rank. A sharding whose backward runs after a deferred one
+of the same step adopts its refusal on the device (``DeviceBackward``), as it adopts an earlier failure of the
+siblings still awaiting their backward, so every sharding of a refused step applies nothing.
+
+A backward that raises elsewhere after the node never runs its final callbacks: its checks are settled at the
+model's next index dist (bookkeeping only: that backward already raised).
+"""
+
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from torchrec_pgas.sharding.tickets import StepTicket
+from torchrec_pgas.types import PgasError
+
+Refusal = Tuple[Optional[PgasError], bool]  # the cause, if known; whether the step failed on this rank
+
+
+class DeferredCheck(Protocol):
+    """One sharding's check of one step's backward (``FlagsCheck``)."""
+
+    ticket: StepTicket
+    owner: Any  # the sharding's step (a ``GroupMember``)
+
+    def refusal(self) -> Refusal:
+        """Wait for the step's flags, then why its gradients were not applied (once: records are consumed)."""
+        ...
+
+    def failed_here(self) -> PgasError:
+        """The error of a step that failed on this rank for a cause no sharding recorded."""
+        ...
+
+
+def backward_task() -> int:
+    """The autograd graph task running on this thread: -1 outside a backward."""
+    return int(torch._C._current_graph_task_id())
+
+
+Settle = Callable[[Sequence[DeferredCheck]], Optional[PgasError]]
+
+
+class DeferredChecks:
+    """The deferred checks of one model's backwards (``StepGroup.deferred``); ``settle`` runs a backward's
+    checks and returns the error it must raise (``StepGroup.settle_checks``)."""
+
+    def __init__(self, settle: Settle) -> None:
+        self._settle = settle
+        self._checks: List[Tuple[int, DeferredCheck]] = []  # (graph task, check), in the order the nodes ran
+
+    def defer(self, check: DeferredCheck) -> bool:
+        """Run ``check`` at the end of the autograd backward running it; False outside one (the caller checks
+        at once)."""
+        task = backward_task()
+        if task < 0:
+            return False
+        if not any(t == task for t, _ in self._checks):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(task))
+        self._checks.append((task, check))
+        return True
+
+    def pending(self, owner: Any, epoch: int) -> bool:
+        """Whether ``owner``'s backward of step ``epoch`` ran and its check waits."""
+        return any(c.owner is owner and c.ticket.epoch == epoch for _, c in self._checks)
+
+    def cause(self, owner: Any, epoch: int) -> Optional[PgasError]:
+        """The recorded cause of the refusal of ``owner``'s pending check of step ``epoch``, if it was refused."""
+        return next(c.refusal()[0] for _, c in self._checks if c.owner is owner and c.ticket.epoch == epoch)
+
+    def settle(self) -> None:
+        """Settle the checks of backwards that raised before their end (bookkeeping, no raise)."""
+        checks, self._checks = [c for _, c in self._checks], []
+        self._settle(checks)
+
+    def _finish(self, task: int) -> None:
+        checks = [c for t, c in self._checks if t == task]
+        self._checks = [(t, c) for t, c in self._checks if t != task]
+        cause = self._settle(checks)
+        if cause is not None:
+            try:
+                raise cause
+            finally:  # else the traceback's frame and the exception form a cycle that keeps the step's graph
+                del cause
