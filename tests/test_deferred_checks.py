@@ -11,7 +11,7 @@ import torch
 
 from torchrec_pgas.sharding.deferred_checks import Refusal
 from torchrec_pgas.sharding.group import StepGroup
-from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError
+from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
 from tests.test_group import _Step
 
@@ -158,3 +158,15 @@ def test_a_sibling_that_raises_in_its_node_names_the_deferred_ones_cause_and_set
     assert check.reads == 1 and not model.deferred.pending(a, 4)
     assert int(a.tbe.iter_cpu) == int(b.tbe.iter_cpu) == 6
     assert model.step_error(a, 4, None) is None  # a pending check's own step_error leaves the others to settle
+
+
+def test_among_equal_causes_the_models_first_sharding_names_the_step() -> None:
+    """A stalled peer: the model's first sharding timed out naming it; the step's deadline had then passed for
+    the later one, whose wait named a healthy peer. The later sharding's node runs first (autograd's order); the
+    first sharding's timeout is raised (the GPU stall test named rank 2 for rank 3 when the nodes' order chose)."""
+    model, (ebc, webc) = _model("ebc", "webc")
+    stalled, consequence = PgasTimeoutError("waited for rank 3"), PgasTimeoutError("waited for rank 2")
+    checks = [_Check(webc, [], consequence, failed=True), _Check(ebc, [], stalled, failed=True)]
+    with pytest.raises(PgasTimeoutError) as raised:
+        _backward(_defers(model, checks[0]), _defers(model, checks[1]))
+    assert raised.value is stalled

@@ -167,14 +167,18 @@ class StepGroup:
         return [other for other in self.members() if other is not step and self.deferred.pending(other, epoch)]
 
     def settle_checks(self, checks: Sequence[DeferredCheck]) -> Optional[PgasError]:
-        """A backward's deferred checks, each step's in node order: a step applied everywhere counts its TBEs'
-        iterations; a refused one puts every sharding's counters back and is given up in the model
-        (``give_up_backward``, as a sharding's backward that raised would). Returns the earliest refused step's
-        error: its cause first (``first_cause``), a failure here that no sharding recorded after every recorded
-        cause."""
+        """A backward's deferred checks, each step's in the model's sharding order (as ``step_error`` reads them):
+        a step applied everywhere counts its TBEs' iterations; a refused one puts every sharding's counters back
+        and is given up in the model (``give_up_backward``, as a sharding's backward that raised would). Returns
+        the earliest refused step's error: its cause first (``first_cause``: among equals the model's first
+        sharding's, not the first node's: a stalled peer's timeout in the first sharding, not the consequences a
+        later one recorded), a failure here that no sharding recorded after every recorded cause."""
         first: Optional[PgasError] = None
+        members = self.members()
+        order = {id(m): i for i, m in enumerate(members)}  # the model's sharding order, not the nodes'
         for epoch in sorted({c.ticket.epoch for c in checks}):
-            of_step = [c for c in checks if c.ticket.epoch == epoch]
+            of_step = sorted((c for c in checks if c.ticket.epoch == epoch),
+                             key=lambda c: order.get(id(c.owner), len(members)))
             refusals = [c.refusal() for c in of_step]
             cause = first_cause(err for err, _ in refusals)
             if cause is None:
