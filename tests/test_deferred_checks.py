@@ -17,19 +17,22 @@ from tests.test_group import _Step
 
 
 class _Check:
-    """A sharding's check of one step: ``cause`` and ``failed`` are what its flags and records say, read once
-    (``reads``: the reads, as ``FlagsCheck`` reads its flags and consumes its records)."""
+    """A sharding's check of one step: ``cause`` and ``failed`` are what its flags and records say, read once and
+    kept, as ``FlagsCheck`` keeps them (``log``: each read)."""
 
     def __init__(self, step: _Step, log: List[str], cause: Optional[PgasError] = None, failed: bool = False) -> None:
         self.owner, self.ticket = step, step.tickets[-1]
         self.log, self.cause, self.failed = log, cause, failed
-        self.reads = 0
+        self.read: Optional[Refusal] = None
 
     def refusal(self) -> Refusal:
-        if not self.reads:
-            self.reads += 1
+        if self.read is None:
             self.log.append(f"check {self.owner.kind}")
-        return self.cause, self.failed
+            self.read = self.cause, self.failed
+        return self.read
+
+    def known(self) -> Optional[Refusal]:
+        return self.read
 
     def failed_here(self) -> PgasError:
         return PgasError(f"{self.owner.kind}: step failed here")
@@ -95,7 +98,7 @@ def test_an_applied_step_counts_its_iterations_and_raises_nothing() -> None:
     checks = [_Check(a, log), _Check(b, log)]
     a.tbe.iter.fill_(3)
     _backward(_defers(model, checks[0]), _defers(model, checks[1]))
-    assert log == ["node a", "node b", "check a", "check b"] and [c.reads for c in checks] == [1, 1]
+    assert log == ["node a", "node b", "check a", "check b"]
     assert int(a.tbe.iter) == 7 and int(a.tbe.iter_cpu) == 7  # the device counter as a replayed step leaves it
 
 
@@ -135,29 +138,67 @@ def test_a_backward_that_raised_later_leaves_its_checks_to_settle() -> None:
 
     with pytest.raises(RuntimeError, match="dense layer"):
         _backward(_defers(model, check), dense_fails)
-    assert model.deferred.pending(a, 4) and check.reads == 0
+    assert model.deferred.pending(a, 4) and check.log == ["node a"]
     model.deferred.settle()
-    assert check.reads == 1 and not model.deferred.pending(a, 4) and int(a.tbe.iter_cpu) == 6
+    assert check.log == ["node a", "check a"] and not model.deferred.pending(a, 4) and int(a.tbe.iter_cpu) == 6
 
 
 def test_a_sibling_that_raises_in_its_node_names_the_deferred_ones_cause_and_settles_them() -> None:
-    """Sharding b's backward checks at once (at the count) and raises after a's deferred: its error is a's
-    recorded cause (``step_error``), and giving the step up settles a's check (autograd skips its end)."""
-    model, (a, b) = _model("a", "b")
+    """Sharding c's backward raises in its node (a launch failed) after a's and b's deferred theirs: its error
+    names a's recorded cause (``step_error`` reads the deferred checks), while a pending check's own
+    ``step_error`` leaves the others to be settled with it; giving the step up settles both (autograd skips the
+    backward's end)."""
+    model, (a, b, c) = _model("a", "b", "c")
     bad = PgasInputError("a: id 37 outside [0, 37)")
-    check = _Check(a, [], bad, failed=True)
+    checks = [_Check(a, [], bad, failed=True), _Check(b, [], PgasPeerAbortError("rank 1 gave up"))]
 
-    def b_node() -> None:
-        err = model.step_error(b, 4, None)
+    def c_node() -> None:
+        assert model.step_error(a, 4, None) is None  # a's own: b's check is not read into it
+        assert checks[1].read is None
+        err = model.step_error(c, 4, None)
         assert err is bad
-        model.give_up_backward(b, b.tickets[-1], err)
+        model.give_up_backward(c, c.tickets[-1], err)
         raise err
 
     with pytest.raises(PgasInputError):
-        _backward(_defers(model, check), b_node)
-    assert check.reads == 1 and not model.deferred.pending(a, 4)
-    assert int(a.tbe.iter_cpu) == int(b.tbe.iter_cpu) == 6
-    assert model.step_error(a, 4, None) is None  # a pending check's own step_error leaves the others to settle
+        _backward(_defers(model, checks[0]), _defers(model, checks[1]), c_node)
+    assert all(ch.read is not None for ch in checks) and not model.deferred.pending(a, 4)
+    assert [int(s.tbe.iter_cpu) for s in (a, b, c)] == [6, 6, 6]
+
+
+def test_a_refusal_read_on_the_host_is_adopted_from_there() -> None:
+    """A deferred check read already (a later backward of its sharding reused the flags, or a sibling's node read
+    it): the model reports its refusal on the host, where its device words may hold a later step's."""
+    model, (a, b) = _model("a", "b")
+    refused, applied = _Check(a, [], failed=True), _Check(b, [])
+    with pytest.raises(PgasError, match="a: step failed here"):
+        _backward(_defers(model, refused), _defers(model, applied),
+                  lambda: setattr(b, "seen", (model.refused_on_host(b, 4), model.refused_on_host(a, 4))))
+    assert b.seen == (False, False)  # nothing read yet: the device words serve
+    model, (a, b) = _model("a", "b")
+    refused, applied = _Check(a, [], failed=True), _Check(b, [])
+
+    def read_then_ask() -> None:
+        refused.refusal()
+        applied.refusal()
+        b.seen = (model.refused_on_host(b, 4), model.refused_on_host(a, 4))
+
+    with pytest.raises(PgasError, match="a: step failed here"):
+        _backward(_defers(model, refused), _defers(model, applied), read_then_ask)
+    assert b.seen == (True, False)
+
+
+def test_a_settle_that_fails_part_way_keeps_its_checks() -> None:
+    model, (a,) = _model("a")
+
+    class _Failing(_Check):
+        def refusal(self) -> Refusal:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    check = _Failing(a, [])
+    with pytest.raises(RuntimeError, match="illegal memory"):
+        _backward(_defers(model, check))
+    assert model.deferred.pending(a, 4)  # for the next settle
 
 
 def test_among_equal_causes_the_models_first_sharding_names_the_step() -> None:

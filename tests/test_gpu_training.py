@@ -166,17 +166,20 @@ def test_a_failed_backward_holds_no_slot_on_gpus(kind: str, owner_backward: str,
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cuda", owner_backward, graphs, padded))
 
 
-def _checks_pending_at_the_end(rank: int, world: int, graphs: bool) -> List[List[bool]]:
+def _checks_pending_at_the_end(rank: int, world: int, graphs: bool) -> Tuple[List[List[bool]], List[int]]:
     """Four steps of the two-EBC model, row-wise, through the owner update at capacity: per step, whether each
-    sharding's check of it still waited once autograd had run every node of the backward (a final callback queued
-    before the first node ran runs before theirs)."""
+    sharding's check of it still waited, its flags unread, once autograd had run every node of the backward (a
+    final callback queued before the first node ran runs before theirs); each sharding's backward replays."""
     pgas, _, batches = _sides(rank, world, "pgas_row_wise", "cuda", owner_backward="pgas", graphs=graphs)
     steps = list(pgas_steps(pgas))
     seen: List[List[bool]] = []
 
+    def unread(s: Any) -> bool:
+        deferred = s.group.deferred
+        return deferred.pending(s, s.looked_up) and deferred.known(s, s.looked_up) is None
+
     def probe(grad: torch.Tensor) -> torch.Tensor:
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: seen.append([s.group.deferred.pending(s, s.looked_up) for s in steps]))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: seen.append([unread(s) for s in steps]))
         return grad
 
     for batch in batches[:4]:
@@ -185,7 +188,7 @@ def _checks_pending_at_the_end(rank: int, world: int, graphs: bool) -> List[List
         loss.backward()
         pgas.fused_optimizer.step()
     assert not any(s.group.deferred.pending(s, s.looked_up) for s in steps)  # settled by the end of backward()
-    return seen
+    return seen, [s.backward_graph_stats.replays for s in steps]
 
 
 @pytest.mark.peers
@@ -193,8 +196,9 @@ def _checks_pending_at_the_end(rank: int, world: int, graphs: bool) -> List[List
 def test_the_eager_backward_reads_the_flags_after_the_rest_of_the_backward(graphs: bool) -> None:
     """The sources' flags of an eager backward at capacity (replayed or launched) are read at the end of the
     autograd backward, not in its node, where the host would wait for the GPU before launching the rest."""
-    for rank_seen in run_distributed(_checks_pending_at_the_end, 2, graphs):
-        assert rank_seen == [[True, True]] * 4, rank_seen
+    for seen, replays in run_distributed(_checks_pending_at_the_end, 2, graphs):
+        assert seen == [[True, True]] * 4, seen
+        assert all(r > 0 for r in replays) if graphs else replays == [0, 0], replays
 
 
 def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[Tuple[int, ...], bool]]]:

@@ -284,4 +284,5 @@ def check_errors(module: nn.Module) -> None:
     for step in steps:
         step.synchronize()
     for group in groups_of(steps):
+        group.deferred.settle()  # a backward that raised before its end left its checks
         group.raise_recorded()

@@ -10,8 +10,12 @@ from there: ``backward()`` still raises it, on every rank. A sharding whose back
 of the same step adopts its refusal on the device (``DeviceBackward``), as it adopts an earlier failure of the
 siblings still awaiting their backward, so every sharding of a refused step applies nothing.
 
+A node that must read the flags itself (the owner update at the count, FBGEMM's path: they sync for the id count)
+hands a refused step's error over the same way instead of raising it, so every rank raises at the end of the
+backward, whichever path its node took, and none stops its backward early while its peers go on.
+
 A backward that raises elsewhere after the node never runs its final callbacks: its checks are settled at the
-model's next index dist (bookkeeping only: that backward already raised).
+model's next index dist or ``check_errors`` (bookkeeping only: that backward already raised).
 """
 
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
@@ -32,6 +36,10 @@ class DeferredCheck(Protocol):
 
     def refusal(self) -> Refusal:
         """Wait for the step's flags, then why its gradients were not applied (once: records are consumed)."""
+        ...
+
+    def known(self) -> Optional[Refusal]:
+        """The refusal if it was read (the sharding's device words may since hold a later step's), else None."""
         ...
 
     def failed_here(self) -> PgasError:
@@ -72,19 +80,38 @@ class DeferredChecks:
 
     def cause(self, owner: Any, epoch: int) -> Optional[PgasError]:
         """The recorded cause of the refusal of ``owner``'s pending check of step ``epoch``, if it was refused."""
-        return next(c.refusal()[0] for _, c in self._checks if c.owner is owner and c.ticket.epoch == epoch)
+        return self._check(owner, epoch).refusal()[0]
+
+    def known(self, owner: Any, epoch: int) -> Optional[Refusal]:
+        """The refusal of ``owner``'s pending check of step ``epoch`` if it was read already (``DeferredCheck``)."""
+        return self._check(owner, epoch).known()
+
+    def _check(self, owner: Any, epoch: int) -> DeferredCheck:
+        return next(c for _, c in self._checks if c.owner is owner and c.ticket.epoch == epoch)
 
     def settle(self) -> None:
-        """Settle the checks of backwards that raised before their end (bookkeeping, no raise)."""
+        """Settle the checks of backwards that raised before their end (bookkeeping, no raise). Not under a CUDA
+        graph's capture (the settling syncs): the checks then wait for the next call."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         checks, self._checks = [c for _, c in self._checks], []
-        self._settle(checks)
+        self._settle_all(checks)
 
     def _finish(self, task: int) -> None:
         checks = [c for t, c in self._checks if t == task]
         self._checks = [(t, c) for t, c in self._checks if t != task]
-        cause = self._settle(checks)
+        cause = self._settle_all(checks)
         if cause is not None:
             try:
                 raise cause
             finally:  # else the traceback's frame and the exception form a cycle that keeps the step's graph
                 del cause
+
+    def _settle_all(self, checks: List[DeferredCheck]) -> Optional[PgasError]:
+        """``settle`` of ``checks``; where it fails part-way, they wait for the next ``settle`` (their reads are
+        kept, and the bookkeeping may run twice: counters are put back or synced only once)."""
+        try:
+            return self._settle(checks)
+        except BaseException:
+            self._checks[:0] = [(-1, c) for c in checks]
+            raise

@@ -240,8 +240,10 @@ class DeviceStep(PgasStep):
         return tuple(o for o, _ in self.group.siblings_awaiting(self, epoch) if isinstance(o, DeviceStep))
 
     def deferred_siblings(self, epoch: int) -> Tuple["DeviceStep", ...]:
-        """The model's other GPU shardings whose backward of step ``epoch`` ran, its check deferred."""
-        return tuple(o for o in self.group.deferred_siblings(self, epoch) if isinstance(o, DeviceStep))
+        """The model's other GPU shardings whose backward of step ``epoch`` ran, its check deferred and not read
+        yet: their device words are still that step's (a later backward of theirs reads the check first)."""
+        return tuple(o for o in self.group.deferred_siblings(self, epoch)
+                     if isinstance(o, DeviceStep) and self.group.deferred.known(o, epoch) is None)
 
     def step_failure(self, epoch: int) -> Optional[PgasError]:
         return self.errors.step_failure(epoch)

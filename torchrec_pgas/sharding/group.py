@@ -166,6 +166,11 @@ class StepGroup:
         autograd backward (``DeferredChecks``)."""
         return [other for other in self.members() if other is not step and self.deferred.pending(other, epoch)]
 
+    def refused_on_host(self, step: GroupMember, epoch: int) -> bool:
+        """Whether another sharding's deferred check of step ``epoch``, read on the host already, refused it."""
+        known = (self.deferred.known(other, epoch) for other in self.deferred_siblings(step, epoch))
+        return any(r is not None and (r[0] is not None or r[1]) for r in known)
+
     def settle_checks(self, checks: Sequence[DeferredCheck]) -> Optional[PgasError]:
         """A backward's deferred checks, each step's in the model's sharding order (as ``step_error`` reads them):
         a step applied everywhere counts its TBEs' iterations; a refused one puts every sharding's counters back

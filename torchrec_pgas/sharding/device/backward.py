@@ -100,14 +100,15 @@ class FlagsCheck:
     before the replay: where one still holds the fill, the event did not wait (the CUDA docs imply that a graph's
     event is armed by each launch rather than promise it; the drivers we ran do), and the stream's sync does."""
 
-    def __init__(self, backward: "DeviceBackward", ticket: StepTicket, exchanged: torch.cuda.Event,
-                 stream: Optional[torch.cuda.Stream]) -> None:
+    def __init__(self, backward: "DeviceBackward", ticket: StepTicket, exchanged: Optional[torch.cuda.Event],
+                 stream: Optional[torch.cuda.Stream], refusal: Optional[Refusal] = None) -> None:
+        """``refusal``: read already (in a node that synced), where ``exchanged`` is None."""
         self.backward = backward
         self.owner = backward.step
         self.ticket = ticket
         self.exchanged = exchanged
         self.stream = stream
-        self._refusal: Optional[Refusal] = None
+        self._refusal = refusal
 
     def refusal(self) -> Refusal:
         if self._refusal is None:
@@ -115,10 +116,14 @@ class FlagsCheck:
             self._refusal = self.backward.refusal(self.ticket.epoch)
         return self._refusal
 
+    def known(self) -> Optional[Refusal]:
+        return self._refusal
+
     def failed_here(self) -> PgasError:
         return self.backward.failed_here(self.ticket.epoch)
 
     def _wait(self) -> None:
+        assert self.exchanged is not None  # a check without an event is read when made
         self.exchanged.synchronize()
         step = self.owner
         if self.stream is not None and min(step.grad_flags_host.tolist()) == FLAGS_UNSET:
@@ -143,9 +148,20 @@ class DeviceBackward:
         if self.step.group.deferred.defer(check):
             self._unread = check
             return
-        cause, failed = check.refusal()
-        self._raise(cause or (check.failed_here() if failed else None))
-        sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+        if self.settle_read(ticket, check.refusal()):
+            sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+
+    def settle_read(self, ticket: StepTicket, refusal: Refusal) -> bool:
+        """A refusal this node read itself (after its sync): whether the step's gradients may be applied. A refused
+        step's error goes to the end of the autograd backward with the deferred checks (every rank raises there,
+        whichever path its node took), or is raised now outside one."""
+        cause, failed = refusal
+        if cause is None and not failed:
+            return True
+        check = FlagsCheck(self, ticket, None, None, refusal)
+        if not self.step.group.deferred.defer(check):
+            self._raise(cause or check.failed_here())
+        return False
 
     def run(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         """The eager backward of ``ticket``'s step: exchange, then update (launched, or one graph replay)."""
@@ -199,8 +215,8 @@ class DeviceBackward:
             exchanged = None if at_count else torch.cuda.current_stream(step.device).record_event()
             if self.update_held(ticket, slot, rows, whole, ticket.tbe_iters, at_count):
                 if exchanged is None:  # at the count: after its sync
-                    self.raise_problem(epoch)
-                    sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+                    if self.settle_read(ticket, self.refusal(epoch)):
+                        sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                     return
                 if step.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words
                     self.replay.cache.built_for([storage_key(t) for t in ticket.tbes])
@@ -216,17 +232,11 @@ class DeviceBackward:
         batches = self._kept_batches(slot)
         kjt = step.received.kept_ids(ticket.epoch, rows, (f_lo, f_hi - f_lo, step.layout.num_features), batches, whole)
         profiling.mark("kept_ids")
-        self.raise_problem(ticket.epoch)  # after the sync
+        if not self.settle_read(ticket, self.refusal(ticket.epoch)):  # after the sync
+            return
         if f_hi > f_lo:
             grads = step.received.kept_grads(slot, rows, self._held_columns(), step.spec.out_dtype)
             step.owner_apply.apply_at_count(ticket, kjt, grads)
-
-    def raise_problem(self, epoch: int) -> None:
-        """Raise why step ``epoch``'s gradients must not be applied, if they must not (after a sync past the
-        exchange: every sharding's records of the step are in, their combines ran before, and the sources'
-        flags on the host)."""
-        cause, failed = self.refusal(epoch)
-        self._raise(cause or (self.failed_here(epoch) if failed else None))
 
     @staticmethod
     def _raise(problem: Optional[PgasError]) -> None:
@@ -237,7 +247,8 @@ class DeviceBackward:
                 del problem  # step's graph and its GPU tensors alive until a garbage collection
 
     def refusal(self, epoch: int) -> Refusal:
-        """Why step ``epoch``'s gradients must not be applied (the sources' flags on the host), if they must not:
+        """Why step ``epoch``'s gradients must not be applied (after a sync past the exchange: every sharding's
+        records of the step are in, their combines ran before, and the sources' flags on the host), if they must not:
         this rank's failure, a peer's (its flag), or the step's failure in another sharding of the model, the
         cause first (``StepGroup.step_error``); and whether the step failed on this rank (its cause may be
         recorded by no sharding: ``failed_here``)."""
@@ -356,13 +367,13 @@ class DeviceBackward:
         its check deferred, applied nothing: this rank's grad dist then gives up, so every peer refuses this
         sharding's step too. Device words, no sync; True where a sibling gave the step up on the host."""
         siblings, deferred = self.step.device_siblings(epoch), self.step.deferred_siblings(epoch)
-        if not siblings and not deferred:
-            return False
-        failed = torch.cat([_failed_word(o, epoch).eq(epoch).view(1) for o in siblings]
-                           + [_refused_here(o, epoch) for o in deferred]).any()
-        word = _failed_word(self.step, epoch)
-        word.copy_(torch.where(failed, epoch, word))
-        return any(epoch in o.errors.gave_up for o in siblings)
+        refused_on_host = self.step.group.refused_on_host(self.step, epoch)
+        if siblings or deferred:
+            failed = torch.cat([_failed_word(o, epoch).eq(epoch).view(1) for o in siblings]
+                               + [_refused_here(o, epoch) for o in deferred]).any()
+            word = _failed_word(self.step, epoch)
+            word.copy_(torch.where(failed, epoch, word))
+        return refused_on_host or any(epoch in o.errors.gave_up for o in siblings)
 
 
 class BackwardReplay:
@@ -389,9 +400,10 @@ class BackwardReplay:
                 and step.lookup_features[1] > step.lookup_features[0] and step.owner_apply.at_capacity(ticket)
                 and (step.owners.variable_batch or ticket.batch > 0)):  # the launched path's rows > 0
             return False
-        siblings = step.device_siblings(epoch)
-        return len(siblings) == len(step.group.siblings_awaiting(step, epoch)) and all(
-            o.looked_up == epoch and epoch not in o.errors.gave_up for o in siblings + step.deferred_siblings(epoch))
+        siblings, deferred = step.device_siblings(epoch), step.deferred_siblings(epoch)
+        return (len(siblings) == len(step.group.siblings_awaiting(step, epoch))
+                and len(deferred) == len(step.group.deferred_siblings(step, epoch))  # none read on the host
+                and all(o.looked_up == epoch and epoch not in o.errors.gave_up for o in siblings + deferred))
 
     def replay(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
         """The backward of ``ticket``'s step as one replay; False, with nothing run, where the capture failed (the
