@@ -475,7 +475,7 @@ def make_plots(results_dir: str) -> List[str]:
         fig = planner_scatter(read_results(found[0])["meta"], _validation(results_dir))
         if fig is not None:
             paths.append(os.path.join(results_dir, "planner_scatter.png"))
-            fig.savefig(paths[-1], dpi=120)
+            save_png(fig, paths[-1])
         return paths
     results = _load(path)
     meta, rows = results["meta"], results["rows"]
@@ -498,9 +498,20 @@ def make_plots(results_dir: str) -> List[str]:
     for name, fig in figures.items():
         if fig is not None:
             path = os.path.join(results_dir, f"{name}.png")
-            fig.savefig(path, dpi=120)
+            save_png(fig, path)
             paths.append(path)
     return paths
+
+
+def save_png(fig: Figure, path: str) -> None:
+    """``fig`` as a PNG of at most 64 colours: results folders are committed, and a plot's flat fills and lines
+    lose nothing visible in a palette a third the size of the RGBA image."""
+    from PIL import Image  # matplotlib's own dependency
+
+    fig.savefig(path, dpi=120)
+    with Image.open(path) as image:
+        palette = image.convert("RGB").quantize(colors=64)
+    palette.save(path, optimize=True)
 
 
 def _validation(results_dir: str) -> List[Dict[str, str]]:

@@ -33,7 +33,8 @@
 #              TorchRec's TrainPipelineSparseDist; replay: ReplayTrainPipeline; the stock twin trained on the same
 #              batches through TrainPipelineSparseDist) at each of DLRM_WORLDS (default "1 2"; ranks share GPUs when
 #              they outnumber them) and DLRM_BATCH (default 2048; a list sweeps), DLRM_STEPS (50) steps, DLRM_ARGS
-#              more arguments; each run's loss trajectories and both samples/s in
+#              more arguments, DLRM_TORCHRUN_ARGS torchrun's (e.g. "--numa-binding exclusive": each rank on its own
+#              cores); each run's loss trajectories and both samples/s in
 #              <out>/dlrm_train_<DLRM_NAME, default the pipeline>_w<W>_b<batch>.json
 #   virtual    benchmarks.virtual_ranks on GPU 0: each rank's stage kernels of a W-rank step, all ranks on one
 #              GPU (VIRTUAL_ARGS, default s000-weak and s000-strong at W = 1 and 2, both pairs); with
@@ -453,12 +454,14 @@ if has dlrm; then
 fi
 if has dlrm-train; then
   read -r -a DLRM_ARGV <<< "${DLRM_ARGS:-}"  # e.g. "--owner-backward auto --warmup 10"
+  read -r -a DLRM_RUN_ARGV <<< "${DLRM_TORCHRUN_ARGS:-}"
   pipe=${DLRM_PIPELINE:-sparse_dist}
   for n in ${DLRM_WORLDS:-1 2}; do
     for batch in ${DLRM_BATCH:-2048}; do
       name=dlrm_train_${DLRM_NAME:-$pipe}_w${n}_b$batch
       log "DLRM training, --sharding pgas --pipeline $pipe --validate, $n ranks, batch $batch: ${DLRM_ARGV[*]}"
-      timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc_per_node="$n" -m examples.dlrm.run \
+      timeout "${DLRM_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc_per_node="$n" "${DLRM_RUN_ARGV[@]}" \
+        -m examples.dlrm.run \
         --sharding pgas --train --pipeline "$pipe" --batch-size "$batch" --steps "${DLRM_STEPS:-50}" \
         --max-rows 1000000 --validate --report "$OUT/$name.json" "${DLRM_ARGV[@]}" > /tmp/dlrm.log 2>&1
       echo "$name exit $?" | tee -a "$OUT/summary.txt"
