@@ -109,7 +109,8 @@ class DeferredChecks:
 
     def _settle_all(self, checks: List[DeferredCheck]) -> Optional[PgasError]:
         """``settle`` of ``checks``; where it fails part-way, they wait for the next ``settle`` (their reads are
-        kept, and the bookkeeping may run twice: counters are put back or synced only once)."""
+        kept; the bookkeeping of the steps settled before the failure runs again, harmless: a counter is put back
+        only while it still holds the step's count, and the next index dist settles before the next forward)."""
         try:
             return self._settle(checks)
         except BaseException:

@@ -97,12 +97,18 @@ class OwnerApply:
         if at_count and counts is None:  # not the TBEs' bags: the op does not take them
             self._op_refused = True
             return False
-        if counts is not None and not any(counts) and self._applying is not None:
-            self._applying.updated = False  # no row to update: not a measure of the trial
+        if counts is not None and not any(counts):
+            self.applies_nothing()  # no row to update
         grads = self.received.kept_grads(slot, rows, columns, self.out_dtype)
         taken = padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations, counts)
         self._op_refused = not taken  # the op's reasons (dims, dtypes) hold for the next steps too
         return taken
+
+    def applies_nothing(self) -> None:
+        """The apply under way updates no row (none to update, or its step was refused): not a measure of
+        ``auto``'s trial."""
+        if self._applying is not None:
+            self._applying.updated = False
 
     def apply_at_count(self, ticket: StepTicket, kjt: KeyedJaggedTensor, grads: torch.Tensor) -> None:
         """Apply the received gradients to the kept ids at their count (``kjt``): through the owner update where it
@@ -115,8 +121,7 @@ class OwnerApply:
         TBE module builds those arguments itself. The re-run costs one more pooled lookup of the owner's rows
         (about the forward's own lookup) and follows every optimizer FBGEMM ships, bit for bit."""
         if kjt.values().numel() == 0:
-            if self._applying is not None:
-                self._applying.updated = False
+            self.applies_nothing()
             return  # no row to update
         if self.covers(ticket.tbes):
             owner_backward(ticket.tbes, kjt, grads, ticket.tbe_iters,

@@ -217,6 +217,8 @@ class DeviceBackward:
                 if exchanged is None:  # at the count: after its sync
                     if self.settle_read(ticket, self.refusal(epoch)):
                         sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
+                    else:
+                        step.owner_apply.applies_nothing()
                     return
                 if step.owner_apply.training.eager_backward_graphs:  # the TBEs' layouts and hyper-parameter words
                     self.replay.cache.built_for([storage_key(t) for t in ticket.tbes])
@@ -233,6 +235,7 @@ class DeviceBackward:
         kjt = step.received.kept_ids(ticket.epoch, rows, (f_lo, f_hi - f_lo, step.layout.num_features), batches, whole)
         profiling.mark("kept_ids")
         if not self.settle_read(ticket, self.refusal(ticket.epoch)):  # after the sync
+            step.owner_apply.applies_nothing()
             return
         if f_hi > f_lo:
             grads = step.received.kept_grads(slot, rows, self._held_columns(), step.spec.out_dtype)
@@ -368,10 +371,12 @@ class DeviceBackward:
         sharding's step too. Device words, no sync; True where a sibling gave the step up on the host."""
         siblings, deferred = self.step.device_siblings(epoch), self.step.deferred_siblings(epoch)
         refused_on_host = self.step.group.refused_on_host(self.step, epoch)
-        if siblings or deferred:
+        word = _failed_word(self.step, epoch)
+        if refused_on_host:  # failed here, as a device adoption leaves it: its check then reads the sibling's cause
+            word.fill_(epoch)
+        elif siblings or deferred:
             failed = torch.cat([_failed_word(o, epoch).eq(epoch).view(1) for o in siblings]
                                + [_refused_here(o, epoch) for o in deferred]).any()
-            word = _failed_word(self.step, epoch)
             word.copy_(torch.where(failed, epoch, word))
         return refused_on_host or any(epoch in o.errors.gave_up for o in siblings)
 
@@ -402,7 +407,7 @@ class BackwardReplay:
             return False
         siblings, deferred = step.device_siblings(epoch), step.deferred_siblings(epoch)
         return (len(siblings) == len(step.group.siblings_awaiting(step, epoch))
-                and len(deferred) == len(step.group.deferred_siblings(step, epoch))  # none read on the host
+                and not step.group.refused_on_host(step, epoch)
                 and all(o.looked_up == epoch and epoch not in o.errors.gave_up for o in siblings + deferred))
 
     def replay(self, ticket: StepTicket, grad: torch.Tensor) -> bool:
