@@ -129,6 +129,7 @@ def test_a_bad_batch_changes_nothing_on_gpus(kind: str, what: str, owner_backwar
     assert [e[:2] for e in r1["errors"]] == [(2, "PgasCapacityError" if what == "capacity" else "PgasInputError")], r1
     assert expected in r1["errors"][0][2]
     assert [e[:2] for e in r0["errors"]] == [(2, "PgasPeerAbortError")], r0
+    assert "rank 1 " in r0["errors"][0][2], r0  # the rank that failed, never the peer itself
     assert r0["equal"] and r1["equal"] and r0["trained"] and r1["trained"], (r0, r1)
 
 
