@@ -92,7 +92,7 @@ class DeferredChecks:
     def settle(self) -> None:
         """Settle the checks of backwards that raised before their end (bookkeeping, no raise). Not under a CUDA
         graph's capture (the settling syncs): the checks then wait for the next call."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not self._checks or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return
         checks, self._checks = [c for _, c in self._checks], []
         self._settle_all(checks)
