@@ -1,16 +1,22 @@
 """A model's backward checks deferred to the end of the autograd backward (``DeferredChecks``), with stand-in
 steps and checks on CPU autograd: the check runs after every later node of the backward and its error still
 leaves ``backward()``; a step's checks settle together (its recorded cause first, counters counted or put back);
-a backward that raised before its end leaves its checks to ``settle``. The GPU sharding's use of it (the
-sources' flags read there) is in test_gpu_training.py's refusal, failed-backward and stall tests."""
+a backward that raised before its end leaves its checks to ``settle``; ``DeviceBackward``'s host logic over them
+(a refusal read in the node, a sibling's read refusal adopted) on a stand-in step whose device words live on the CPU.
+The GPU sharding's use of it (the sources' flags read there) is in test_gpu_training.py's refusal, failed-backward
+and stall tests."""
 
+import contextlib
+from types import SimpleNamespace
 from typing import Callable, List, Optional, Tuple
 
 import pytest
 import torch
 
 from torchrec_pgas.sharding.deferred_checks import Refusal
+from torchrec_pgas.sharding.device.backward import DeviceBackward
 from torchrec_pgas.sharding.group import StepGroup
+from torchrec_pgas.step_abi import StateWord
 from torchrec_pgas.types import PgasError, PgasInputError, PgasPeerAbortError, PgasTimeoutError
 
 from tests.test_group import _Step
@@ -211,3 +217,71 @@ def test_among_equal_causes_the_models_first_sharding_names_the_step() -> None:
     with pytest.raises(PgasTimeoutError) as raised:
         _backward(_defers(model, checks[0]), _defers(model, checks[1]))
     assert raised.value is stalled
+
+
+class _DeviceStep(_Step):
+    """A GPU sharding's step as its backward's host logic reads it (``DeviceBackward``): its device words on the
+    CPU, and its model's siblings as ``DeviceStep`` lists them."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.rank, self.state_words = 0, torch.zeros(StateWord.STATE_WORDS, dtype=torch.int64)
+        self.layout, self.errors = SimpleNamespace(num_slots=3), SimpleNamespace(gave_up={})
+        self.grad_flags = torch.zeros(3, dtype=torch.int64)
+
+    def device_siblings(self, epoch: int) -> Tuple["_DeviceStep", ...]:
+        return ()
+
+    def deferred_siblings(self, epoch: int) -> Tuple["_DeviceStep", ...]:
+        deferred = self.group.deferred
+        return tuple(o for o in self.group.deferred_siblings(self, epoch) if deferred.known(o, epoch) is None)
+
+
+def _device_model() -> Tuple[StepGroup, List[_DeviceStep]]:
+    steps = [_DeviceStep("a"), _DeviceStep("b")]
+    model = StepGroup()
+    model.join(steps)
+    for s in steps:
+        s.await_backward(4)
+        s.backwards.begin(s.tickets[-1])
+    return model, steps
+
+
+def _failed_word(step: _DeviceStep, epoch: int) -> int:
+    return int(step.state_words[StateWord.STEP_FAILED + epoch % 3])
+
+
+def test_a_node_that_read_a_refusal_hands_it_to_the_end_and_applies_nothing() -> None:
+    """``DeviceBackward.settle_read`` (the owner update at the count, FBGEMM's path): inside a backward a refused
+    step is deferred (False: apply nothing) and raised at the end; a step not refused applies; outside a backward
+    the refusal raises at once."""
+    model, (a, _) = _device_model()
+    backward = DeviceBackward(a)
+    cause = PgasPeerAbortError("rank 1 gave up on step 4")
+    answers: List[bool] = []
+    with pytest.raises(PgasPeerAbortError, match="rank 1"):
+        _backward(lambda: answers.extend([backward.settle_read(a.tickets[-1], (None, False)),
+                                          backward.settle_read(a.tickets[-1], (cause, False))]))
+    assert answers == [True, False] and int(a.tbe.iter_cpu) == 6 and not model.deferred.pending(a, 4)
+    with pytest.raises(PgasError, match="a: step 4 failed on rank 0"):
+        backward.settle_read(a.tickets[-1], (None, True))
+
+
+def test_a_refusal_read_on_the_host_fails_the_adopting_step_on_the_device() -> None:
+    """Sharding a's refusal of step 4 was read on the host (its device words may hold a later step's): b's backward
+    adopts it from the host, gives up its gradients and marks its own step failed, so its check reads a's cause and
+    never names this rank; a check read that accepted the step adopts nothing."""
+    model, (a, b) = _device_model()
+    seen: List[Tuple[bool, int]] = []
+
+    def b_node() -> None:
+        checks[0].refusal()  # read on the host, as a node at the count reads its siblings' through step_error
+        seen.append((DeviceBackward(b)._adopt_sibling_failures(4), _failed_word(b, 4)))
+
+    for refused in (True, False):
+        model, (a, b) = _device_model()
+        checks = [_Check(a, [], PgasPeerAbortError("rank 1 gave up"), failed=False) if refused else _Check(a, [])]
+        raised = pytest.raises(PgasPeerAbortError) if refused else contextlib.nullcontext()
+        with raised:
+            _backward(_defers(model, checks[0]), b_node)
+    assert seen == [(True, 4), (False, 0)]
