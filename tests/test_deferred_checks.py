@@ -271,7 +271,6 @@ def test_a_refusal_read_on_the_host_fails_the_adopting_step_on_the_device() -> N
     """Sharding a's refusal of step 4 was read on the host (its device words may hold a later step's): b's backward
     adopts it from the host, gives up its gradients and marks its own step failed, so its check reads a's cause and
     never names this rank; a check read that accepted the step adopts nothing."""
-    model, (a, b) = _device_model()
     seen: List[Tuple[bool, int]] = []
 
     def b_node() -> None:
