@@ -28,6 +28,11 @@ from torchrec_pgas.types import PgasError
 Refusal = Tuple[Optional[PgasError], bool]  # the cause, if known; whether the step failed on this rank
 
 
+def refuses(refusal: Refusal) -> bool:
+    """Whether ``refusal`` refuses its step: a cause, or a failure on this rank."""
+    return refusal[0] is not None or refusal[1]
+
+
 class DeferredCheck(Protocol):
     """One sharding's check of one step's backward (``FlagsCheck``)."""
 
@@ -76,18 +81,23 @@ class DeferredChecks:
 
     def pending(self, owner: Any, epoch: int) -> bool:
         """Whether ``owner``'s backward of step ``epoch`` ran and its check waits."""
-        return any(c.owner is owner and c.ticket.epoch == epoch for _, c in self._checks)
+        return self._find(owner, epoch) is not None
 
     def cause(self, owner: Any, epoch: int) -> Optional[PgasError]:
         """The recorded cause of the refusal of ``owner``'s pending check of step ``epoch``, if it was refused."""
-        return self._check(owner, epoch).refusal()[0]
+        return self._pending(owner, epoch).refusal()[0]
 
     def known(self, owner: Any, epoch: int) -> Optional[Refusal]:
         """The refusal of ``owner``'s pending check of step ``epoch`` if it was read already (``DeferredCheck``)."""
-        return self._check(owner, epoch).known()
+        return self._pending(owner, epoch).known()
 
-    def _check(self, owner: Any, epoch: int) -> DeferredCheck:
-        return next(c for _, c in self._checks if c.owner is owner and c.ticket.epoch == epoch)
+    def _find(self, owner: Any, epoch: int) -> Optional[DeferredCheck]:
+        return next((c for _, c in self._checks if c.owner is owner and c.ticket.epoch == epoch), None)
+
+    def _pending(self, owner: Any, epoch: int) -> DeferredCheck:
+        check = self._find(owner, epoch)
+        assert check is not None, "callers ask of a pending check only"
+        return check
 
     def settle(self) -> None:
         """Settle the checks of backwards that raised before their end (bookkeeping, no raise). Not under a CUDA

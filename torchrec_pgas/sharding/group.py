@@ -14,7 +14,7 @@ import collections
 import weakref
 from typing import Callable, Deque, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
-from torchrec_pgas.sharding.deferred_checks import DeferredCheck, DeferredChecks
+from torchrec_pgas.sharding.deferred_checks import DeferredCheck, DeferredChecks, refuses
 from torchrec_pgas.sharding.tbe_counters import StockForwardCounters, sync_tbe_iterations, undo_tbe_iterations
 from torchrec_pgas.sharding.tickets import AwaitedBackwards, StepTicket
 from torchrec_pgas.types import PgasError, PgasPeerAbortError, PgasTimeoutError
@@ -169,7 +169,7 @@ class StepGroup:
     def refused_on_host(self, step: GroupMember, epoch: int) -> bool:
         """Whether another sharding's deferred check of step ``epoch``, read on the host already, refused it."""
         known = (self.deferred.known(other, epoch) for other in self.deferred_siblings(step, epoch))
-        return any(r is not None and (r[0] is not None or r[1]) for r in known)
+        return any(r is not None and refuses(r) for r in known)
 
     def settle_checks(self, checks: Sequence[DeferredCheck]) -> Optional[PgasError]:
         """A backward's deferred checks, each step's in the model's sharding order (as ``step_error`` reads them):

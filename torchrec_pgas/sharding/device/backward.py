@@ -17,7 +17,7 @@ import torch
 
 from torchrec_pgas import profiling
 from torchrec_pgas.layout import StepLayout
-from torchrec_pgas.sharding.deferred_checks import Refusal
+from torchrec_pgas.sharding.deferred_checks import Refusal, refuses
 from torchrec_pgas.sharding.device.backward_graphs import (
     FLAGS_UNSET,
     BackwardGraph,
@@ -155,12 +155,11 @@ class DeviceBackward:
         """A refusal this node read itself (after its sync): whether the step's gradients may be applied. A refused
         step's error goes to the end of the autograd backward with the deferred checks (every rank raises there,
         whichever path its node took), or is raised now outside one."""
-        cause, failed = refusal
-        if cause is None and not failed:
+        if not refuses(refusal):
             return True
         check = FlagsCheck(self, ticket, None, None, refusal)
         if not self.step.group.deferred.defer(check):
-            self._raise(cause or check.failed_here())
+            self._raise(refusal[0] or check.failed_here())
         return False
 
     def run(self, ticket: StepTicket, grad: torch.Tensor) -> None:
@@ -371,6 +370,8 @@ class DeviceBackward:
         sharding's step too. Device words, no sync; True where a sibling gave the step up on the host."""
         siblings, deferred = self.step.device_siblings(epoch), self.step.deferred_siblings(epoch)
         refused_on_host = self.step.group.refused_on_host(self.step, epoch)
+        if not (siblings or deferred or refused_on_host):  # the common case: the model's one sharding
+            return False
         word = _failed_word(self.step, epoch)
         if refused_on_host:  # failed here, as a device adoption leaves it: its check then reads the sibling's cause
             word.fill_(epoch)
