@@ -50,7 +50,6 @@ under ``--out`` (default ``benchmarks/results/<date>-<device>-<commit>/``);
 """
 
 import argparse
-import cProfile
 import csv
 import dataclasses
 import datetime
@@ -58,7 +57,6 @@ import gc
 import itertools
 import json
 import os
-import pstats
 import re
 import statistics
 import subprocess
@@ -462,36 +460,21 @@ def host_profile(fn: Callable[[int], Any], steps: int, device: torch.device, pat
     the GPU the call makes), then cProfile over the same calls, its top functions by own time written to
     ``path`` (None: not written). A step whose host ms is near its GPU-timeline ms is host-bound."""
     cuda = device.type == "cuda"
-    ms, prof = [], cProfile.Profile()
+    ms, prof = [], profiling.HostProfile()
     for i in range(steps):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        prof.enable()
-        fn(i)
-        prof.disable()
+        with prof.call():
+            fn(i)
         ms.append(1e3 * (time.perf_counter() - t0))
     if cuda:
         torch.cuda.synchronize()
     if path is not None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            f.write(profile_table(pstats.Stats(prof), steps, p50(ms)))
+            f.write(prof.table(f"{steps} calls, host p50 {p50(ms):.3f} ms a call (cProfile's own cost included)"))
     return p50(ms)
-
-
-def profile_table(stats: pstats.Stats, steps: int, host_ms: float, top: int = 40) -> str:
-    """cProfile's functions in microseconds a step (pstats prints seconds to three places, which rounds a
-    step's calls to zero): the ``top`` by own time, then by cumulative time."""
-    entries = [(func, nc, tt, ct) for func, (_, nc, tt, ct, _) in stats.stats.items()]  # type: ignore[attr-defined]
-    out = [f"{steps} calls, host p50 {host_ms:.3f} ms a call (cProfile's own cost included); us a call"]
-    for title, k in (("own time", 2), ("cumulative time", 3)):
-        out.append(f"\nby {title}:\n{'calls':>7} {'own us':>9} {'cum us':>9}  function")
-        for func, nc, tt, ct in sorted(entries, key=lambda e: -e[k])[:top]:
-            where = f"{func[0]}:{func[1]}({func[2]})" if func[0] != "~" else func[2]
-            out.append(f"{nc / steps:7.1f} {1e6 * tt / steps:9.1f} {1e6 * ct / steps:9.1f}  "
-                       f"{where.replace(os.getcwd() + os.sep, '')}")
-    return "\n".join(out) + "\n"
 
 
 def p50(x: Sequence[float]) -> float:

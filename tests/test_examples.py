@@ -94,13 +94,18 @@ def test_synthetic_criteo_multi_hot_bags_and_one_hot_default() -> None:
 @pytest.mark.stacks
 def test_dlrm_trains_through_the_replay_pipeline_like_stock_sparse_dist(tmp_path: pathlib.Path) -> None:
     """--pipeline replay: the PGAS side trains through ReplayTrainPipeline (eagerly on CPUs, which have no CUDA
-    graphs), its stock twin through TrainPipelineSparseDist, on the same batches: equal step by step."""
+    graphs), its stock twin through TrainPipelineSparseDist, on the same batches: equal step by step.
+    --host-profile writes each side's Python functions over its 3 timed steps: ours through the PGAS step."""
     report = tmp_path / "dlrm_replay.json"
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--train", "--pipeline", "replay",
-                   "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate", "--report", str(report))
+                   "--batch-size", "32", "--steps", "6", "--max-rows", "2000", "--validate", "--report", str(report),
+                   "--host-profile", str(tmp_path / "host"))
     assert any(line.startswith("validate: 6 training steps") and line.endswith("PASS") for line in out), out
     got = json.loads(report.read_text())
     assert got["pass"] and got["pipeline"] == "replay" and len(got["losses"]) == 6
+    ours, stock = ((tmp_path / "host" / f"{side}_b32.host.txt").read_text() for side in ("pgas", "nccl"))
+    assert ours.startswith("3 timed steps under cProfile") and "by cumulative time:" in ours, ours
+    assert "torchrec_pgas/train_pipeline.py" in ours and "torchrec_pgas/" not in stock, stock
 
 
 @pytest.mark.stacks

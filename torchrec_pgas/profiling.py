@@ -8,9 +8,15 @@ costs one global read when no timer is active. On CUDA a mark is an event on the
 is what the GPU timeline spent between two marks: kernel time plus any time the
 GPU waited for the host (host syncs, launch gaps), which is what a step pays.
 On CPU a mark is the wall clock.
+
+:class:`HostProfile` is the host's side: cProfile over chosen calls (a step each), reported per call, to find
+which Python a host-bound step spends its time in.
 """
 
 import contextlib
+import cProfile
+import os
+import pstats
 import time
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
@@ -67,3 +73,35 @@ def mark(name: str) -> None:
     """Record a stage boundary if a :func:`stage_timer` is active."""
     if _active is not None:
         _active.mark(name)
+
+
+class HostProfile:
+    """cProfile over the calls wrapped in :meth:`call`, reported in microseconds a call: pstats prints seconds
+    to three places, which rounds a step's functions to zero."""
+
+    def __init__(self) -> None:
+        self._profile = cProfile.Profile()
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        self._profile.enable()
+        try:
+            yield
+        finally:
+            self._profile.disable()
+            self.calls += 1
+
+    def table(self, header: str, top: int = 40) -> str:
+        """The ``top`` functions by own time, then by cumulative time, after a ``header`` line."""
+        stats = pstats.Stats(self._profile)
+        entries = [(func, nc, tt, ct) for func, (_, nc, tt, ct, _) in stats.stats.items()]  # type: ignore[attr-defined]
+        calls = max(self.calls, 1)
+        out = [f"{header}; us a call"]
+        for title, k in (("own time", 2), ("cumulative time", 3)):
+            out.append(f"\nby {title}:\n{'calls':>7} {'own us':>9} {'cum us':>9}  function")
+            for func, nc, tt, ct in sorted(entries, key=lambda e: -e[k])[:top]:
+                where = f"{func[0]}:{func[1]}({func[2]})" if func[0] != "~" else func[2]
+                out.append(f"{nc / calls:7.1f} {1e6 * tt / calls:9.1f} {1e6 * ct / calls:9.1f}  "
+                           f"{where.replace(os.getcwd() + os.sep, '')}")
+        return "\n".join(out) + "\n"

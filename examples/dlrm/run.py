@@ -26,6 +26,7 @@ runs, and a median is not moved by a few slow steps).
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -69,6 +70,7 @@ from torchrec_pgas import (
     check_errors,
     owner_backward_trials,
     pooling_capacity_from_constraints,
+    profiling,
     shutdown,
 )
 from torchrec_pgas.placement import RankPlacement, best_placement, rank_placement
@@ -247,8 +249,18 @@ def step_profiler(path: Optional[str], warmup: int, device: torch.device) -> Opt
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write)
 
 
+def write_host_profile(host: profiling.HostProfile, path: str, step_ms: List[float]) -> None:
+    """--host-profile: rank 0's Python functions over the timed steps, in us a step (a host-bound step's time
+    is the host's: this says where it goes)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(host.table(f"{host.calls} timed steps under cProfile, median step {statistics.median(step_ms):.3f} ms "
+                           "(cProfile's cost included)"))
+
+
 def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool, lr: float,
-        warmup: int, pipeline: str = "plain", profile: Optional[str] = None) -> RunResult:
+        warmup: int, pipeline: str = "plain", profile: Optional[str] = None,
+        host_profile: Optional[str] = None) -> RunResult:
     dense_opt = None
     if train:
         dense = [p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")]
@@ -257,6 +269,7 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     preds, labels, losses = [], [], []
     marks: List[float] = []  # the host clock at each timed step's start, then at the end
     profiler = step_profiler(profile, warmup, device)
+    host = profiling.HostProfile()
     if profiler is not None:
         profiler.start()
     for step in range(len(data)):
@@ -266,7 +279,8 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
             dist.barrier()
         if step >= warmup:
             marks.append(time.perf_counter())
-        loss, logits, step_labels = step_fn()
+        with host.call() if host_profile is not None and step >= warmup else contextlib.nullcontext():
+            loss, logits, step_labels = step_fn()
         losses.append(loss)
         preds.append(torch.sigmoid(logits))
         labels.append(step_labels)
@@ -278,6 +292,8 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
     step_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
     if profiler is not None:
         profiler.stop()
+    if host_profile is not None and dist.get_rank() == 0:
+        write_host_profile(host, host_profile, step_ms)
     world = dist.get_world_size()
     global_losses = torch.stack(losses).float()
     dist.all_reduce(global_losses)  # after the timed steps: no sync inside them
@@ -305,6 +321,12 @@ def profile_path(args: argparse.Namespace, sharding: str) -> Optional[str]:
     return None if args.profile is None else os.path.join(args.profile, f"{sharding}_b{args.batch_size}.txt")
 
 
+def host_profile_path(args: argparse.Namespace, sharding: str) -> Optional[str]:
+    """Where --host-profile writes one side's table."""
+    return (None if args.host_profile is None
+            else os.path.join(args.host_profile, f"{sharding}_b{args.batch_size}.host.txt"))
+
+
 def twin_sharding(sharding: str) -> str:
     """--validate's other side: stock for pgas and auto, PGAS for nccl."""
     return "pgas" if sharding == "nccl" else "nccl"
@@ -320,7 +342,7 @@ def validate_training(ours: RunResult, our_metrics: Dict[str, float], twin: nn.M
     """Train the twin on the same batches through the same loop: the loss of every step within 1e-4 relative,
     the AUC within 1e-3; both samples/s side by side (the report's keys name the stock side as such)."""
     theirs = run(twin, data, device, True, args.lr, args.warmup, twin_pipeline(args.pipeline),
-                 profile_path(args, twin_sharding(args.sharding)))
+                 profile_path(args, twin_sharding(args.sharding)), host_profile_path(args, twin_sharding(args.sharding)))
     their_metrics = metrics(theirs.preds, theirs.labels)
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours.losses, theirs.losses)]
     worst = max(range(len(rel)), key=rel.__getitem__)
@@ -381,7 +403,7 @@ def job(args: argparse.Namespace, rank: int, placement: RankPlacement, device: t
                            max_ids_per_bag=args.max_ids_per_bag)
 
     result = run(dmp, data, device, args.train, args.lr, args.warmup, args.pipeline,
-                 profile_path(args, args.sharding))
+                 profile_path(args, args.sharding), host_profile_path(args, args.sharding))
     check_errors(dmp)
     m = metrics(result.preds, result.labels)
     mode = "train" if args.train else "inference"
@@ -435,6 +457,8 @@ def main() -> None:
                         "here (JSON)")
     parser.add_argument("--profile", help=f"a directory: torch.profiler's table and trace of the first {PROFILED_STEPS} "
                         "timed steps of each side (their samples/s carries the profiler's cost)")
+    parser.add_argument("--host-profile", help="a directory: rank 0's Python functions (cProfile) over each side's "
+                        "timed steps, in us a step (their samples/s carries cProfile's cost)")
     args = parser.parse_args()
     if args.pipeline != "plain" and not args.train:
         parser.error(f"--pipeline {args.pipeline} trains: add --train")
