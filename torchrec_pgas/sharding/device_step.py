@@ -220,7 +220,7 @@ class DeviceStep(PgasStep):
         iters = advance_tbe_iterations(tbes)
         if torch.cuda.is_current_stream_capturing():
             record_captured_step(self, tbes, iters)
-        return self.forward_output(out, StepTicket(epoch, kjt.stride(), pool, iters, tbes) if trains else None)
+        return self.forward_output(out, StepTicket(epoch, batch, pool, iters, tbes) if trains else None)
 
     def run_backward(self, ticket: StepTicket, grad: torch.Tensor) -> None:
         if torch.cuda.is_current_stream_capturing():

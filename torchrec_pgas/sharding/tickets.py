@@ -21,7 +21,7 @@ class StepTicket:
     at the next index dist."""
 
     epoch: int
-    batch: int
+    batch: int  # the rows the step looked up here: 0 where this rank gave it up on the host (its batch may not fit)
     pool: PoolFn  # the stock TBE-backed lookup, replayed by the owner
     tbe_iters: List[Optional[int]]  # each TBE's iteration counter as stock's forward of this step left it
     tbes: Sequence[nn.Module]

@@ -188,8 +188,11 @@ class DeviceBackward:
         ops, lay = torch.ops.torchrec_pgas, step.layout
         slot = epoch % lay.num_slots
         args = step.state_args()
-        gave_up = epoch in step.errors.gave_up  # its batch may not fit the buffers: it sends nothing, says so
-        batch = 0 if gave_up else ticket.batch
+        # Given up here, it sends nothing (its batch may not fit the buffers; ticket.batch is 0) and says so. The
+        # record may be gone: a sibling's check of the step, read on the host, consumed it (then the sibling's
+        # refusal gives the step up here: _adopt_sibling_failures).
+        gave_up = epoch in step.errors.gave_up
+        batch = ticket.batch
         sibling_gave_up = self._adopt_sibling_failures(epoch)
         ops.grad_dist(self.sent_gradient(grad, batch), *args, epoch, batch, gradient_divisor(step.world_size),
                       gave_up or sibling_gave_up)
