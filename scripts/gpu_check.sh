@@ -338,7 +338,8 @@ if has tests || has quick-tests; then
     mkdir -p "$report"
     PGAS_TEST_REPORT=$report PYTHONDONTWRITEBYTECODE=1 timeout "${TEST_TIMEOUT:-780}" "$PY" -m pytest -v \
       -p no:cacheprovider -W ignore::DeprecationWarning --tb=short --timeout "${PER_TEST_TIMEOUT:-400}" "$@" > "$log" 2>&1
-    echo "pytest $(basename "$log" .log) exit $?" | tee -a "$OUT/summary.txt"
+    local rc=$?  # before any expansion: a command substitution in the message would set $? to its own status
+    echo "pytest $(basename "$log" .log) exit $rc" | tee -a "$OUT/summary.txt"
   }
   if [ "$SHARDS" -le 1 ]; then
     pt "$OUT/gpu_tests.log" "$OUT" "${TESTS[@]}"
