@@ -35,6 +35,7 @@ def test_minimal_example() -> None:
     ]
 
 
+@pytest.mark.matrix  # ~12 s; make demo runs the model against stock, make test trains it (below)
 def test_dlrm_inference_with_pgas_matches_stock() -> None:
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--batch-size", "32",
                    "--steps", "6", "--max-rows", "2000", "--validate")
@@ -127,7 +128,7 @@ def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) 
     assert got["owner_backward_chosen"] and set(got["owner_backward_chosen"]) == {None}, got
 
 
-@pytest.mark.matrix  # ~10 s; make test plans and trains with --sharding auto (below)
+@pytest.mark.matrix  # ~10 s; make test plans mixed plans and trains them (test_planner, test_training_errors)
 def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
     """--sharding auto: collective_plan with PgasEnumerator decides per table (the shipped H200 profile
     prices PGAS lower for every row-wise table), and the result still matches stock."""
@@ -140,6 +141,7 @@ def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
     assert any(line.startswith("validate:") and line.endswith("PASS") for line in out), out
 
 
+@pytest.mark.matrix  # ~10 s; as the inference case above
 def test_dlrm_auto_sharding_trains_like_stock() -> None:
     """--train --sharding auto: the planner prices forward + backward and plans PGAS tables here (the shipped
     profile's training terms), which train as stock does."""
