@@ -22,7 +22,9 @@ with --train it trains that twin on the same batches (and the same loop) and
 compares the loss after every step (within 1e-4 relative) and the final AUC
 (within 1e-3), and prints both samples/s and both median step times (--report
 keeps every timed step's host time of each side: a host-bound step moves between
-runs, and a median is not moved by a few slow steps).
+runs, and a median is not moved by a few slow steps). --profile writes torch.profiler's
+op table and trace of a few timed steps; --host-profile rank 0's Python functions
+over every timed step, in us a step (where a host-bound step's time goes).
 """
 
 import argparse
