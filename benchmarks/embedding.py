@@ -465,7 +465,7 @@ def host_profile(fn: Callable[[int], Any], steps: int, device: torch.device, pat
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with prof.call():
+        with prof:
             fn(i)
         ms.append(1e3 * (time.perf_counter() - t0))
     if cuda:

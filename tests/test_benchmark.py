@@ -63,7 +63,7 @@ def test_smoke_preset_verifies_times_and_accounts(tmp_path: Any, world: int) -> 
     assert "pgas_stage_lookup_ms" in header and "stock_stage_values_a2a_ms" in header
 
 
-@pytest.mark.matrix  # ~10 s; make test benchmarks the row-wise pair, and pgas_table_wise matches stock bit for bit
+@pytest.mark.matrix  # ~10 s; make test benchmarks the row-wise pair (--pair tw's stage names and bytes: CI's matrix)
 def test_table_wise_pair(tmp_path: Any) -> None:
     """--pair tw: stock table_wise vs pgas_table_wise (tables round-robin), bit-exact, its own stage names,
     and HBM bytes = the ids of the busiest owner's tables from every rank."""
@@ -129,7 +129,7 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
 
 
 @pytest.mark.skipif(not op_available(), reason="the owner_update op is not built (no nvcc here)")
-@pytest.mark.parametrize("optimizer", [pytest.param("sgd", marks=pytest.mark.matrix), "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", [pytest.param("sgd", marks=pytest.mark.matrix), "rowwise_adagrad"])  # sgd: ~6 s
 def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: Any, optimizer: str) -> None:
     """benchmarks.owner_op on CPU: both backwards on the same ids, states compared after the first step (within
     the training benchmark's tolerance of FBGEMM's CPU kernel), the op's two stages and the backward's bytes."""
@@ -154,7 +154,7 @@ def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: A
         assert row["hbm_bytes"] == row["ids"] * (4 * w.dim + 24) + distinct * 2 * (4 * w.dim + state_bytes)
 
 
-@pytest.mark.parametrize("pair", ["rw", pytest.param("tw", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("pair", ["rw", pytest.param("tw", marks=pytest.mark.matrix)])  # tw: ~9 s, as test_table_wise_pair
 def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pair: str) -> None:
     """--mode train with FBGEMM's owner backward: both sides' weights and optimizer states agree after the
     warm-up and after the timed steps (bit-exact on CPU), the training step's stages in order, and the

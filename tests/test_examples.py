@@ -35,7 +35,6 @@ def test_minimal_example() -> None:
     ]
 
 
-@pytest.mark.matrix  # ~12 s; make demo runs the model against stock, make test trains it (below)
 def test_dlrm_inference_with_pgas_matches_stock() -> None:
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--batch-size", "32",
                    "--steps", "6", "--max-rows", "2000", "--validate")
@@ -128,8 +127,8 @@ def test_dlrm_trains_through_train_pipeline_sparse_dist(tmp_path: pathlib.Path) 
     assert got["owner_backward_chosen"] and set(got["owner_backward_chosen"]) == {None}, got
 
 
-@pytest.mark.matrix  # ~10 s; make test plans mixed plans and trains them (test_planner, test_training_errors)
-def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
+@pytest.mark.matrix  # ~10 s: the example's --sharding auto runs in CI's matrix stage only; make test plans mixed
+def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:  # plans (test_planner) and trains them
     """--sharding auto: collective_plan with PgasEnumerator decides per table (the shipped H200 profile
     prices PGAS lower for every row-wise table), and the result still matches stock."""
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "auto", "--batch-size", "32",
@@ -141,7 +140,7 @@ def test_dlrm_auto_sharding_runs_the_planner_and_matches_stock() -> None:
     assert any(line.startswith("validate:") and line.endswith("PASS") for line in out), out
 
 
-@pytest.mark.matrix  # ~10 s; as the inference case above
+@pytest.mark.matrix  # ~10 s; as the inference case above (test_training_errors trains hand-written mixed plans)
 def test_dlrm_auto_sharding_trains_like_stock() -> None:
     """--train --sharding auto: the planner prices forward + backward and plans PGAS tables here (the shipped
     profile's training terms), which train as stock does."""

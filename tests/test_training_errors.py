@@ -170,6 +170,7 @@ def check_failed_backward(results: List[Dict[str, Any]]) -> None:
     assert r0["equal"] and r1["equal"] and r0["trained"] and r1["trained"], (r0, r1)
 
 
+# table-wise: ~6 s; the mixed-plan test below fails backwards of pgas_table_wise shardings in make test
 @pytest.mark.parametrize("kind", [PGAS_ROW_WISE, pytest.param(PGAS_TABLE_WISE, marks=pytest.mark.matrix)])
 def test_a_failed_backward_holds_no_slot_of_the_other_shardings(kind: str) -> None:
     check_failed_backward(run_distributed(_failed_backward, 2, kind, "cpu"))

@@ -76,21 +76,20 @@ def mark(name: str) -> None:
 
 
 class HostProfile:
-    """cProfile over the calls wrapped in :meth:`call`, reported in microseconds a call: pstats prints seconds
-    to three places, which rounds a step's functions to zero."""
+    """cProfile over the calls run inside it (``with profile: step()``, a call each), reported in microseconds a
+    call: pstats prints seconds to three places, which rounds a step's functions to zero."""
 
     def __init__(self) -> None:
         self._profile = cProfile.Profile()
         self.calls = 0
 
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
+    def __enter__(self) -> "HostProfile":
         self._profile.enable()
-        try:
-            yield
-        finally:
-            self._profile.disable()
-            self.calls += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.disable()
+        self.calls += 1
 
     def table(self, header: str, top: int = 40) -> str:
         """The ``top`` functions by own time, then by cumulative time, after a ``header`` line."""

@@ -256,8 +256,9 @@ def write_host_profile(host: profiling.HostProfile, path: str, step_ms: List[flo
     is the host's: this says where it goes)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        f.write(host.table(f"{host.calls} timed steps under cProfile, median step {statistics.median(step_ms):.3f} ms "
-                           "(cProfile's cost included)"))
+        median = statistics.median(step_ms) if step_ms else float("nan")  # --warmup >= --steps: none timed
+        f.write(host.table(f"{host.calls} timed steps under cProfile, median step {median:.3f} ms (cProfile's cost "
+                           "included)"))
 
 
 def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool, lr: float,
@@ -281,7 +282,7 @@ def run(dmp: nn.Module, data: SyntheticCriteo, device: torch.device, train: bool
             dist.barrier()
         if step >= warmup:
             marks.append(time.perf_counter())
-        with host.call() if host_profile is not None and step >= warmup else contextlib.nullcontext():
+        with host if host_profile is not None and step >= warmup else contextlib.nullcontext():
             loss, logits, step_labels = step_fn()
         losses.append(loss)
         preds.append(torch.sigmoid(logits))
