@@ -12,10 +12,7 @@
 // Threads 0..W-1 of every CTA spin on the W output slots (acquire), then the
 // CTA streams 4-element vectors (grid-stride, kVecs per thread at a time). The
 // last CTA publishes the step's ErrorRecord to pinned host memory and clears it.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <c10/cuda/CUDAStream.h>
+#include <algorithm>
 
 #include "step_protocol.cuh"
 
@@ -134,52 +131,30 @@ __global__ void __launch_bounds__(kThreads, 3)
 }
 
 template <typename out_t>
-void launch_combine(const StepParams& p, out_t* out, const int32_t* col_feature) {
+void launch_combine(const StepParams& p, out_t* out, const int32_t* col_feature, cudaStream_t stream) {
   static const int resident = resident_ctas(combine_partials_kernel<out_t>, kThreads);
   const int64_t vecs = p.batch * p.dim_sum / 4;
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((vecs + kVecs * kThreads - 1) / (kVecs * kThreads), resident)));
-  launch_after_exit(true, combine_partials_kernel<out_t>, dim3(grid), dim3(kThreads), 0, c10::cuda::getCurrentCUDAStream(), p,
-                    out, col_feature);
+  launch_after_exit(true, combine_partials_kernel<out_t>, dim3(grid), dim3(kThreads), 0, stream, p, out, col_feature);
 }
 
 }  // namespace
 
-at::Tensor combine_partials(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-                            const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
-                            const at::Tensor& status, const at::Tensor& config, const at::Tensor& col_feature,
-                            int64_t batch, at::ScalarType out_dtype) {
-  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
-  PGAS_CHECK(batch * p.dim_sum < (int64_t{1} << 31),
-             "combine_partials: %lld x %lld outputs exceed 2^31 elements (32-bit positions)",
-             static_cast<long long>(batch), static_cast<long long>(p.dim_sum));
-  PGAS_CHECK(p.dim_sum % 4 == 0 && col_feature.numel() == p.dim_sum / 4 && col_feature.scalar_type() == at::kInt &&
-                 col_feature.is_cuda(),
-             "combine_partials: col_feature must map every 4 columns to a feature");
-  auto out = at::empty({batch, p.dim_sum}, buf.options().dtype(out_dtype));
-  const int32_t* cf = col_feature.data_ptr<int32_t>();
-  switch (out_dtype) {
-    case at::kFloat:
-      launch_combine<float>(p, out.data_ptr<float>(), cf);
+void launch_combine_partials(const StepParams& p, void* out, StepFloat out_type, const int32_t* col_feature,
+                             cudaStream_t stream) {
+  switch (out_type) {
+    case StepFloat::kFloat:
+      launch_combine(p, static_cast<float*>(out), col_feature, stream);
       break;
-    case at::kHalf:
-      launch_combine<at::Half>(p, out.data_ptr<at::Half>(), cf);
+    case StepFloat::kHalf:
+      launch_combine(p, static_cast<c10::Half*>(out), col_feature, stream);
       break;
-    case at::kBFloat16:
-      launch_combine<at::BFloat16>(p, out.data_ptr<at::BFloat16>(), cf);
+    case StepFloat::kBFloat16:
+      launch_combine(p, static_cast<c10::BFloat16*>(out), col_feature, stream);
       break;
-    default:
-      PGAS_CHECK(false, "combine_partials: output dtype must be float32, float16 or bfloat16");
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
-  return out;
-}
-
-// Shapes only (fake tensors, torch.compile): [batch, 4 x the column map's vectors].
-at::Tensor combine_partials_meta(const at::Tensor& buf, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor& col_feature, int64_t batch, at::ScalarType out_dtype) {
-  return at::empty({batch, 4 * col_feature.numel()}, buf.options().dtype(out_dtype).device(at::kMeta));
 }
 
 }  // namespace torchrec_pgas

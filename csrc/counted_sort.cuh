@@ -30,10 +30,6 @@
 // from the exchange that reuses it, and the exchange from the next tile.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/cuda/CUDAContextLight.h>
-
 #include <cub/block/block_load.cuh>
 #include <cub/block/block_radix_rank.cuh>
 #include <cub/block/radix_rank_sort_operations.cuh>
@@ -41,6 +37,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 #include "pgas_check.h"
 #include "pgas_common.cuh"
@@ -165,33 +162,33 @@ __global__ void __launch_bounds__(kThreads) scatter(const K* keys_in, const V* v
 
 // The grid of every pass: a few CTAs per SM, no more CTAs than the capacity has tiles.
 inline int grid_ctas(int64_t capacity) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = device_sms();
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(4 * sms, (capacity + kTile - 1) / kTile)));
 }
 
 // Sorts the first `count` (a device word; null: all) of `capacity` pairs by their low `bits` key bits,
-// ping-ponging between (keys, values) and (keys_alt, values_alt). True when the result is in the alternates.
+// ping-ponging between (keys, values) and (keys_alt, values_alt), its counters and the scan's storage from
+// `scratch(bytes)`. True when the result is in the alternates.
 template <typename K, typename V>
 bool sort_pairs(K* keys, V* values, K* keys_alt, V* values_alt, const int64_t* count, int64_t capacity, int bits,
-                const at::TensorOptions& opts, cudaStream_t stream) {
+                const std::function<void*(size_t)>& scratch, cudaStream_t stream) {
   PGAS_CHECK(capacity < (int64_t{1} << 31), "counted_sort: %lld positions exceed int32 counters",
              static_cast<long long>(capacity));
   PGAS_CHECK(bits >= 0 && bits <= static_cast<int>(8 * sizeof(K)), "counted_sort: %d key bits for %d-bit keys", bits,
              static_cast<int>(8 * sizeof(K)));
   const int ctas = grid_ctas(capacity), slots = kDigits * ctas;
-  at::Tensor counts = at::empty({2 * static_cast<int64_t>(slots)}, opts.dtype(at::kInt));
-  int32_t* per_cta = counts.data_ptr<int32_t>();
+  int32_t* per_cta = static_cast<int32_t*>(scratch(2 * static_cast<size_t>(slots) * sizeof(int32_t)));
   int32_t* starts = per_cta + slots;
   size_t temp_bytes = 0;
   PGAS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, per_cta, starts, slots, stream));
-  at::Tensor temp = at::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))}, opts.dtype(at::kByte));
+  void* temp = scratch(std::max<size_t>(temp_bytes, 1));
   bool in_alt = false;
   for (int shift = 0; shift < bits; shift += kDigitBits) {
     const K* ki = in_alt ? keys_alt : keys;
     const V* vi = in_alt ? values_alt : values;
     digit_counts<K><<<ctas, kThreads, 0, stream>>>(ki, count, capacity, shift, per_cta);
     PGAS_CUDA_CHECK(cudaGetLastError());
-    PGAS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data_ptr(), temp_bytes, per_cta, starts, slots, stream));
+    PGAS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, per_cta, starts, slots, stream));
     scatter<K, V><<<ctas, kThreads, 0, stream>>>(ki, vi, in_alt ? keys : keys_alt, in_alt ? values : values_alt,
                                                  count, capacity, shift, starts);
     PGAS_CUDA_CHECK(cudaGetLastError());

@@ -32,9 +32,7 @@
 // a training step captured in a CUDA graph runs its backward right after its
 // forward, and each replay's epoch is the device's, not the one the host saw
 // at capture.
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <c10/cuda/CUDAStream.h>
+#include <algorithm>
 
 #include "step_protocol.cuh"
 
@@ -159,64 +157,41 @@ __global__ void release_sources_kernel(StepParams p, int64_t epoch) {
 }
 
 template <typename out_t>
-void launch_grad_dist(const StepParams& p, const at::Tensor& grad, int64_t epoch, float divisor, int abort) {
+void launch_typed(const StepParams& p, const out_t* grad, int64_t epoch, float inv_divisor, int abort,
+                  cudaStream_t stream) {
   static const int resident = resident_ctas(grad_dist_kernel<out_t>, kThreads);
   const int64_t tiles = p.num_features * ((p.batch + 31) / 32);
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((tiles + kThreads / 32 - 1) / (kThreads / 32), resident)));
-  grad_dist_kernel<out_t><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, reinterpret_cast<const out_t*>(grad.data_ptr()), epoch, 1.f / divisor, abort);
+  grad_dist_kernel<out_t><<<grid, kThreads, 0, stream>>>(p, grad, epoch, inv_divisor, abort);
 }
 
 }  // namespace
 
-void grad_dist(const at::Tensor& grad, const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-               const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
-               const at::Tensor& status, const at::Tensor& config, int64_t epoch, int64_t batch, double divisor,
-               bool abort) {
-  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
-  PGAS_CHECK(grad.is_cuda() && grad.is_contiguous() && grad.dim() == 2 && grad.size(0) == batch &&
-                 grad.size(1) == p.dim_sum,
-             "grad_dist: the gradient must be a contiguous CUDA [%lld, %lld] tensor", static_cast<long long>(batch),
-             static_cast<long long>(p.dim_sum));
-  PGAS_CHECK(epoch >= 0 && divisor >= 1.0, "grad_dist: epoch %lld, divisor %f", static_cast<long long>(epoch),
-             divisor);
-  PGAS_CHECK(reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0,
-             "grad_dist: the gradient must start on 16 bytes (its rows are read in vectors of 4)");
+void launch_grad_dist(const StepParams& p, const void* grad, StepFloat grad_type, int64_t epoch, float inv_divisor,
+                      bool abort, cudaStream_t stream) {
   const int a = abort ? 1 : 0;
-  switch (grad.scalar_type()) {
-    case at::kFloat:
-      launch_grad_dist<float>(p, grad, epoch, static_cast<float>(divisor), a);
+  switch (grad_type) {
+    case StepFloat::kFloat:
+      launch_typed(p, static_cast<const float*>(grad), epoch, inv_divisor, a, stream);
       break;
-    case at::kHalf:
-      launch_grad_dist<c10::Half>(p, grad, epoch, static_cast<float>(divisor), a);
+    case StepFloat::kHalf:
+      launch_typed(p, static_cast<const c10::Half*>(grad), epoch, inv_divisor, a, stream);
       break;
-    case at::kBFloat16:
-      launch_grad_dist<c10::BFloat16>(p, grad, epoch, static_cast<float>(divisor), a);
+    case StepFloat::kBFloat16:
+      launch_typed(p, static_cast<const c10::BFloat16*>(grad), epoch, inv_divisor, a, stream);
       break;
-    default:
-      PGAS_CHECK(false, "grad_dist: gradients must be float32, float16 or bfloat16");
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
-void await_grads(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
-                 const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                 const at::Tensor& config, const at::Tensor& flags, int64_t epoch) {
-  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
-  PGAS_CHECK(epoch >= 0, "await_grads: epoch %lld", static_cast<long long>(epoch));
-  PGAS_CHECK(flags.is_cuda() && flags.scalar_type() == at::kLong && flags.numel() >= p.world + 1,
-             "await_grads: flags must be CUDA int64, one per rank and one for this rank's step");
-  await_grads_kernel<<<1, kMaxWorld + 1, 0, c10::cuda::getCurrentCUDAStream()>>>(p, flags.data_ptr<int64_t>(), epoch);
+void launch_await_grads(const StepParams& p, int64_t* flags, int64_t epoch, cudaStream_t stream) {
+  await_grads_kernel<<<1, kMaxWorld + 1, 0, stream>>>(p, flags, epoch);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
-void release_sources(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-                     const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
-                     const at::Tensor& status, const at::Tensor& config, int64_t epoch) {
-  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, 0, 0);
-  PGAS_CHECK(epoch >= 0, "release_sources: epoch %lld", static_cast<long long>(epoch));
-  release_sources_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(p, epoch);
+void launch_release_sources(const StepParams& p, int64_t epoch, cudaStream_t stream) {
+  release_sources_kernel<<<1, 1, 0, stream>>>(p, epoch);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -43,9 +43,7 @@
 // Completion: fence + done counter; the last CTA writes the header, the final
 // offset and the epoch into every owner's index slot, then advances the stage
 // epoch (publish_index).
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <c10/cuda/CUDAStream.h>
+#include <algorithm>
 
 #include "step_protocol.cuh"
 
@@ -88,11 +86,6 @@ __device__ __forceinline__ void locate(int64_t id, const TileBag& tb, int& owner
     row = id - owner * tb.block;
   }
 }
-
-// index_dist's flags: give the step up (the host found bad input), or give it
-// up if the kernel marks it failed (a training step).
-constexpr int kGiveUp = 1;
-constexpr int kAbortOnFailure = 2;
 
 // The step this index dist runs (its last CTA advances the counter at the end):
 // read on the error paths only.
@@ -618,8 +611,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 4)
 }
 
 template <typename index_t, typename row_t, bool kWeighted, bool kTrace>
-void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, int flags, cudaStream_t stream) {
+void launch_typed(const StepParams& p, const index_t* values, const int64_t* offsets, const float* weights,
+                  int flags, cudaStream_t stream) {
   const auto kernel = index_dist_kernel<index_t, row_t, kWeighted, kTrace>;
   // Warps per CTA: 8, fewer when the owners' rings would not fit (large W).
   const int per_warp = warp_smem_bytes(p.world, sizeof(row_t), kWeighted);
@@ -646,47 +639,32 @@ void launch_index_dist(const StepParams& p, const index_t* values, const int64_t
 }
 
 template <typename index_t, bool kWeighted, bool kTrace>
-void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, int flags, cudaStream_t stream) {
-  p.id_bytes == 4 ? launch_index_dist<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, flags, stream)
-                  : launch_index_dist<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, flags, stream);
+void launch_typed(const StepParams& p, const index_t* values, const int64_t* offsets, const float* weights,
+                  int flags, cudaStream_t stream) {
+  p.id_bytes == 4 ? launch_typed<index_t, int32_t, kWeighted, kTrace>(p, values, offsets, weights, flags, stream)
+                  : launch_typed<index_t, int64_t, kWeighted, kTrace>(p, values, offsets, weights, flags, stream);
 }
 
 template <typename index_t>
-void launch_index_dist(const StepParams& p, const index_t* values, const int64_t* offsets,
-                       const float* weights, int flags, cudaStream_t stream) {
+void launch_typed(const StepParams& p, const index_t* values, const int64_t* offsets, const float* weights,
+                  int flags, cudaStream_t stream) {
   if (weights != nullptr) {
-    p.trace ? launch_index_dist<index_t, true, true>(p, values, offsets, weights, flags, stream)
-            : launch_index_dist<index_t, true, false>(p, values, offsets, weights, flags, stream);
+    p.trace ? launch_typed<index_t, true, true>(p, values, offsets, weights, flags, stream)
+            : launch_typed<index_t, true, false>(p, values, offsets, weights, flags, stream);
   } else {
-    p.trace ? launch_index_dist<index_t, false, true>(p, values, offsets, weights, flags, stream)
-            : launch_index_dist<index_t, false, false>(p, values, offsets, weights, flags, stream);
+    p.trace ? launch_typed<index_t, false, true>(p, values, offsets, weights, flags, stream)
+            : launch_typed<index_t, false, false>(p, values, offsets, weights, flags, stream);
   }
 }
 
 }  // namespace
 
-void index_dist(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& weights,
-                const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
-                const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                const at::Tensor& config, int64_t batch, bool give_up, bool abort_on_failure) {
-  PGAS_CHECK(values.is_cuda() && offsets.is_cuda() && offsets.scalar_type() == at::kLong,
-             "index_dist: CUDA values and int64 offsets expected");
-  const StepParams p =
-      make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, values.numel());
-  PGAS_CHECK(offsets.numel() == p.num_features * batch + 1, "index_dist: offsets must hold F*B+1");
-  PGAS_CHECK(!weights.has_value() ||
-                 (weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->numel() == values.numel()),
-             "index_dist: weights must be float32 CUDA, one per id");
-  PGAS_CHECK(p.weighted == (weights.has_value() ? 1 : 0), "index_dist: weighted mismatch");
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
-  const int flags = (give_up ? kGiveUp : 0) | (abort_on_failure ? kAbortOnFailure : 0);
-  if (values.scalar_type() == at::kLong) {
-    launch_index_dist(p, values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, flags, stream);
+void launch_index_dist(const StepParams& p, const void* values, bool ids64, const int64_t* offsets,
+                       const float* weights, int flags, cudaStream_t stream) {
+  if (ids64) {
+    launch_typed(p, static_cast<const int64_t*>(values), offsets, weights, flags, stream);
   } else {
-    PGAS_CHECK(values.scalar_type() == at::kInt, "index_dist: int32 or int64 ids expected");
-    launch_index_dist(p, values.data_ptr<int32_t>(), offsets.data_ptr<int64_t>(), w, flags, stream);
+    launch_typed(p, static_cast<const int32_t*>(values), offsets, weights, flags, stream);
   }
   PGAS_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,6 +1,8 @@
 // Operator registration of torchrec-pgas (torch.ops.torchrec_pgas.*), FBGEMM style:
-// schemas here, CUDA implementations in the .cu files, meta implementations for
-// the ops that return tensors so that fake-tensor tracing sees their shapes.
+// schemas here; the implementations' host side (tensor checks, then a kernel
+// file's launch) in step_ops.cpp, runtime.cpp and *_host.cpp, with the CPU
+// paths; meta implementations for the ops that return tensors so that
+// fake-tensor tracing sees their shapes.
 #include <Python.h>  // first, as Python asks: the module's init below
 
 #include <ATen/core/Tensor.h>

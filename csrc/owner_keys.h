@@ -45,10 +45,11 @@
 // count (a device word) it reads, sorts and writes only that many positions.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <tuple>
+#include <functional>
 
 #include "pgas_check.h"
 #include "step_abi.h"
@@ -163,24 +164,31 @@ PGAS_KEYS_FN key_t clamped_key(key_t key, int64_t key_limit) {
   return key < 0 || static_cast<int64_t>(key) > key_limit ? static_cast<key_t>(key_limit) : key;
 }
 
-using OwnerKeys = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // keys, bags, per-sample weights (or empty)
-using KeptBags = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // lengths, first_id, first_weight (or empty)
+// The GPU launches (owner_keys.cu) on `stream`, their arguments checked by the ops that call them
+// (owner_keys_host.cpp). Raw pointers only: the kernel file includes no tensor header.
+void launch_owner_keys(const OwnerKeysParams& p, bool ids64, bool keys64, cudaStream_t stream);
+void launch_kept_bags(const KeptBagsParams& p, int64_t n, cudaStream_t stream);
 
-// Host side of kept_bags: the inputs checked, naming the bad one, the outputs allocated into `out`.
-KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
-                                const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
-                                bool weighted, KeptBags& out);
+// The sort's pairs: keys (int32 or int64 as `keys64`) and values (a bag, or with per-sample weights a bag and its
+// weight's bits packed in 64 bits, bag low), each in two buffers of n the passes ping-pong between.
+struct SortPairs {
+  const void* keys;
+  const int32_t* bags;
+  const float* psw;  // null: unweighted
+  const int64_t* count;  // a device word: sort its first positions only; null: all n
+  int64_t n, key_limit;
+  bool keys64;
+  void* sorted_keys[2];
+  void* values[2];
+};
 
-// Host side (owner_keys_host.cpp): the inputs checked, naming the bad one, and the parameters built; `out`
-// receives the outputs.
-OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at::Tensor>& weights,
-                                  const at::Tensor& first_id, const c10::optional<at::Tensor>& first_weight,
-                                  const at::Tensor& offsets, const at::Tensor& feature_base,
-                                  const at::Tensor& config, int64_t capacity, OwnerKeys& out);
+// Sorts the pairs by their clamped keys (a stable radix sort over the key limit's bits), the scratch it needs
+// from `scratch(bytes)` (the host's allocator, freed after the call in stream order). Returns which buffer of
+// sorted_keys / values holds the result.
+int launch_sort_pairs(const SortPairs& s, const std::function<void*(size_t)>& scratch, cudaStream_t stream);
 
-// The sort's checks: keys int32 or int64, bags int32 and psw fp32 (or empty) of the keys' length, count one
-// int64 on their device (or none).
-void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit,
-                       const c10::optional<at::Tensor>& count);
+// A weighted sort's values unpacked into its bags and weights (the positions the count covers).
+void launch_unpack_values(const uint64_t* values, const int64_t* count, int64_t n, int32_t* bags, float* psw,
+                          cudaStream_t stream);
 
 }  // namespace torchrec_pgas

@@ -1,20 +1,28 @@
 // The owner keys' host side: the inputs checked (they decide the positions
-// written and the buffer elements read), the parameters built, and the CPU
-// path: the same per-bag and per-position code, then a stable sort of the
-// counted positions.
+// written and the buffer elements read), the parameters built, the GPU ops'
+// launches (their kernels: owner_keys.cu), and the CPU path: the same per-bag
+// and per-position code, then a stable sort of the counted positions.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sort.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/safe_numerics.h>
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
+#include "op_config.h"
 #include "owner_keys.h"
 
 namespace torchrec_pgas {
+
+using OwnerKeys = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // keys, bags, per-sample weights (or empty)
+using KeptBags = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // lengths, first_id, first_weight (or empty)
+
 namespace {
 
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t at_least,
@@ -88,8 +96,7 @@ at::Tensor clamped_keys(const at::Tensor& keys, int64_t key_limit) {
   return out;
 }
 
-}  // namespace
-
+// The inputs checked, naming the bad one, and the parameters built; `out` receives the outputs.
 OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at::Tensor>& weights,
                                   const at::Tensor& first_id, const c10::optional<at::Tensor>& first_weight,
                                   const at::Tensor& offsets, const at::Tensor& feature_base,
@@ -124,6 +131,7 @@ OwnerKeysParams owner_keys_params(const at::Tensor& ids, const c10::optional<at:
   };
 }
 
+// Kept bags' inputs checked, naming the bad one, the outputs allocated into `out`.
 KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
                                 const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
                                 bool weighted, KeptBags& out) {
@@ -154,6 +162,8 @@ KeptBagsParams kept_bags_params(const at::Tensor& buffer, const at::Tensor& slot
   };
 }
 
+// The sort's checks: keys int32 or int64, bags int32 and psw fp32 (or empty) of the keys' length, count one
+// int64 on their device (or none).
 void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t key_limit,
                        const c10::optional<at::Tensor>& count) {
   PGAS_CHECK((keys.scalar_type() == at::kInt || keys.scalar_type() == at::kLong) && keys.dim() == 1 &&
@@ -171,6 +181,8 @@ void check_sort_inputs(const at::Tensor& keys, const at::Tensor& bags, const at:
                                      count->device() == keys.device()),
              "sort_owner_keys: count must be one int64 on the keys' device");
 }
+
+}  // namespace
 
 // CPU implementations (the same algorithm as owner_keys.cu).
 KeptBags kept_bags_cpu(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
@@ -211,6 +223,62 @@ OwnerKeys sort_owner_keys_cpu(const at::Tensor& keys, const at::Tensor& bags, co
   std::get<1>(out).narrow(0, 0, sorted).copy_(bags.index_select(0, order));
   if (psw.numel()) std::get<2>(out).narrow(0, 0, sorted).copy_(psw.index_select(0, order));
   return out;
+}
+
+// GPU implementations (their kernels: owner_keys.cu).
+KeptBags kept_bags_cuda(const at::Tensor& buffer, const at::Tensor& slot_base, const at::Tensor& batches,
+                        const c10::optional<at::Tensor>& whole, const at::Tensor& config, int64_t num_bags,
+                        bool weighted) {
+  const c10::cuda::CUDAGuard guard(buffer.device());
+  KeptBags out;
+  const KeptBagsParams p = kept_bags_params(buffer, slot_base, batches, whole, config, num_bags, weighted, out);
+  launch_kept_bags(p, std::get<0>(out).numel(), c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+OwnerKeys owner_keys_cuda(const at::Tensor& ids, const c10::optional<at::Tensor>& weights, const at::Tensor& first_id,
+                          const c10::optional<at::Tensor>& first_weight, const at::Tensor& offsets,
+                          const at::Tensor& feature_base, const at::Tensor& config, int64_t capacity) {
+  const c10::cuda::CUDAGuard guard(offsets.device());
+  OwnerKeys out;
+  const OwnerKeysParams p =
+      owner_keys_params(ids, weights, first_id, first_weight, offsets, feature_base, config, capacity, out);
+  launch_owner_keys(p, ids.scalar_type() == at::kLong, feature_base.scalar_type() == at::kLong,
+                    c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+// The pairs in buffers of their own, the sort's scratch freed (in stream order) before a weighted sort's values
+// are unpacked into fresh outputs, as the schema says.
+OwnerKeys sort_owner_keys_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw,
+                               int64_t key_limit, const c10::optional<at::Tensor>& count) {
+  check_sort_inputs(keys, bags, psw, key_limit, count);
+  PGAS_CHECK(keys.numel() < (int64_t{1} << 31), "sort_owner_keys: %lld keys exceed the sort's int32 counters",
+             static_cast<long long>(keys.numel()));
+  const c10::cuda::CUDAGuard guard(keys.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n = keys.numel();
+  const bool weighted = psw.numel() > 0;
+  const auto value_opts = keys.options().dtype(weighted ? at::kLong : at::kInt);
+  const at::Tensor sorted[2] = {at::empty_like(keys), at::empty_like(keys)};
+  const at::Tensor values[2] = {at::empty({n}, value_opts), at::empty({n}, value_opts)};
+  const int64_t* counted = count.has_value() ? count->data_ptr<int64_t>() : nullptr;
+  const SortPairs pairs{keys.data_ptr(), bags.data_ptr<int32_t>(), weighted ? psw.data_ptr<float>() : nullptr,
+                        counted, n, key_limit, keys.scalar_type() == at::kLong,
+                        {sorted[0].data_ptr(), sorted[1].data_ptr()}, {values[0].data_ptr(), values[1].data_ptr()}};
+  int result = 0;  // the buffer of sorted / values that holds the sorted pairs
+  {
+    std::vector<at::Tensor> scratch_tensors;
+    result = launch_sort_pairs(pairs, [&](size_t bytes) {
+      scratch_tensors.push_back(at::empty({static_cast<int64_t>(bytes)}, keys.options().dtype(at::kByte)));
+      return scratch_tensors.back().data_ptr();
+    }, stream);
+  }
+  if (!weighted) return {sorted[result], values[result], at::empty({0}, psw.options())};
+  at::Tensor out_bags = at::empty_like(bags), out_psw = at::empty_like(psw);
+  launch_unpack_values(reinterpret_cast<const uint64_t*>(values[result].data_ptr()), counted, n,
+                       out_bags.data_ptr<int32_t>(), out_psw.data_ptr<float>(), stream);
+  return {sorted[result], out_bags, out_psw};
 }
 
 OwnerKeys sort_owner_keys_meta(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& psw, int64_t,

@@ -4,13 +4,9 @@
 // warp's lanes read a batch of 32 positions' fields one a lane, then walk the
 // positions together, splitting each row's columns. Phase 2 starts after
 // phase 1's grid completes (stream order): the partials it reads are written.
-// No host sync: the id count is the tensors' size (or a device word), the
+// No host sync: the id count is the launch's n (or a device word), the
 // hyper-parameters are read on the device.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <algorithm>
 
 #include "owner_update.h"
 #include "pgas_common.cuh"
@@ -82,22 +78,19 @@ __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
   });
 }
 
-// Both phases on the update's stream, as many CTAs as the positions fill with 32-id chunks, at most the
-// resident ones (a captured step's capacity: every resident CTA, each reading how many positions are used).
-// The partials live in the launch's own allocation (the stream's caching allocator; a capture's graph pool).
+// Both phases on `stream`, as many CTAs as the positions fill with 32-id chunks, at most the resident ones (a
+// captured step's capacity: every resident CTA, each reading how many positions are used).
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
-void launch(OwnerUpdateParams p, int64_t max_dim) {
+void launch(OwnerUpdateParams p, int64_t max_dim, const std::function<float*(int64_t)>& alloc_partials,
+            cudaStream_t stream) {
   const auto walk = owner_walk_kernel<weight_t, grad_t, kOptimizer, kColumns>;
   const int resident = resident_ctas(walk, kThreads);
   p.walkers = static_cast<int64_t>(resident) * kWarps;
   const int64_t cols = (max_dim + 31) / 32 * 32;
   p.partial_stride = 2 * cols + 1;
-  const at::Tensor partials = at::empty({max_chunks(p.n, p.walkers) * p.partial_stride},
-                                        at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
-  p.partials = partials.data_ptr<float>();
+  p.partials = alloc_partials(max_chunks(p.n, p.walkers) * p.partial_stride);
   const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   walk<<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
   owner_finish_kernel<weight_t, grad_t, kOptimizer, kColumns><<<blocks, kThreads, 0, stream>>>(p);
@@ -106,31 +99,21 @@ void launch(OwnerUpdateParams p, int64_t max_dim) {
 
 }  // namespace
 
-void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
-                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
-                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
-                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used) {
-  PGAS_CHECK(!weights.empty(), "owner_update: no table");
-  const c10::cuda::CUDAGuard guard(grad.device());
-  std::vector<at::Tensor> on_device;  // the descriptors' device copies
-  const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
-                                                  features, hyper, config, apply, used, on_device);
-  const int64_t max_dim = widest_dim(weights);
-  dispatch_owner_update(grad.scalar_type(), weights[0].scalar_type(), p.config.optimizer,
-                        [&](auto weight, auto grad_type, auto optimizer) {
+void launch_owner_update(OwnerUpdateParams p, c10::ScalarType grad, c10::ScalarType weights, int64_t max_dim,
+                         const std::function<float*(int64_t)>& alloc_partials, cudaStream_t stream) {
+  dispatch_owner_update(grad, weights, p.config.optimizer, [&](auto weight, auto grad_type, auto optimizer) {
     if (p.n == 0) return;
     using weight_t = decltype(weight);
     using grad_t = decltype(grad_type);
     constexpr Optimizer kOptimizer = decltype(optimizer)::value;
     if (max_dim <= 32) {
-      launch<weight_t, grad_t, kOptimizer, 1>(p, max_dim);
+      launch<weight_t, grad_t, kOptimizer, 1>(p, max_dim, alloc_partials, stream);
     } else if (max_dim <= 64) {
-      launch<weight_t, grad_t, kOptimizer, 2>(p, max_dim);
+      launch<weight_t, grad_t, kOptimizer, 2>(p, max_dim, alloc_partials, stream);
     } else if (max_dim <= 128) {
-      launch<weight_t, grad_t, kOptimizer, 4>(p, max_dim);
+      launch<weight_t, grad_t, kOptimizer, 4>(p, max_dim, alloc_partials, stream);
     } else {
-      launch<weight_t, grad_t, kOptimizer, kOwnerMaxDim / 32>(p, max_dim);
+      launch<weight_t, grad_t, kOptimizer, kOwnerMaxDim / 32>(p, max_dim, alloc_partials, stream);
     }
   });
 }

@@ -63,14 +63,15 @@
 // (Adam's moments and weight decay would change it with a zero gradient).
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <type_traits>
-#include <vector>
 
 #include "pgas_check.h"
 #include "step_abi.h"
@@ -586,29 +587,17 @@ PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_
   update_row<Lanes, weight_t, kOptimizer>(table, last.row, *p.hyper, p.config, lanes, run.g, run.before);
 }
 
-// Host side (owner_update_host.cpp): the op's inputs checked, naming the bad
-// one, and the kernels' parameters built from them, their tables and feature
-// descriptors' device copies in `on_device` (kept for the process, one per
-// distinct content). The gradient's dtype is checked by the dispatch.
-OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
-                                      const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
-                                      at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
-                                      const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
-                                      const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used,
-                                      std::vector<at::Tensor>& on_device);
-
-// The widest table's dim: it sizes the GPU lanes' columns and the partials.
-inline int64_t widest_dim(at::TensorList weights) {
-  int64_t widest = 0;
-  for (const at::Tensor& w : weights) widest = w.size(1) > widest ? w.size(1) : widest;
-  return widest;
-}
+// The GPU update (owner_update.cu): both phases on `stream`, for tables up to `max_dim` wide, the partials in
+// the floats that `alloc_partials(count)` allocates (the host's: the stream's caching allocator, a capture's graph
+// pool). Raw pointers only: the kernel file includes no tensor header.
+void launch_owner_update(OwnerUpdateParams p, c10::ScalarType grad, c10::ScalarType weights, int64_t max_dim,
+                         const std::function<float*(int64_t)>& alloc_partials, cudaStream_t stream);
 
 // Calls fn(weight_t{}, grad_t{}, optimizer) for the update's weight and gradient dtypes and its optimizer (an
 // std::integral_constant: each optimizer's walk is its own kernel, without the others' branches).
 template <typename Fn>
-void dispatch_owner_update(at::ScalarType grad, at::ScalarType weights, Optimizer optimizer, Fn&& fn) {
-  PGAS_CHECK(weights == at::kFloat || weights == at::kHalf, "owner_update: weights are %s, not fp32 or fp16",
+void dispatch_owner_update(c10::ScalarType grad, c10::ScalarType weights, Optimizer optimizer, Fn&& fn) {
+  PGAS_CHECK(weights == c10::kFloat || weights == c10::kHalf, "owner_update: weights are %s, not fp32 or fp16",
              c10::toString(weights));
   auto with_optimizer = [&](auto weight, auto grad_type) {
     switch (optimizer) {
@@ -621,13 +610,13 @@ void dispatch_owner_update(at::ScalarType grad, at::ScalarType weights, Optimize
   };
   auto with_grad = [&](auto weight) {
     switch (grad) {
-      case at::kFloat: return with_optimizer(weight, float{});
-      case at::kHalf: return with_optimizer(weight, c10::Half{});
-      case at::kBFloat16: return with_optimizer(weight, c10::BFloat16{});
+      case c10::kFloat: return with_optimizer(weight, float{});
+      case c10::kHalf: return with_optimizer(weight, c10::Half{});
+      case c10::kBFloat16: return with_optimizer(weight, c10::BFloat16{});
       default: PGAS_CHECK(false, "owner_update: gradient dtype %s is not fp32, fp16 or bf16", c10::toString(grad));
     }
   };
-  if (weights == at::kHalf) {
+  if (weights == c10::kHalf) {
     with_grad(c10::Half{});
   } else {
     with_grad(float{});

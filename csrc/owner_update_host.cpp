@@ -1,19 +1,23 @@
 // The owner update's host side: its inputs checked (they decide the rows the
-// update writes and the gradient it reads), the kernels' parameters built, and
-// the CPU path: the walk of owner_update.h with one CPU thread per chunk of sorted ids.
+// update writes and the gradient it reads), the kernels' parameters built, the
+// GPU op's launch (its kernels: owner_update.cu), and the CPU path: the walk of
+// owner_update.h with one CPU thread per chunk of sorted ids.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
+#include "op_config.h"
 #include "owner_update.h"
 
 namespace torchrec_pgas {
@@ -164,8 +168,9 @@ void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
   });
 }
 
-}  // namespace
-
+// The op's inputs checked, naming the bad one, and the kernels' parameters built from them, their tables and
+// feature descriptors' device copies in `on_device` (kept for the process, one per distinct content). The
+// gradient's dtype is checked by the dispatch.
 OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
                                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
@@ -221,6 +226,34 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
   };
 }
 
+// The widest table's dim: it sizes the GPU lanes' columns and the partials.
+int64_t widest_dim(at::TensorList weights) {
+  int64_t widest = 0;
+  for (const at::Tensor& w : weights) widest = w.size(1) > widest ? w.size(1) : widest;
+  return widest;
+}
+
+}  // namespace
+
+void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,
+                       const c10::optional<at::Tensor>& psw, const at::Tensor& grad,
+                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
+                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
+                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used) {
+  PGAS_CHECK(!weights.empty(), "owner_update: no table");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  std::vector<at::Tensor> on_device;  // the descriptors' device copies
+  const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
+                                                  features, hyper, config, apply, used, on_device);
+  at::Tensor partials;  // the launch's own allocation, freed in stream order
+  launch_owner_update(
+      p, grad.scalar_type(), weights[0].scalar_type(), widest_dim(weights),
+      [&](int64_t count) {
+        partials = at::empty({count}, grad.options().dtype(at::kFloat));
+        return partials.data_ptr<float>();
+      },
+      c10::cuda::getCurrentCUDAStream());
+}
 
 // CPU implementation of torchrec_pgas::owner_update (the same algorithm as the CUDA kernel).
 void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::Tensor& offsets,

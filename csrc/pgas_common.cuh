@@ -10,13 +10,6 @@
 
 #include "pgas_check.h"
 
-#define PGAS_CUDA_CHECK(expr)                                                                      \
-  do {                                                                                             \
-    cudaError_t err__ = (expr);                                                                    \
-    PGAS_CHECK(err__ == cudaSuccess, "CUDA error: %s at %s:%d", cudaGetErrorString(err__), __FILE__, \
-               __LINE__);                                                                          \
-  } while (0)
-
 namespace torchrec_pgas {
 
 // Acquire load at system scope: a peer's signal store is followed by reads of
@@ -37,16 +30,23 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// The current device's SMs.
+inline int device_sms() {
+  int device = 0, sms = 0;
+  PGAS_CUDA_CHECK(cudaGetDevice(&device));
+  PGAS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // CTAs of `kernel` that fit on the current device at once. The stage kernels
 // split their work evenly over a grid-stride loop, so a grid must not exceed
 // this: one CTA more would run its whole share after the first wave finished.
 template <typename Kernel>
 int resident_ctas(Kernel kernel, int threads, int dynamic_smem = 0) {
-  int per_sm = 0, device = 0, sms = 0;
+  int per_sm = 0;
   PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
-  PGAS_CUDA_CHECK(cudaGetDevice(&device));
-  PGAS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return per_sm * sms > 1 ? per_sm * sms : 1;
+  const int ctas = per_sm * device_sms();
+  return ctas > 1 ? ctas : 1;
 }
 
 // Launches `kernel` so that its CTAs may start once every CTA of the kernel

@@ -26,9 +26,7 @@
 //
 // Completion per source: fence + done counter; the last CTA of the source
 // stores the epoch into the requester's output slot (st.release.sys).
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <c10/cuda/CUDAStream.h>
+#include <algorithm>
 
 #include "step_protocol.cuh"
 
@@ -84,11 +82,11 @@ __device__ __forceinline__ void check_row(row_t row, float w, int cnt, int g_lan
   my_w = live && in_shard ? (kWeighted ? w : 1.f) : 0.f;
 }
 
-// The partial pool in the TBE's output dtype (a uniform branch, once per bag).
+// The partial pool in the TBE's output dtype, `out_kind` a StepFloat (a uniform branch, once per bag).
 __device__ __forceinline__ void store_out(uint8_t* out, int64_t i, int out_kind, float4 v) {
-  if (out_kind == 0) {
+  if (out_kind == static_cast<int>(StepFloat::kFloat)) {
     store4(reinterpret_cast<float*>(out) + i, v);
-  } else if (out_kind == 1) {
+  } else if (out_kind == static_cast<int>(StepFloat::kHalf)) {
     store4(reinterpret_cast<c10::Half*>(out) + i, v);
   } else {
     store4(reinterpret_cast<c10::BFloat16*>(out) + i, v);
@@ -403,7 +401,8 @@ __device__ __forceinline__ void pool_source(const StepParams& p, int k, int src,
     pool_to_output(p, q, batch, out, out_kind, cell, bad);
     if constexpr (kTrace) {
       if (src != p.rank && q.g_lane == 0) {
-        trace_remote_bytes(p.state, p.features[q.bag / batch].dim * (out_kind == 0 ? 4 : 2));
+        const int element_bytes = out_kind == static_cast<int>(StepFloat::kFloat) ? 4 : 2;
+        trace_remote_bytes(p.state, p.features[q.bag / batch].dim * element_bytes);
       }
     }
   }
@@ -480,20 +479,9 @@ void launch_lookup(const StepParams& p, int group_lanes, int out_kind, bool afte
 
 }  // namespace
 
-void pooled_lookup(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers, const at::Tensor& features,
-                   const at::Tensor& state, const at::Tensor& bag_div, const at::Tensor& status,
-                   const at::Tensor& config, int64_t batch, int64_t max_dim, at::ScalarType out_dtype,
-                   bool after_exit, bool release) {
-  const StepParams p = make_step_params(buf, pad, peers, features, state, bag_div, status, config, batch, 0);
-  PGAS_CHECK(max_dim > 0 && max_dim % 4 == 0, "pooled_lookup: dims must be multiples of 4, got %lld",
-             static_cast<long long>(max_dim));
-  int group_lanes = 4;  // at least 4 ids per chunk, even for dims below 16
-  while (group_lanes < 32 && group_lanes * 4 < max_dim) group_lanes *= 2;
-  PGAS_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
-             "pooled_lookup: output dtype must be float32, float16 or bfloat16");
-  const int out_kind = out_dtype == at::kFloat ? 0 : out_dtype == at::kHalf ? 1 : 2;
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const int r = release ? 1 : 0;
+void launch_pooled_lookup(const StepParams& p, int group_lanes, StepFloat out_type, bool after_exit, bool release,
+                          cudaStream_t stream) {
+  const int out_kind = static_cast<int>(out_type), r = release ? 1 : 0;
   if (p.id_bytes == 4) {
     p.weighted ? launch_lookup<int32_t, true>(p, group_lanes, out_kind, after_exit, r, stream)
                : launch_lookup<int32_t, false>(p, group_lanes, out_kind, after_exit, r, stream);

@@ -19,13 +19,11 @@
 // local slots until each is >= epoch (acquire loads), gives up when a peer
 // aborted this epoch (the abort word's epoch) or after a timeout, and reports either into a pinned status word
 // that the host reads after synchronizing.
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <c10/cuda/CUDAStream.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
 #include "pgas_common.cuh"
+#include "put_signal.h"
 #include "step_abi.h"
 
 namespace torchrec_pgas {
@@ -72,44 +70,20 @@ __global__ void wait_kernel(const int64_t* pad, const int64_t* slots, int num_sl
 
 }  // namespace
 
-void pgas_put(const at::Tensor& dst, const at::Tensor& src, int64_t peer) {
-  PGAS_CHECK(dst.is_cuda() && src.is_cuda() && dst.is_contiguous() && src.is_contiguous(),
-             "pgas_put: contiguous CUDA tensors expected");
-  const size_t nbytes = src.numel() * src.element_size();
-  PGAS_CHECK(static_cast<size_t>(dst.numel() * dst.element_size()) >= nbytes,
-             "pgas_put: destination of %lld bytes is smaller than the source of %zu",
-             static_cast<long long>(dst.numel() * dst.element_size()), nbytes);
-  PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_put: peer %lld outside world", static_cast<long long>(peer));
-  PGAS_CHECK(nvshmem_ptr(dst.data_ptr(), nvshmem_my_pe()) != nullptr, "pgas_put: destination is not symmetric memory");
-  if (nbytes == 0) return;
+void launch_put(uint8_t* dst, const uint8_t* src, size_t nbytes, int peer, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((nbytes + kPutChunk - 1) / kPutChunk);
-  put_kernel<<<blocks, kPutThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      static_cast<uint8_t*>(dst.data_ptr()), static_cast<const uint8_t*>(src.data_ptr()), nbytes,
-      static_cast<int>(peer));
+  put_kernel<<<blocks, kPutThreads, 0, stream>>>(dst, src, nbytes, peer);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
-void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer) {
-  PGAS_CHECK(word.is_cuda() && word.scalar_type() == at::kLong && word.numel() == 1,
-             "pgas_signal: one int64 CUDA word expected");
-  PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_signal: peer %lld outside world", static_cast<long long>(peer));
-  signal_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<uint64_t*>(word.data_ptr()), static_cast<uint64_t>(value),
-      static_cast<int>(peer));
+void launch_signal(uint64_t* word, uint64_t value, int peer, cudaStream_t stream) {
+  signal_kernel<<<1, 1, 0, stream>>>(word, value, peer);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 
-void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, int64_t timeout_ns,
-               const at::Tensor& status) {
-  PGAS_CHECK(pad.is_cuda() && pad.scalar_type() == at::kLong, "pgas_wait: int64 CUDA pad expected");
-  PGAS_CHECK(slots.is_cuda() && slots.scalar_type() == at::kLong && slots.numel() <= 1024,
-             "pgas_wait: at most 1024 int64 CUDA slot indices expected");
-  PGAS_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 2,
-             "pgas_wait: status must be a pinned int64 host tensor of 2 words");
-  if (slots.numel() == 0) return;
-  wait_kernel<<<1, static_cast<unsigned>(slots.numel()), 0, c10::cuda::getCurrentCUDAStream()>>>(
-      pad.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<int>(slots.numel()), epoch,
-      timeout_ns, status.data_ptr<int64_t>());
+void launch_wait(const int64_t* pad, const int64_t* slots, int num_slots, int64_t epoch, int64_t timeout_ns,
+                 int64_t* status, cudaStream_t stream) {
+  wait_kernel<<<1, static_cast<unsigned>(num_slots), 0, stream>>>(pad, slots, num_slots, epoch, timeout_ns, status);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -86,33 +86,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <ATen/core/Tensor.h>
-
 #include "pgas_common.cuh"
 #include "step_abi.h"
+#include "step_params.h"
 
 namespace torchrec_pgas {
 
 constexpr float kMeanEps = 1e-6f;  // TorchRec's RW mean divisor guard
-
-// What a stage kernel gets: the step's config plus this rank's device state.
-struct StepParams : StepConfig {
-  uint8_t* buf;  // this rank's symmetric buffer
-  int64_t* pad;  // this rank's signal pad
-  const int64_t* peer_bufs;  // [W] addresses of every rank's buffer (nvshmem_ptr)
-  const int64_t* peer_pads;  // [W] addresses of every rank's pad
-  const FeatureDesc* features;  // [F]
-  int64_t* state;  // [kStateWords] device scratch (StateWord)
-  float* bag_div;  // [num_slots][F*Bmax] MEAN divisors of this rank's bags
-  ErrorRecord* status;  // pinned host mirror of the error record
-  int64_t batch, nnz;  // this step, this rank
-};
-
-// The tensors every stage op takes, checked against the config and each other
-// (step_params.cu). `nnz`: this rank's ids of the step (index dist), else 0.
-StepParams make_step_params(const at::Tensor& buf, const at::Tensor& pad, const at::Tensor& peers,
-                            const at::Tensor& features, const at::Tensor& state, const at::Tensor& bag_div,
-                            const at::Tensor& status, const at::Tensor& config, int64_t batch, int64_t nnz);
 
 __device__ __forceinline__ int64_t index_block(const StepParams& p, int64_t slot, int src) {
   return (slot * p.world + src) * p.index_block_bytes;

@@ -117,3 +117,30 @@ def test_nvshmem_is_found_beside_the_package_not_in_the_build_environment() -> N
     assert re.findall(r"R(?:UN)?PATH.*\[(.*)\]", dynamic) == ["$ORIGIN/../nvidia/nvshmem/lib"], dynamic
     loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libnvshmem_host" in line}
     assert len(loaded) == 1, loaded
+
+
+CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+TENSOR_HEADERS = re.compile(r'#include\s*<(ATen/|torch/|c10/cuda/)')
+
+
+def _includes(path: pathlib.Path) -> set:
+    """`path` and the csrc headers it includes, transitively."""
+    seen, todo = set(), [path]
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        todo += [CSRC / name for name in re.findall(r'#include\s*"([^"]+)"', file.read_text()) if (CSRC / name).exists()]
+    return seen
+
+
+def test_kernel_files_include_no_tensor_header() -> None:
+    """A .cu file sees raw pointers and a stream, never a tensor: the ops' host side (step_ops.cpp, runtime.cpp,
+    *_host.cpp) checks the tensors and calls its launches. ATen's tensor headers cost nvcc ~10 s a file of a
+    2-core build (g++ ~3 s), three builds a CI run."""
+    kernels = sorted(CSRC.glob("*.cu"))
+    assert len(kernels) >= 7
+    offending = {f"{cu.name} <- {header.name}" for cu in kernels for header in _includes(cu)
+                 if TENSOR_HEADERS.search(header.read_text())}
+    assert not offending, offending

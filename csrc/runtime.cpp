@@ -1,4 +1,6 @@
-// NVSHMEM bootstrap and symmetric allocation for torchrec-pgas.
+// The PGAS runtime's ops on the host (torch.ops.torchrec_pgas.pgas_*): NVSHMEM bootstrap, symmetric
+// allocation, and the reference put / signal / wait, whose kernels are put_signal.cu. Host code only: compiled
+// without nvcc, calling NVSHMEM's host API.
 //
 // The process may already hold an NVSHMEM world started by PyTorch's symmetric
 // memory (same libnvshmem_host.so.3). nvshmemx_init_attr is always called from
@@ -12,10 +14,10 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAStream.h>
-#include <nvshmem.h>
-#include <nvshmemx.h>
+#include <nvshmem_host.h>  // NVSHMEM's host API alone: no device headers in a host compiler's file
 
-#include "pgas_common.cuh"
+#include "pgas_check.h"
+#include "put_signal.h"
 
 namespace torchrec_pgas {
 
@@ -70,5 +72,39 @@ int64_t pgas_peer_ptr(const at::Tensor& local, int64_t pe) {
 void pgas_free(const at::Tensor& buf) { nvshmem_free(buf.data_ptr()); }
 
 void pgas_barrier_all() { nvshmemx_barrier_all_on_stream(c10::cuda::getCurrentCUDAStream()); }
+
+void pgas_put(const at::Tensor& dst, const at::Tensor& src, int64_t peer) {
+  PGAS_CHECK(dst.is_cuda() && src.is_cuda() && dst.is_contiguous() && src.is_contiguous(),
+             "pgas_put: contiguous CUDA tensors expected");
+  const size_t nbytes = src.numel() * src.element_size();
+  PGAS_CHECK(static_cast<size_t>(dst.numel() * dst.element_size()) >= nbytes,
+             "pgas_put: destination of %lld bytes is smaller than the source of %zu",
+             static_cast<long long>(dst.numel() * dst.element_size()), nbytes);
+  PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_put: peer %lld outside world", static_cast<long long>(peer));
+  PGAS_CHECK(nvshmem_ptr(dst.data_ptr(), nvshmem_my_pe()) != nullptr, "pgas_put: destination is not symmetric memory");
+  if (nbytes == 0) return;
+  launch_put(static_cast<uint8_t*>(dst.data_ptr()), static_cast<const uint8_t*>(src.data_ptr()), nbytes,
+             static_cast<int>(peer), c10::cuda::getCurrentCUDAStream());
+}
+
+void pgas_signal(const at::Tensor& word, int64_t value, int64_t peer) {
+  PGAS_CHECK(word.is_cuda() && word.scalar_type() == at::kLong && word.numel() == 1,
+             "pgas_signal: one int64 CUDA word expected");
+  PGAS_CHECK(peer >= 0 && peer < nvshmem_n_pes(), "pgas_signal: peer %lld outside world", static_cast<long long>(peer));
+  launch_signal(reinterpret_cast<uint64_t*>(word.data_ptr()), static_cast<uint64_t>(value), static_cast<int>(peer),
+                c10::cuda::getCurrentCUDAStream());
+}
+
+void pgas_wait(const at::Tensor& pad, const at::Tensor& slots, int64_t epoch, int64_t timeout_ns,
+               const at::Tensor& status) {
+  PGAS_CHECK(pad.is_cuda() && pad.scalar_type() == at::kLong, "pgas_wait: int64 CUDA pad expected");
+  PGAS_CHECK(slots.is_cuda() && slots.scalar_type() == at::kLong && slots.numel() <= 1024,
+             "pgas_wait: at most 1024 int64 CUDA slot indices expected");
+  PGAS_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 2,
+             "pgas_wait: status must be a pinned int64 host tensor of 2 words");
+  if (slots.numel() == 0) return;
+  launch_wait(pad.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<int>(slots.numel()), epoch, timeout_ns,
+              status.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
+}
 
 }  // namespace torchrec_pgas
