@@ -121,7 +121,9 @@ def test_op_matches_reference(device: str, layout: str, optimizer: EmbOptimType,
     for step in range(3):
         kjt = _kjt(tables, feature_tables, batch, weighted, seed=step, device=dev)
         grad = (torch.randn(batch + 2, dim_sum + 4, generator=torch.Generator().manual_seed(step)) * 0.1)
-        grad = grad.to(grad_dtype).to(dev)[:batch, 2:2 + dim_sum]  # a view: row stride > D, unit column stride
+        # a view: row stride > D, unit column stride; its rows off the 4-element grid (steps 0, 2) and on it (1)
+        start = 4 if step == 1 else 2
+        grad = grad.to(grad_dtype).to(dev)[:batch, start:start + dim_sum]
         owner_backward([ref], kjt, grad, [step + 1], reference=True)
         assert op_update(ours, kjt, grad, 0, step + 1)  # the op takes this layout (no fallback)
         for got, want in zip(ours.state(), ref.state()):
