@@ -123,9 +123,10 @@ CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 TENSOR_HEADERS = re.compile(r'#include\s*<(ATen/|torch/|c10/cuda/)')
 
 
-def _includes(path: pathlib.Path) -> set:
+def _includes(path: pathlib.Path) -> set[pathlib.Path]:
     """`path` and the csrc headers it includes, transitively."""
-    seen, todo = set(), [path]
+    seen: set[pathlib.Path] = set()
+    todo = [path]
     while todo:
         file = todo.pop()
         if file in seen:
