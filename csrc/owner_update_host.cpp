@@ -240,7 +240,6 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
                        at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                        const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
                        const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used) {
-  PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const c10::cuda::CUDAGuard guard(grad.device());
   std::vector<at::Tensor> on_device;  // the descriptors' device copies
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
@@ -261,7 +260,6 @@ void owner_update_cpu(const at::Tensor& keys, const at::Tensor& bags, const at::
                       at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                       const at::Tensor& features, const at::Tensor& hyper, const at::Tensor& config,
                       const c10::optional<at::Tensor>& apply, const c10::optional<at::Tensor>& used) {
-  PGAS_CHECK(!weights.empty(), "owner_update: no table");
   std::vector<at::Tensor> on_device;
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, apply, used, on_device);
