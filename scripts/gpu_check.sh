@@ -54,7 +54,9 @@
 #              rounds (scripts/compare_runs.py rounds)
 #   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
-#              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full)
+#              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full), of
+#              OWNER_OP_NCU_PRESET's walk launch OWNER_OP_NCU_SKIP (default 1: the first workload's timed one;
+#              a workload launches it twice, so 5 is a three-workload preset's third)
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
 #              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual
@@ -227,7 +229,7 @@ if has owner-op; then
     log "ncu: owner_walk_kernel, benchmarks.owner_op --side pgas (${OWNER_OP_NCU_PRESET:-s000-weak})"
     mkdir -p "$OUT/ncu"
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f -k regex:owner_walk --import-source yes \
-      --launch-skip 1 --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op "$PY" -m benchmarks.owner_op \
+      --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op "$PY" -m benchmarks.owner_op \
       --side pgas --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 --out /tmp/ncu_owner_op_run \
       > "$OUT/ncu/ncu_owner_op_run.log" 2>&1
     echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
