@@ -229,9 +229,9 @@ if has owner-op; then
     log "ncu: owner_walk_kernel, benchmarks.owner_op --side pgas (${OWNER_OP_NCU_PRESET:-s000-weak})"
     mkdir -p "$OUT/ncu"
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f -k regex:owner_walk --import-source yes \
-      --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op "$PY" -m benchmarks.owner_op \
-      --side pgas --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 --out /tmp/ncu_owner_op_run \
-      > "$OUT/ncu/ncu_owner_op_run.log" 2>&1
+      --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op \
+      "$PY" -m benchmarks.owner_op --side pgas --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 \
+      --out /tmp/ncu_owner_op_run > "$OUT/ncu/ncu_owner_op_run.log" 2>&1
     echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
     ncu_export /tmp/ncu_owner_op.ncu-rep ncu_owner_op "owner_walk_kernel|Stall"
   fi

@@ -132,7 +132,8 @@ def _includes(path: pathlib.Path) -> set[pathlib.Path]:
         if file in seen:
             continue
         seen.add(file)
-        todo += [CSRC / name for name in re.findall(r'#include\s*"([^"]+)"', file.read_text()) if (CSRC / name).exists()]
+        names = re.findall(r'#include\s*"([^"]+)"', file.read_text())
+        todo += [CSRC / name for name in names if (CSRC / name).exists()]
     return seen
 
 
