@@ -19,10 +19,11 @@ device memory a kernel may write: ``scripts/gpu_check.sh owner-op``). On CPU bot
 """
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,18 @@ def state_error(ours: nn.Module, ref: nn.Module) -> float:
     return worst
 
 
+@contextlib.contextmanager
+def nvtx_range(name: str, cuda: bool) -> Iterator[None]:
+    """An NVTX range around a timed step (nothing on CPU), so a profiler can pick one side of one workload."""
+    if cuda:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.nvtx.range_pop()
+
+
 def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
                  hbm_gbps: Optional[float]) -> Dict[str, Any]:
     """One preset workload: both backwards timed on the same ids and gradient."""
@@ -119,13 +132,17 @@ def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
     for i in range(args.warmup + args.steps):
         for side in args.side:
             backward = prepare[side](tbes[side])
-            if side == "pgas" and i >= args.warmup:  # the op's two stages, in the timed steps
-                with profiling.stage_timer(device) as timer:
-                    profiling.mark("start")
-                    times[side].append(timed_ms(backward, cuda))
-                stages.append(timer.stages())
-            else:
+            if i < args.warmup:
                 times[side].append(timed_ms(backward, cuda))
+                continue
+            with nvtx_range(f"{side}:{w.name}", cuda):  # a profiler's filter: ncu --nvtx-include "<range>/"
+                if side == "pgas":  # the op's two stages
+                    with profiling.stage_timer(device) as timer:
+                        profiling.mark("start")
+                        times[side].append(timed_ms(backward, cuda))
+                    stages.append(timer.stages())
+                else:
+                    times[side].append(timed_ms(backward, cuda))
         if i == 0 and len(args.side) == 2:
             error = state_error(tbes["pgas"], tbes["fbgemm"])
             if error > 1:

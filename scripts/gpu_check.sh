@@ -56,7 +56,9 @@
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
 #              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full), of
 #              OWNER_OP_NCU_PRESET's walk launch OWNER_OP_NCU_SKIP (default 1: the first workload's timed one;
-#              a workload launches it twice, so 5 is a three-workload preset's third)
+#              a workload launches it twice, so 5 is a three-workload preset's third), or of every kernel of
+#              OWNER_OP_NCU_SIDE's (pgas: its owner_ kernels; fbgemm) timed step of the workload named
+#              OWNER_OP_NCU_WORKLOAD, into ncu/ncu_owner_op[_OWNER_OP_NCU_NAME]_*
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
 #              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual
@@ -226,14 +228,24 @@ if has owner-op; then
     grep -E "Error" /tmp/owner_op.log | tail -3 | tee -a "$OUT/summary.txt"
   done
   if [ -n "${OWNER_OP_NCU:-}" ]; then
-    log "ncu: owner_walk_kernel, benchmarks.owner_op --side pgas (${OWNER_OP_NCU_PRESET:-s000-weak})"
+    # Which launches: OWNER_OP_NCU_WORKLOAD names a workload (benchmarks.owner_op's NVTX range "<side>:<name>",
+    # its one timed step), else OWNER_OP_NCU_SKIP picks the walk's launch.
+    side=${OWNER_OP_NCU_SIDE:-pgas}
+    if [ -n "${OWNER_OP_NCU_WORKLOAD:-}" ]; then
+      pick=(--nvtx --nvtx-include "$side:$OWNER_OP_NCU_WORKLOAD/" --launch-count "${OWNER_OP_NCU_COUNT:-40}")
+      [ "$side" = pgas ] && pick+=(-k regex:owner_)
+    else
+      pick=(-k regex:owner_walk --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1)
+    fi
+    name=ncu_owner_op${OWNER_OP_NCU_NAME:+_$OWNER_OP_NCU_NAME}
+    log "ncu: benchmarks.owner_op --side $side (${OWNER_OP_NCU_PRESET:-s000-weak}): ${pick[*]}"
     mkdir -p "$OUT/ncu"
-    CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f -k regex:owner_walk --import-source yes \
-      --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1 --set full ${NCU_EXTRA:-} -o /tmp/ncu_owner_op \
-      "$PY" -m benchmarks.owner_op --side pgas --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 \
-      --out /tmp/ncu_owner_op_run > "$OUT/ncu/ncu_owner_op_run.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f --import-source yes "${pick[@]}" --set full \
+      ${NCU_EXTRA:-} -o "/tmp/$name" "$PY" -m benchmarks.owner_op --side "$side" \
+      --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --steps 1 --warmup 1 --out "/tmp/${name}_run" \
+      > "$OUT/ncu/${name}_run.log" 2>&1
     echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
-    ncu_export /tmp/ncu_owner_op.ncu-rep ncu_owner_op "owner_walk_kernel|Stall"
+    ncu_export "/tmp/$name.ncu-rep" "$name" "owner_|backward|Sort|sort|Stall"
   fi
 fi
 
