@@ -96,14 +96,15 @@ def state_error(ours: nn.Module, ref: nn.Module) -> float:
 
 @contextlib.contextmanager
 def nvtx_range(name: str, cuda: bool) -> Iterator[None]:
-    """An NVTX range around a timed step (nothing on CPU), so a profiler can pick one side of one workload."""
-    if cuda:
-        torch.cuda.nvtx.range_push(name)
+    """An NVTX start/end range around a timed step (nothing on CPU), so a profiler can pick one side of one
+    workload (``ncu --nvtx --nvtx-include <name>``). Not push/pop: FBGEMM's backward kernels are launched by
+    autograd's device thread, outside a push/pop range of this thread."""
+    handle = torch.cuda.nvtx.range_start(name) if cuda else None
     try:
         yield
     finally:
-        if cuda:
-            torch.cuda.nvtx.range_pop()
+        if handle is not None:
+            torch.cuda.nvtx.range_end(handle)
 
 
 def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
@@ -193,6 +194,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--side", action="append", choices=SIDES, help="repeatable; default both")
+    parser.add_argument("--only", help="only the presets' workloads whose name contains this (e.g. hzipf1.2)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>-owner-op)")
     args = parser.parse_args(argv)
     args.side = args.side or list(SIDES)
@@ -206,7 +208,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     hbm_gbps = measure_bandwidths(device)[0] if cuda else None
     rows = []
-    for w in (w for p in (args.preset or ["s000-weak"]) for w in PRESETS[p](1)):
+    workloads = [w for p in (args.preset or ["s000-weak"]) for w in PRESETS[p](1) if args.only in (None, "") or
+                 args.only in w.name]
+    for w in workloads:
         rows.append(run_workload(w, args, device, hbm_gbps))
         if cuda:
             torch.cuda.empty_cache()
