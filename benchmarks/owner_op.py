@@ -136,7 +136,7 @@ def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
             if i < args.warmup:
                 times[side].append(timed_ms(backward, cuda))
                 continue
-            with nvtx_range(f"{side}:{w.name}", cuda):  # a profiler's filter: ncu --nvtx-include "<range>/"
+            with nvtx_range(f"{side}:{w.name}", cuda):
                 if side == "pgas":  # the op's two stages
                     with profiling.stage_timer(device) as timer:
                         profiling.mark("start")
@@ -198,6 +198,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>-owner-op)")
     args = parser.parse_args(argv)
     args.side = args.side or list(SIDES)
+    workloads = [w for p in (args.preset or ["s000-weak"]) for w in PRESETS[p](1)
+                 if not args.only or args.only in w.name]
+    if not workloads:
+        parser.error(f"no workload of the presets has {args.only!r} in its name")
     if "pgas" in args.side and not op_available():
         parser.error("the owner_update op is not built (an install without the extension): build it first")
     # one rank: the training benchmark's helpers all-reduce over a process group
@@ -208,8 +212,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     hbm_gbps = measure_bandwidths(device)[0] if cuda else None
     rows = []
-    workloads = [w for p in (args.preset or ["s000-weak"]) for w in PRESETS[p](1) if args.only in (None, "") or
-                 args.only in w.name]
     for w in workloads:
         rows.append(run_workload(w, args, device, hbm_gbps))
         if cuda:
