@@ -231,9 +231,11 @@ if has owner-op; then
     # Which launches: OWNER_OP_NCU_WORKLOAD names a workload (run alone; benchmarks.owner_op's NVTX start/end
     # range "<side>:<name>" picks its timed step), else OWNER_OP_NCU_SKIP picks the walk's launch.
     side=${OWNER_OP_NCU_SIDE:-pgas}
+    only=()
     if [ -n "${OWNER_OP_NCU_WORKLOAD:-}" ]; then
       pick=(--nvtx --nvtx-include "$side:$OWNER_OP_NCU_WORKLOAD" --launch-count "${OWNER_OP_NCU_COUNT:-40}")
       [ "$side" = pgas ] && pick+=(-k regex:owner_)
+      only=(--only "$OWNER_OP_NCU_WORKLOAD")
     else
       pick=(-k regex:owner_walk --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1)
     fi
@@ -242,8 +244,7 @@ if has owner-op; then
     mkdir -p "$OUT/ncu"
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f --import-source yes "${pick[@]}" --set full \
       ${NCU_EXTRA:-} -o "/tmp/$name" "$PY" -m benchmarks.owner_op --side "$side" \
-      --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" --only "${OWNER_OP_NCU_WORKLOAD:-}" --steps 1 --warmup 1 \
-      --out "/tmp/${name}_run" \
+      --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" "${only[@]}" --steps 1 --warmup 1 --out "/tmp/${name}_run" \
       > "$OUT/ncu/${name}_run.log" 2>&1
     echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
     ncu_export "/tmp/$name.ncu-rep" "$name" "owner_|backward|Sort|sort|Stall"
