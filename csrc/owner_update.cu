@@ -11,7 +11,8 @@
 // (owner_combine_kernel) give each item (a block's head piece or a run; a
 // block) to a group of kLanes lanes of a warp, grid-stride over the items;
 // every branch of an item is uniform over its group, and a group's shuffles
-// and syncs name its lanes only (the groups of a warp diverge). Each kernel
+// and syncs name its lanes only (the groups of a warp diverge). Phase 1 reads
+// the runs' fields for 32 runs at a time, a warp's lanes together. Each kernel
 // starts after the previous one's grid completes (stream order): the list and
 // the partials it reads are written.
 #include <cub/block/block_reduce.cuh>
@@ -76,16 +77,24 @@ __global__ void __launch_bounds__(kThreads) owner_run_scatter(OwnerUpdateParams 
   }
 }
 
-// kLanes lanes of a warp as a group: kColumns columns a lane (dim <= kLanes * kColumns, sized by the widest
-// table of the launch), kDepth ids' gradient rows in flight.
+// kLanes lanes of a warp as a group: kColumns columns a lane (dim <= 4 * kLanes * kColumns / 4, sized by the
+// widest table of the launch), kDepth ids' gradient rows in flight, kMinBlocks CTAs an SM (registers).
 template <int kGroupLanes, int kGroupColumns>
 struct WarpGroup {
   static constexpr int kLanes = kGroupLanes;
   static constexpr int kColumns = kGroupColumns;
-  static constexpr int kDepth = kColumns <= 4 ? 4 : kColumns <= 8 ? 2 : 1;
+  static constexpr int kDepth = kColumns <= 4 ? 2 : 1;
+  static constexpr int kMinBlocks = kColumns <= 4 ? 4 : 1;
+  static constexpr int kPerWarp = 32 / kLanes;
   static_assert(32 % kLanes == 0 && kColumns % 4 == 0, "groups tile a warp; four adjacent columns a lane");
   int lane;
+  int index;  // the group's index in its warp
   unsigned mask;  // the group's lanes in its warp
+  __device__ static WarpGroup of_thread() {
+    const int warp_lane = static_cast<int>(threadIdx.x % 32);
+    return {warp_lane % kLanes, warp_lane / kLanes,
+            kLanes == 32 ? ~0u : ((1u << kLanes) - 1u) << (warp_lane / kLanes * kLanes)};
+  }
   __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; column_of < dim guards
   __device__ IdTerm broadcast(const IdTerm& m, int from, const OwnerUpdateConfig& c) const {
     return {__shfl_sync(mask, m.src, from, kLanes), c.weighted ? __shfl_sync(mask, m.weight, from, kLanes) : 1.f,
@@ -98,38 +107,51 @@ struct WarpGroup {
   __device__ void sync() const { __syncwarp(mask); }
 };
 
-// The calling thread's group, and the items [0, items) taken grid-stride by the groups.
+// Items [0, items) taken grid-stride by the groups.
 template <typename Group, typename Item>
-__device__ __forceinline__ void for_each_item(int64_t items, Item&& item) {
-  constexpr int kLanes = Group::kLanes;
-  const int warp_lane = static_cast<int>(threadIdx.x % 32);
-  const Group group{warp_lane % kLanes, kLanes == 32 ? ~0u : ((1u << kLanes) - 1u) << (warp_lane / kLanes * kLanes)};
-  const int64_t groups = static_cast<int64_t>(gridDim.x) * (kThreads / kLanes);
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kLanes; i < items; i += groups) {
-    item(i, group);
+__device__ __forceinline__ void for_each_group_item(int64_t items, Group group, Item&& item) {
+  const int64_t groups = static_cast<int64_t>(gridDim.x) * (kThreads / Group::kLanes);
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / Group::kLanes; i < items;
+       i += groups) {
+    item(i);
   }
 }
 
-// Phase 1: the blocks' head pieces first (items [0, blocks): a piece holds up to kOwnerBlock ids, a run
-// mostly fewer), then the runs.
+// Phase 1: the blocks' head pieces (a group a block), then the runs: a warp takes 32 runs at a time
+// (grid-stride), reads their RunMeta one a lane (the list, keys, rows and first ids' terms of 32 runs loaded
+// together, not one run's after another's) and stages them in shared memory, and its groups take the staged
+// runs in turn. The stage's __syncwarp calls name the whole warp: every lane reaches them, whatever its group
+// did before.
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, typename Group>
-__global__ void __launch_bounds__(kThreads) owner_sum_kernel(OwnerUpdateParams p) {
+__global__ void __launch_bounds__(kThreads, Group::kMinBlocks) owner_sum_kernel(OwnerUpdateParams p) {
   if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every group reads the word first
-  const int64_t used = used_positions(p), blocks = blocks_of(used);
-  const OwnerHyper h = *p.hyper;  // once: the row stores may alias it for all the compiler knows
-  for_each_item<Group>(blocks + *p.runs, [&](int64_t i, Group group) {
-    if (i < blocks) return sum_block_head<Group, grad_t>(p, i, used, group);
-    sum_run<Group, weight_t, grad_t, kOptimizer>(p, h, i - blocks, group);
-  });
+  __shared__ RunMeta staged[kThreads / 32][32];
+  const int64_t used = used_positions(p), blocks = blocks_of(used), runs = *p.runs;
+  const Group group = Group::of_thread();
+  for_each_group_item(blocks, group, [&](int64_t k) { sum_block_head<Group, grad_t>(p, k, used, group); });
+  RunMeta* slots = staged[threadIdx.x / 32];
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32 * 32; r0 < runs;
+       r0 += warps * 32) {
+    const RunMeta mine = r0 + lane < runs ? run_meta(p, r0 + lane) : RunMeta{{-1, 0.f, 0.f}, 0, 0, {-1, 0}};
+    __syncwarp();  // the last batch's slots are read
+    slots[lane] = mine;
+    __syncwarp();
+    const int count = runs - r0 < 32 ? static_cast<int>(runs - r0) : 32;
+    for (int j = group.index; j < count; j += Group::kPerWarp) {
+      sum_run<Group, weight_t, grad_t, kOptimizer>(p, slots[j], group);
+    }
+  }
 }
 
 template <typename weight_t, Optimizer kOptimizer, typename Group>
-__global__ void __launch_bounds__(kThreads) owner_combine_kernel(OwnerUpdateParams p) {
+__global__ void __launch_bounds__(kThreads, Group::kMinBlocks) owner_combine_kernel(OwnerUpdateParams p) {
   if (p.apply != nullptr && *p.apply == 0) return;
   const int64_t used = used_positions(p);
-  const OwnerHyper h = *p.hyper;
-  for_each_item<Group>(blocks_of(used),
-                       [&](int64_t k, Group group) { combine_run<Group, weight_t, kOptimizer>(p, h, k, used, group); });
+  const Group group = Group::of_thread();
+  for_each_group_item(blocks_of(used), group,
+                      [&](int64_t k) { combine_run<Group, weight_t, kOptimizer>(p, k, used, group); });
 }
 
 // The run list of the positions `used` counts (of n), from `scratch`.
@@ -169,7 +191,7 @@ void launch(OwnerUpdateParams p, int64_t max_dim, const std::function<void*(size
   p.partials = static_cast<float*>(scratch(static_cast<size_t>(2 * blocks_of(p.n) * p.partial_stride) * sizeof(float)));
   const auto sum = owner_sum_kernel<weight_t, grad_t, kOptimizer, Group>;
   const auto combine = owner_combine_kernel<weight_t, kOptimizer, Group>;
-  sum<<<grid_for(sum, blocks_of(p.n) + p.n, Group::kLanes), kThreads, 0, stream>>>(p);
+  sum<<<grid_for(sum, p.n, 32), kThreads, 0, stream>>>(p);  // a warp a batch of 32 runs
   PGAS_CUDA_CHECK(cudaGetLastError());
   combine<<<grid_for(combine, blocks_of(p.n), Group::kLanes), kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());

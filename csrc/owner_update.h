@@ -351,13 +351,30 @@ PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, const IdTerm& id, int 
   }
 }
 
-// Adds the terms of positions [lo, hi) of one run, in sorted order: per kLanes positions their fields one a
-// lane, then kDepth ids' gradient rows loaded before the first of them is summed.
+// Adds one id's term to the run's sums (every lane holds the id's fields).
 template <typename Group, typename grad_t>
-PGAS_UPDATE_FN void sum_ids(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Group group,
+PGAS_UPDATE_FN void add_id(const OwnerUpdateParams& p, const IdTerm& id, bool vector, Group group,
+                           RunSum<Group::kColumns>& s) {
+  if (id.src < 0) return;
+  float term[Group::kColumns];
+  load_term<Group, grad_t>(p, id, s.dim, vector, group, term);
+  s.added = true;
+  PGAS_UNROLL
+  for (int j = 0; j < group.columns(s.dim); ++j) add_compensated(s.g[j], s.carry[j], term[j]);
+}
+
+// Adds the terms of positions [lo, hi) of one run, in sorted order: `first` (src -2: none) is position lo's,
+// already read; then per kLanes positions their fields one a lane, broadcast through the group, kDepth ids'
+// gradient rows loaded before the first of them is summed.
+template <typename Group, typename grad_t>
+PGAS_UPDATE_FN void sum_ids(const OwnerUpdateParams& p, int64_t lo, int64_t hi, const IdTerm& first, Group group,
                             RunSum<Group::kColumns>& s) {
   constexpr int kDepth = Group::kDepth, kColumns = Group::kColumns;
   const bool vector = p.grad_vectors && p.tables[s.at.table].vectors != 0;
+  if (first.src != -2 && lo < hi) {
+    add_id<Group, grad_t>(p, first, vector, group, s);
+    ++lo;
+  }
   for (int64_t q0 = lo; q0 < hi; q0 += Group::kLanes) {
     const int64_t q = q0 + group.lane;
     const IdTerm mine = q < hi ? id_term(p, q, s.at.table) : IdTerm{-1, 0.f, 0.f};
@@ -405,9 +422,10 @@ PGAS_UPDATE_FN RowBefore<Group::kColumns> load_before(const OwnerUpdateParams& p
 
 // One optimizer step of the run's row with its summed gradient (each column's compensated sum).
 template <typename Group, typename weight_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void update_row(const OwnerUpdateParams& p, const OwnerHyper& h, const RunSum<Group::kColumns>& s,
+PGAS_UPDATE_FN void update_row(const OwnerUpdateParams& p, const RunSum<Group::kColumns>& s,
                                const RowBefore<Group::kColumns>& before, Group group) {
   constexpr int kColumns = Group::kColumns;
+  const OwnerHyper h = *p.hyper;  // read per row: held across the runs, its eight words would cost occupancy
   const OwnerTable& table = p.tables[s.at.table];
   const int dim = s.dim;
   const bool vector = table.vectors != 0;
@@ -490,23 +508,36 @@ PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t slot, RunSum
   s.added = s.added || in[2 * cols] != 0.f;
 }
 
-// Phase 1, run r of the list: inside one block, summed and applied (its row's state loaded as it starts);
+// What a run's group needs of it, read for a batch of runs one a lane (run_meta) and staged: its positions
+// [lo, hi), its row (table -1: skipped) and its first id's term.
+struct alignas(16) RunMeta {
+  IdTerm first;
+  int32_t lo, hi;  // < 2^31: checked on the host
+  RunRow at;
+};
+
+PGAS_UPDATE_FN RunMeta run_meta(const OwnerUpdateParams& p, int64_t r) {
+  RunMeta m{{-1, 0.f, 0.f}, p.run_begin[r], p.run_begin[r + 1], {-1, 0}};
+  if (m.lo >= m.hi) return m;
+  m.at = run_row(p, key_at(p, m.lo), m.lo);
+  if (m.at.table >= 0) m.first = id_term(p, m.lo, m.at.table);
+  return m;
+}
+
+// Phase 1, a run of the list: inside one block, summed and applied (its row's state loaded as it starts);
 // crossing blocks, its first piece (to its block's end) summed into slot 1 of that block.
 template <typename Group, typename weight_t, typename grad_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void sum_run(const OwnerUpdateParams& p, const OwnerHyper& h, int64_t r, Group group) {
-  const int64_t lo = p.run_begin[r], hi = p.run_begin[r + 1];
-  if (lo >= hi) return;
-  const RunRow at = run_row(p, key_at(p, lo), lo);
-  if (at.table < 0) return;
-  RunSum<Group::kColumns> s = empty_sum(p, at, group);
-  const int64_t block = lo / kOwnerBlock, block_end = (block + 1) * kOwnerBlock;
-  if (hi > block_end) {
-    sum_ids<Group, grad_t>(p, lo, block_end, group, s);
+PGAS_UPDATE_FN void sum_run(const OwnerUpdateParams& p, const RunMeta& m, Group group) {
+  if (m.at.table < 0) return;
+  RunSum<Group::kColumns> s = empty_sum(p, m.at, group);
+  const int64_t block = m.lo / kOwnerBlock, block_end = (block + 1) * kOwnerBlock;
+  if (m.hi > block_end) {
+    sum_ids<Group, grad_t>(p, m.lo, block_end, m.first, group, s);
     return store_partial(p, 2 * block + 1, s, group);
   }
-  const RowBefore<Group::kColumns> before = load_before<Group, weight_t, kOptimizer>(p, at, group);
-  sum_ids<Group, grad_t>(p, lo, hi, group, s);
-  if (s.added) update_row<Group, weight_t, kOptimizer>(p, h, s, before, group);
+  const RowBefore<Group::kColumns> before = load_before<Group, weight_t, kOptimizer>(p, m.at, group);
+  sum_ids<Group, grad_t>(p, m.lo, m.hi, m.first, group, s);
+  if (s.added) update_row<Group, weight_t, kOptimizer>(p, s, before, group);
 }
 
 // Phase 1, block k's head piece: where a run enters the block from an earlier one, its positions in the block,
@@ -519,15 +550,15 @@ PGAS_UPDATE_FN void sum_block_head(const OwnerUpdateParams& p, int64_t k, int64_
   const RunRow at = run_row(p, key, lo);
   if (at.table < 0) return;
   RunSum<Group::kColumns> s = empty_sum(p, at, group);
-  sum_ids<Group, grad_t>(p, lo, run_end(p, key, lo, lo + kOwnerBlock < used ? lo + kOwnerBlock : used), group, s);
+  const int64_t hi = run_end(p, key, lo, lo + kOwnerBlock < used ? lo + kOwnerBlock : used);
+  sum_ids<Group, grad_t>(p, lo, hi, IdTerm{-2, 0.f, 0.f}, group, s);
   store_partial(p, 2 * k, s, group);
 }
 
 // Phase 2, block k: where a run starts in the block and leaves it, its first piece's partial, then the head
 // pieces' of the blocks it reaches, in block order; then its row's one update.
 template <typename Group, typename weight_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void combine_run(const OwnerUpdateParams& p, const OwnerHyper& h, int64_t k, int64_t used,
-                                Group group) {
+PGAS_UPDATE_FN void combine_run(const OwnerUpdateParams& p, int64_t k, int64_t used, Group group) {
   const int64_t lo = k * kOwnerBlock, last = lo + kOwnerBlock - 1;
   if (last + 1 >= used) return;
   const int64_t key = key_at(p, last);
@@ -539,7 +570,7 @@ PGAS_UPDATE_FN void combine_run(const OwnerUpdateParams& p, const OwnerHyper& h,
   add_partial(p, 2 * k + 1, s, group);
   const int64_t last_block = (run_end(p, key, last + 1, used) - 1) / kOwnerBlock;
   for (int64_t b = k + 1; b <= last_block; ++b) add_partial(p, 2 * b, s, group);
-  if (s.added) update_row<Group, weight_t, kOptimizer>(p, h, s, before, group);
+  if (s.added) update_row<Group, weight_t, kOptimizer>(p, s, before, group);
 }
 
 // The GPU update (owner_update.cu): the run list and both phases on `stream`, for tables up to `max_dim` wide,

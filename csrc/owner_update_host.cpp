@@ -169,19 +169,18 @@ void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
   p.partial_stride = 2 * max_dim + 1;
   std::vector<float> partials(static_cast<size_t>(2 * blocks * p.partial_stride));
   p.partials = partials.data();
-  const OwnerHyper h = *p.hyper;
   const HostGroup group;
   at::parallel_for(0, blocks + runs, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       if (i < blocks) {
         sum_block_head<HostGroup, grad_t>(p, i, used, group);
       } else {
-        sum_run<HostGroup, weight_t, grad_t, kOptimizer>(p, h, i - blocks, group);
+        sum_run<HostGroup, weight_t, grad_t, kOptimizer>(p, run_meta(p, i - blocks), group);
       }
     }
   });
   at::parallel_for(0, blocks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) combine_run<HostGroup, weight_t, kOptimizer>(p, h, k, used, group);
+    for (int64_t k = lo; k < hi; ++k) combine_run<HostGroup, weight_t, kOptimizer>(p, k, used, group);
   });
 }
 
