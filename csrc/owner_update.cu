@@ -11,8 +11,8 @@
 // (owner_combine_kernel) give each item (a block's head piece or a run; a
 // block) to a group of kLanes lanes of a warp, grid-stride over the items;
 // every branch of an item is uniform over its group, and a group's shuffles
-// and syncs name its lanes only (the groups of a warp diverge). Phase 1 reads
-// the runs' fields for 32 runs at a time, a warp's lanes together. Each kernel
+// and syncs name its lanes only (the groups of a warp diverge). Phase 1's
+// groups read their runs' fields kLanes runs at a time, a run a lane. Each kernel
 // starts after the previous one's grid completes (stream order): the list and
 // the partials it reads are written.
 #include <cub/block/block_reduce.cuh>
@@ -77,23 +77,22 @@ __global__ void __launch_bounds__(kThreads) owner_run_scatter(OwnerUpdateParams 
   }
 }
 
-// kLanes lanes of a warp as a group: kColumns columns a lane (dim <= 4 * kLanes * kColumns / 4, sized by the
-// widest table of the launch), kDepth ids' gradient rows in flight, kMinBlocks CTAs an SM (registers).
+// kLanes lanes of a warp as a group: kColumns columns a lane (dim <= kLanes * kColumns, sized by the widest
+// table of the launch), kDepth ids' gradient rows in flight, kMinBlocks CTAs an SM: at dim <= 128, 3 (about 80
+// registers, nothing spilled: ptxas, nvcc 13.0, sm_90a), where 4 spilled ~90 bytes and measured 20% slower on
+// uniform ids (benchmarks/NOTES.md item 2).
 template <int kGroupLanes, int kGroupColumns>
 struct WarpGroup {
   static constexpr int kLanes = kGroupLanes;
   static constexpr int kColumns = kGroupColumns;
   static constexpr int kDepth = kColumns <= 4 ? 2 : 1;
-  static constexpr int kMinBlocks = kColumns <= 4 ? 4 : 1;
-  static constexpr int kPerWarp = 32 / kLanes;
+  static constexpr int kMinBlocks = kColumns <= 4 ? 3 : 1;
   static_assert(32 % kLanes == 0 && kColumns % 4 == 0, "groups tile a warp; four adjacent columns a lane");
   int lane;
-  int index;  // the group's index in its warp
   unsigned mask;  // the group's lanes in its warp
   __device__ static WarpGroup of_thread() {
     const int warp_lane = static_cast<int>(threadIdx.x % 32);
-    return {warp_lane % kLanes, warp_lane / kLanes,
-            kLanes == 32 ? ~0u : ((1u << kLanes) - 1u) << (warp_lane / kLanes * kLanes)};
+    return {warp_lane % kLanes, kLanes == 32 ? ~0u : ((1u << kLanes) - 1u) << (warp_lane / kLanes * kLanes)};
   }
   __device__ constexpr int columns(int) const { return kColumns; }  // unrolled; column_of < dim guards
   __device__ IdTerm broadcast(const IdTerm& m, int from, const OwnerUpdateConfig& c) const {
@@ -117,31 +116,28 @@ __device__ __forceinline__ void for_each_group_item(int64_t items, Group group, 
   }
 }
 
-// Phase 1: the blocks' head pieces (a group a block), then the runs: a warp takes 32 runs at a time
-// (grid-stride), reads their RunMeta one a lane (the list, keys, rows and first ids' terms of 32 runs loaded
-// together, not one run's after another's) and stages them in shared memory, and its groups take the staged
-// runs in turn. The stage's __syncwarp calls name the whole warp: every lane reaches them, whatever its group
-// did before.
+// Phase 1: the blocks' head pieces (a group a block), then the runs: a group takes kLanes runs at a time
+// (grid-stride), reads their RunMeta one a lane (the list, keys, rows and first ids' terms of kLanes runs
+// loaded together, not one run's after another's), stages them in its slots of shared memory and sums them
+// in turn. The groups of a warp never wait for each other: a group's runs may hold 1 id or 256.
 template <typename weight_t, typename grad_t, Optimizer kOptimizer, typename Group>
 __global__ void __launch_bounds__(kThreads, Group::kMinBlocks) owner_sum_kernel(OwnerUpdateParams p) {
   if (p.apply != nullptr && *p.apply == 0) return;  // a refused step: every group reads the word first
-  __shared__ RunMeta staged[kThreads / 32][32];
+  __shared__ RunMeta staged[kThreads];
   const int64_t used = used_positions(p), blocks = blocks_of(used), runs = *p.runs;
   const Group group = Group::of_thread();
   for_each_group_item(blocks, group, [&](int64_t k) { sum_block_head<Group, grad_t>(p, k, used, group); });
-  RunMeta* slots = staged[threadIdx.x / 32];
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32 * 32; r0 < runs;
-       r0 += warps * 32) {
-    const RunMeta mine = r0 + lane < runs ? run_meta(p, r0 + lane) : RunMeta{{-1, 0.f, 0.f}, 0, 0, {-1, 0}};
-    __syncwarp();  // the last batch's slots are read
-    slots[lane] = mine;
-    __syncwarp();
-    const int count = runs - r0 < 32 ? static_cast<int>(runs - r0) : 32;
-    for (int j = group.index; j < count; j += Group::kPerWarp) {
-      sum_run<Group, weight_t, grad_t, kOptimizer>(p, slots[j], group);
-    }
+  RunMeta* slots = staged + threadIdx.x / Group::kLanes * Group::kLanes;
+  const int64_t groups = static_cast<int64_t>(gridDim.x) * (kThreads / Group::kLanes);
+  for (int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / Group::kLanes * Group::kLanes;
+       r0 < runs; r0 += groups * Group::kLanes) {
+    const RunMeta mine = r0 + group.lane < runs ? run_meta(p, r0 + group.lane)
+                                                : RunMeta{{-1, 0.f, 0.f}, 0, 0, {-1, 0}};
+    group.sync();  // the group's last batch is read
+    slots[group.lane] = mine;
+    group.sync();
+    const int count = runs - r0 < Group::kLanes ? static_cast<int>(runs - r0) : Group::kLanes;
+    for (int j = 0; j < count; ++j) sum_run<Group, weight_t, grad_t, kOptimizer>(p, slots[j], group);
   }
 }
 
@@ -191,7 +187,7 @@ void launch(OwnerUpdateParams p, int64_t max_dim, const std::function<void*(size
   p.partials = static_cast<float*>(scratch(static_cast<size_t>(2 * blocks_of(p.n) * p.partial_stride) * sizeof(float)));
   const auto sum = owner_sum_kernel<weight_t, grad_t, kOptimizer, Group>;
   const auto combine = owner_combine_kernel<weight_t, kOptimizer, Group>;
-  sum<<<grid_for(sum, p.n, 32), kThreads, 0, stream>>>(p);  // a warp a batch of 32 runs
+  sum<<<grid_for(sum, p.n, Group::kLanes), kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
   combine<<<grid_for(combine, blocks_of(p.n), Group::kLanes), kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());

@@ -166,6 +166,12 @@ PGAS_UPDATE_FN int64_t run_end(const OwnerUpdateParams& p, int64_t key, int64_t 
   return lo;
 }
 
+// A bag's feature, bag in [0, F * batch) (< 2^31: checked on the host): a 32-bit division, where a 64-bit
+// one is a long subroutine on a GPU.
+PGAS_UPDATE_FN int64_t feature_of(const OwnerUpdateParams& p, int64_t bag) {
+  return static_cast<int32_t>(bag) / static_cast<int32_t>(p.config.batch);
+}
+
 // The row a run updates: table -1 where its key lies outside every table's rows.
 struct RunRow {
   int32_t table;
@@ -176,7 +182,7 @@ struct RunRow {
 // every id) and otherwise by a binary search over the tables' key ranges (the last with key_base <= key).
 PGAS_UPDATE_FN RunRow run_row(const OwnerUpdateParams& p, int64_t key, int64_t q) {
   const int64_t bag = p.bags[q];
-  int64_t t = bag >= 0 && bag < p.num_features * p.config.batch ? p.features[bag / p.config.batch].table : -1;
+  int64_t t = bag >= 0 && bag < p.num_features * p.config.batch ? p.features[feature_of(p, bag)].table : -1;
   if (t < 0 || key < p.tables[t].key_base || key - p.tables[t].key_base >= p.tables[t].rows) {
     int64_t lo = 0, hi = p.num_tables;
     while (hi - lo > 1) {
@@ -304,7 +310,7 @@ struct IdTerm {
 PGAS_UPDATE_FN IdTerm id_term(const OwnerUpdateParams& p, int64_t q, int32_t table) {
   const int64_t bag = p.bags[q];
   if (bag < 0 || bag >= p.num_features * p.config.batch) return {-1, 0.f, 0.f};
-  const int64_t f = bag / p.config.batch;
+  const int64_t f = feature_of(p, bag);
   if (p.features[f].table != table) return {-1, 0.f, 0.f};
   const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
   return {(bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col,
