@@ -1,11 +1,10 @@
 // The owner backward's update: one step of FBGEMM's exact optimizers (EXACT_SGD,
 // EXACT_ROWWISE_ADAGRAD, ADAM) applied by an owner to the rows of its TBE that
 // its sources' gradients touch, in the TBE's own weight and optimizer-state
-// storage. One algorithm, written once (sum_run, sum_block_head,
-// combine_run): owner_update.cu runs it with a group of lanes of a warp per
-// run, owner_update_host.cpp with a one-lane group per CPU thread (the CPU
-// path, the same code); torchrec_pgas/sharding/owner_backward.py is its
-// torch-ops reference.
+// storage. One algorithm in two phases, written once (walk_chunk, finish_run):
+// owner_update.cu runs them with a warp per chunk of sorted ids,
+// owner_update_host.cpp with a CPU thread per chunk (the CPU path, the same
+// code); torchrec_pgas/sharding/owner_backward.py is its torch-ops reference.
 //
 // Inputs, n kept ids of one TBE (the owner's rebuild of the ids stock hands
 // its TBE, ReceivedBlocks.kept_ids: feature-major, then source, then sample), in
@@ -18,57 +17,50 @@
 //   offsets   the kept ids' bag offsets [F * batch + 1] (a MEAN bag's length)
 //   psw[n]    each sorted id's per-sample weight, or none
 //   grad      the pooled gradient, [batch][>= grad_col + dim] per feature
-// A row's ids form one run of equal keys. Each id's term is as FBGEMM's GPU
-// backward forms it (a MEAN bag's gradient times 1/length rounded to the
-// gradient's dtype; weighted: times the id's weight), and a run's terms are
-// summed in sorted order in fp32 with Kahan compensation (a plain running sum
-// drifts by about n * eps / 4 over a hot row's n ids; the compensated one stays
-// within an ulp or two at any length), the products rounded before the sum,
-// never contracted into it. Then one update of the row and its optimizer state
-// in fp32, stored in the weights' dtype (round to nearest). No two groups write
-// one row and nothing is atomic (so the keys must be sorted).
+// A row's ids form one run of equal keys. The walk streams through the sorted
+// positions: the ids' fields are read as coalesced segments, each id's
+// gradient row is read straight from the pooled gradient (no per-id gradient
+// rows in memory) and added to its run's sum, and a run's row is updated once
+// the next run starts. Each id's term is as FBGEMM's GPU backward forms it (a
+// MEAN bag's gradient times 1/length rounded to the gradient's dtype;
+// weighted: times the id's weight), and the terms are summed in sorted order
+// in fp32 with Kahan compensation: a plain running sum drifts by about
+// n * eps / 4 over a hot row's n ids (1-3e-5 at 3000), FBGEMM's GPU kernel
+// splits long runs over warps, and the compensated sum stays within an ulp or
+// two of the exact one at any length. One deterministic sum per row whatever
+// the device (the products are rounded before the sum, never contracted into
+// it); only row-wise Adagrad's sum of the row's squares adds in another order
+// on a GPU (each lane's columns, then across the lanes) than on the CPU.
+// Then one update of that row and its optimizer state in fp32, stored in the
+// weights' dtype (round to nearest). No two walkers write one row and nothing
+// is atomic (so the keys must be sorted: unsorted ones would split a row into
+// runs that two walkers update at once).
 //
-// Runs, blocks and the two phases. The used positions [0, used) (n, or a
-// device word's count: a captured step's capacity) are listed as runs (the
-// run list: each run's first position, then `used`; built on the device from
-// the count, owner_update.cu) and cut into blocks of kOwnerBlock positions,
-// a fixed size: the cut depends on the positions alone, never on a launch or
-// a device, so an eager step and a replay of it sum alike, bit for bit.
-//   Phase 1 (sum_run, sum_block_head): a run that lies inside one block is
-//   summed and applied by one group. A run that crosses blocks is summed one
-//   block's piece at a time, each piece by one group into a partial (each
-//   column's compensated sum and its carry): slot 1 of the block it starts in
-//   (its first piece), slot 0 of each later block it reaches (that block's
-//   head piece). A block has at most one of each: a run that starts in it and
-//   leaves it is its only such run, and so is the run that enters it.
-//   Phase 2 (combine_run, after every group of phase 1): the group of the block
-//   a crossing run starts in adds its partials in block order and applies the
-//   row.
-// A hot row's n ids cost n / kOwnerBlock groups of phase 1 and n / kOwnerBlock
-// partials in phase 2, where FBGEMM splits runs past 1,024 ids over CTAs with
-// fp32 atomics; the order here is fixed. Only row-wise Adagrad's sum of the
-// row's squares adds in another order on a GPU (each lane's columns, then
-// across the group's lanes) than on the CPU.
-//
-// A group of kLanes lanes holds a row's columns four adjacent ones a lane
-// (column_of): a gradient, weight or state row is read in 4-element vectors
-// where the host found it aligned (vector loads change no value). An id's
-// fields (its gradient row's start, weight, MEAN factor) are read one id a lane
-// and broadcast through the group; kDepth ids' gradient rows are loaded before
-// the first of them is summed. A run's row state is loaded as its run starts.
-//
-// Partials: `partial_stride` floats a slot, slot 2 * block + side: the column
-// sums at [0, cols), their carries at [cols, 2 cols) (cols = (partial_stride -
-// 1) / 2, indexed by column), then whether an id of the piece added a term (1
-// or 0).
+// Chunks and the two phases. The positions [0, used) are cut into chunks of
+// chunk_positions(used, walkers) positions: a size that depends on the used
+// positions and the device (its resident walkers) only, never on a launch's
+// grid, so an eager step and a replay of it cut alike and sum alike, bit for
+// bit. Phase 1 (walk_chunk): a chunk's walker sums and applies every run that
+// starts in the chunk and ends in it; the positions before its first run start
+// are the tail of an earlier chunk's run (skipped); a chunk where no run starts
+// (interior to one long run) is summed whole; the sum of the run that starts in
+// a chunk and crosses its end, and an interior chunk's sum, are stored as the
+// chunk's partial (each column's compensated sum and its carry). Phase 2
+// (finish_run, after every walker of phase 1): the walker of the chunk a
+// crossing run starts in adds the partials of its interior chunks in chunk
+// order, then the run's tail terms, and applies the row. A hot row's n ids cost
+// its walkers n / chunks each plus one partial a chunk in phase 2: the split
+// FBGEMM makes over CTAs for runs past 1,024 ids, in a fixed order instead of
+// fp32 atomics. Partials: `partial_stride` floats a chunk, the column sums at
+// [0, cols), their carries at [cols, 2 cols) (cols = (partial_stride - 1) / 2,
+// indexed by column), then whether an id of the chunk added a term (1 or 0).
 //
 // Bounds: the host checks every table view and feature descriptor against the
 // tensors they name (owner_update_host.cpp). On the device a key outside
 // every table's rows, a bag outside [0, F * batch) or an id of a feature of
 // another table than its key's is skipped: the keys decide the rows written,
-// the bags the gradient read, the run list (positions in [0, used]) the
-// partial slots. A row whose ids were all skipped is not updated (Adam's
-// moments and weight decay would change it with a zero gradient).
+// the bags the gradient read. A row whose ids were all skipped is not updated
+// (Adam's moments and weight decay would change it with a zero gradient).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -78,7 +70,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <type_traits>
 
@@ -87,20 +78,18 @@
 
 #if defined(__CUDACC__)
 #define PGAS_UPDATE_FN __device__ __forceinline__
-#define PGAS_UPDATE_HD __host__ __device__ __forceinline__
 #define PGAS_UNROLL _Pragma("unroll")
 #else
 #define PGAS_UPDATE_FN inline
-#define PGAS_UPDATE_HD inline
 #define PGAS_UNROLL
 #endif
 
 namespace torchrec_pgas {
 
-// Largest table dim the update takes (a GPU group holds up to 4 * kLanes * kColumns / 4 columns).
+// Largest table dim the update takes (a GPU lane holds up to dim / 32 sums).
 constexpr int kOwnerMaxDim = 512;
-// The positions of a block: the most ids one group sums in one go, and the cut of crossing runs.
-constexpr int64_t kOwnerBlock = 256;
+// The largest chunk of sorted positions (one walker's serial share of a phase); the smallest is 32.
+constexpr int64_t kOwnerChunk = 256;
 
 // A table's views in the TBE's storage, built by the host from the op's
 // tensors (never from addresses Python passed).
@@ -111,7 +100,6 @@ struct OwnerTable {
   int64_t key_base;
   int64_t rows;
   int64_t dim;
-  int64_t vectors;  // 1: dim % 4 == 0 and its weight and state rows start on 4-element boundaries
 };
 
 struct OwnerUpdateParams {
@@ -122,7 +110,6 @@ struct OwnerUpdateParams {
   const float* psw;  // null: unweighted
   const void* grad;  // the gradient's dtype: the kernels' grad_t
   int64_t grad_row_stride;
-  bool grad_vectors;  // every feature's gradient row starts on a 4-element boundary
   const OwnerFeatureDesc* features;
   const OwnerTable* tables;
   const OwnerHyper* hyper;
@@ -131,11 +118,10 @@ struct OwnerUpdateParams {
   int64_t num_features;
   int64_t num_tables;
   const int64_t* apply;  // null, or a word on the update's device: 0 applies nothing (a refused step)
-  const int64_t* used;  // null, or a word on the update's device: positions at or past it hold no ids the
-                        // update reads (a captured step's capacity)
-  const int32_t* run_begin;  // [runs + 1]: each run's first position in [0, used), in order, then used
-  const int64_t* runs;  // one word: the runs listed
-  float* partials;  // [2 * blocks(n)][partial_stride]: the crossing runs' pieces (phase 1 -> phase 2)
+  const int64_t* used;  // null, or a word on the update's device: positions at or past it hold only keys past
+                        // every table (a captured step's capacity); it sizes the walkers' chunks
+  int64_t walkers;  // the walkers the chunks are sized for: the GPU kernel's resident warps; 1 on the CPU
+  float* partials;  // [max_chunks(n, walkers)][partial_stride]: the chunks' partial sums (phase 1 -> phase 2)
   int64_t partial_stride;
 };
 
@@ -146,54 +132,32 @@ PGAS_UPDATE_FN int64_t used_positions(const OwnerUpdateParams& p) {
   return used < 0 ? 0 : used < p.n ? used : p.n;
 }
 
-PGAS_UPDATE_HD int64_t blocks_of(int64_t positions) { return (positions + kOwnerBlock - 1) / kOwnerBlock; }
+// The positions a chunk holds for `walkers` walkers: a multiple of 32 in [32, kOwnerChunk], enough for every
+// walker to hold about one chunk (a small step's walk is a few dependent loads per id: in 256-position chunks
+// it would run on used / 256 walkers). At most max_chunks(n, walkers) chunks cover the used positions.
+PGAS_UPDATE_FN int64_t chunk_positions(int64_t used, int64_t walkers) {
+  const int64_t per_walker = (used + walkers - 1) / walkers;
+  const int64_t batches = (per_walker + 31) / 32;
+  return batches < 1 ? 32 : batches * 32 < kOwnerChunk ? batches * 32 : kOwnerChunk;
+}
+
+inline int64_t max_chunks(int64_t n, int64_t walkers) {
+  const int64_t at_largest = (n + kOwnerChunk - 1) / kOwnerChunk;
+  return at_largest > walkers ? at_largest : walkers;
+}
 
 PGAS_UPDATE_FN int64_t key_at(const OwnerUpdateParams& p, int64_t q) {
   return p.keys32 != nullptr ? static_cast<int64_t>(p.keys32[q]) : p.keys64[q];
 }
 
-// Whether sorted position q starts a run (the list's entries).
-PGAS_UPDATE_FN bool starts_run(const OwnerUpdateParams& p, int64_t q) {
-  return q == 0 || key_at(p, q - 1) != key_at(p, q);
-}
-
-// The first position in [lo, hi) whose key is past `key` (hi if none): the keys are sorted.
-PGAS_UPDATE_FN int64_t run_end(const OwnerUpdateParams& p, int64_t key, int64_t lo, int64_t hi) {
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (key_at(p, mid) <= key) lo = mid + 1; else hi = mid;
+// The table whose key range holds `key` (the last with key_base <= key).
+PGAS_UPDATE_FN int64_t table_of(const OwnerUpdateParams& p, int64_t key) {
+  int64_t lo = 0, hi = p.num_tables;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (p.tables[mid].key_base <= key) lo = mid; else hi = mid;
   }
   return lo;
-}
-
-// A bag's feature, bag in [0, F * batch) (< 2^31: checked on the host): a 32-bit division, where a 64-bit
-// one is a long subroutine on a GPU.
-PGAS_UPDATE_FN int64_t feature_of(const OwnerUpdateParams& p, int64_t bag) {
-  return static_cast<int32_t>(bag) / static_cast<int32_t>(p.config.batch);
-}
-
-// The row a run updates: table -1 where its key lies outside every table's rows.
-struct RunRow {
-  int32_t table;
-  int32_t row;  // < 2^31: checked on the host
-};
-
-// The row of `key`, its table found from the bag of the id at q (its feature's table: the table of nearly
-// every id) and otherwise by a binary search over the tables' key ranges (the last with key_base <= key).
-PGAS_UPDATE_FN RunRow run_row(const OwnerUpdateParams& p, int64_t key, int64_t q) {
-  const int64_t bag = p.bags[q];
-  int64_t t = bag >= 0 && bag < p.num_features * p.config.batch ? p.features[feature_of(p, bag)].table : -1;
-  if (t < 0 || key < p.tables[t].key_base || key - p.tables[t].key_base >= p.tables[t].rows) {
-    int64_t lo = 0, hi = p.num_tables;
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (p.tables[mid].key_base <= key) lo = mid; else hi = mid;
-    }
-    t = lo;
-  }
-  const int64_t row = key - p.tables[t].key_base;
-  if (row < 0 || row >= p.tables[t].rows) return {-1, 0};
-  return {static_cast<int32_t>(t), static_cast<int32_t>(row)};
 }
 
 // The optimizers' arithmetic per column, as FBGEMM's GPU templates take it;
@@ -226,6 +190,77 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
   return {fmaf(-h.lr, step, w), m1, m2};
 }
 
+// Lanes (a warp, or one CPU thread) play two parts in the walk below. Over a
+// row, lane l holds columns l, l + kCount, ... in arrays of kMaxColumns
+// (columns(dim) of them in use); over the sorted positions, a batch of kCount
+// positions is read lane-per-position and staged (stage: each lane's IdMeta
+// into the walker's slots, a warp's in shared memory), then the lanes read each
+// position's fields from its slot (staged: broadcast reads of 8 or 16 bytes
+// where a shuffle moves 4, and no lane holds its position's fields while the
+// batch is walked). sum adds a value over the lanes, ballot gathers a flag per lane
+// (lane i: bit i), sync orders the lanes' reads of a row's state before a
+// write. kDepth: the ids whose gradient rows (and, at a run's start, weight
+// row) are loaded before the first of them is summed.
+
+// What the walk needs of sorted position q, read lane-per-position: its row
+// (table -1: a key outside every table's rows, whose run is skipped), whether it
+// starts its row's run, and its term's source: where its gradient row starts
+// (-1: the id adds nothing: a bad bag, or a feature of another table than its
+// key's), its per-sample weight and its MEAN factor. 32 bytes, the term's
+// fields first, aligned for wide shared-memory reads of a staged slot.
+struct alignas(16) IdMeta {
+  int64_t src;
+  float weight;
+  float inv_length;
+  int32_t row;  // < 2^31: checked on the host
+  int32_t table;
+  int32_t dim;
+  bool starts;
+  bool beyond;  // its key is past every table's rows, as are all after it (sorted): nothing left to update
+};
+
+PGAS_UPDATE_FN IdMeta id_meta(const OwnerUpdateParams& p, int64_t q) {
+  const int64_t key = key_at(p, q);
+  IdMeta m{-1, 0.f, 0.f, 0, -1, 0, q == 0 || key_at(p, q - 1) != key, false};
+  const int64_t t = table_of(p, key);
+  const int64_t row = key - p.tables[t].key_base;
+  m.beyond = t == p.num_tables - 1 && row >= p.tables[t].rows;
+  if (row < 0 || row >= p.tables[t].rows) return m;
+  m.table = static_cast<int32_t>(t);
+  m.row = static_cast<int32_t>(row);
+  m.dim = static_cast<int32_t>(p.tables[t].dim);
+  const int64_t bag = p.bags[q];
+  if (bag < 0 || bag >= p.num_features * p.config.batch) return m;
+  const int64_t f = bag / p.config.batch;
+  if (p.features[f].table != t) return m;
+  const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
+  m.src = (bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col;
+  m.weight = p.config.weighted ? p.psw[q] : 1.f;
+  m.inv_length = length > 1 ? static_cast<float>(1.0 / static_cast<double>(length)) : 1.f;
+  return m;
+}
+
+// Asks L2 for the `bytes` from `row` (the 128-byte lines that hold them); nothing on the CPU. A hint: it reads
+// no value and holds no register, and the walk gives it only rows it has bounds-checked.
+PGAS_UPDATE_FN void prefetch_l2(const void* row, int64_t bytes) {
+#if defined(__CUDA_ARCH__)
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{127};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = first; line < end; line += 128) asm volatile("prefetch.L2 [%0];" ::"l"(line));
+#else
+  (void)row;
+  (void)bytes;
+#endif
+}
+
+// The gradient row one position of a batch will be read for, asked of L2 as the batch starts: the walk then
+// loads rows kDepth ids at a time, so without it a walker has only those kDepth rows in flight from DRAM. The
+// weight and optimizer-state rows are not asked for: each is read once per run, by the run's first ids.
+template <typename grad_t>
+PGAS_UPDATE_FN void prefetch_grad_row(const OwnerUpdateParams& p, const IdMeta& m) {
+  if (m.src >= 0) prefetch_l2(static_cast<const grad_t*>(p.grad) + m.src, m.dim * int64_t{sizeof(grad_t)});
+}
+
 // a * b rounded to fp32 on its own: never contracted into a following add.
 PGAS_UPDATE_FN float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -243,350 +278,323 @@ PGAS_UPDATE_FN void add_compensated(float& sum, float& carry, float term) {
   sum = t;
 }
 
-// The column lane `lane` of a kLanes-lane group holds as its j-th: four adjacent columns a lane, the group's
-// 4 * kLanes columns, then the next 4 * kLanes (one lane: column j).
-template <int kLanes>
-PGAS_UPDATE_FN int column_of(int lane, int j) {
-  return (j >> 2) * 4 * kLanes + 4 * lane + (j & 3);
-}
-
-// Elements [d, d + 4) of a row as fp32, those below dim (zeros past it): one 4-element load where `vector`
-// (d + 4 <= dim, the row aligned), else one element at a time. The same values either way.
-template <typename T>
-PGAS_UPDATE_FN void load4(const T* row, int d, int dim, bool vector, float* out) {
-#if defined(__CUDA_ARCH__)
-  if (vector && d < dim) {
-    if constexpr (sizeof(T) == 4) {
-      const float4 v = *reinterpret_cast<const float4*>(row + d);
-      out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2*>(row + d);
-      const T* e = reinterpret_cast<const T*>(&v);
-      PGAS_UNROLL
-      for (int k = 0; k < 4; ++k) out[k] = static_cast<float>(e[k]);
-    }
-    return;
-  }
-#else
-  (void)vector;
-#endif
-  PGAS_UNROLL
-  for (int k = 0; k < 4; ++k) out[k] = d + k < dim ? static_cast<float>(row[d + k]) : 0.f;
-}
-
-// Elements [d, d + 4) of a row, those below dim, rounded to T (to nearest).
-template <typename T>
-PGAS_UPDATE_FN void store4(T* row, int d, int dim, bool vector, const float* in) {
-#if defined(__CUDA_ARCH__)
-  if (vector && d < dim) {
-    if constexpr (sizeof(T) == 4) {
-      *reinterpret_cast<float4*>(row + d) = make_float4(in[0], in[1], in[2], in[3]);
-    } else {
-      uint2 v;
-      T* e = reinterpret_cast<T*>(&v);
-      PGAS_UNROLL
-      for (int k = 0; k < 4; ++k) e[k] = static_cast<T>(in[k]);
-      *reinterpret_cast<uint2*>(row + d) = v;
-    }
-    return;
-  }
-#else
-  (void)vector;
-#endif
-  PGAS_UNROLL
-  for (int k = 0; k < 4; ++k) {
-    if (d + k < dim) row[d + k] = static_cast<T>(in[k]);
-  }
-}
-
-// What a sorted id adds to its run: where its gradient row starts (-1: nothing: a bad bag, or a feature of
-// another table than the run's), its per-sample weight and its MEAN factor.
-struct IdTerm {
-  int64_t src;
-  float weight;
-  float inv_length;
+// A row's weights (the lane's columns) and row-wise momentum as they were
+// before the update: loaded with the gradient rows of its run's first ids.
+template <int kMaxColumns>
+struct RowBefore {
+  float w[kMaxColumns];
+  float momentum;  // row-wise Adagrad's; else 0
 };
 
-PGAS_UPDATE_FN IdTerm id_term(const OwnerUpdateParams& p, int64_t q, int32_t table) {
-  const int64_t bag = p.bags[q];
-  if (bag < 0 || bag >= p.num_features * p.config.batch) return {-1, 0.f, 0.f};
-  const int64_t f = feature_of(p, bag);
-  if (p.features[f].table != table) return {-1, 0.f, 0.f};
-  const int64_t length = p.config.mean ? p.offsets[bag + 1] - p.offsets[bag] : 1;
-  return {(bag - f * p.config.batch) * p.grad_row_stride + p.features[f].grad_col,
-          p.config.weighted ? p.psw[q] : 1.f,
-          length > 1 ? static_cast<float>(1.0 / static_cast<double>(length)) : 1.f};
-}
-
-// A run being summed: its row, and each of the lane's columns' compensated sum.
-template <int kColumns>
-struct RunSum {
-  RunRow at;
-  int dim;
+// The run being summed: its row, its summed gradient so far and its row's state.
+template <int kMaxColumns>
+struct OpenRun {
+  int32_t table;  // -1: none open, or a key outside the tables (nothing to update)
   bool added;  // an id of the run added its term: a run of skipped ids only (corrupt) changes nothing
-  float g[kColumns];
-  float carry[kColumns];
+  int64_t row;
+  float g[kMaxColumns];
+  float carry[kMaxColumns];
+  RowBefore<kMaxColumns> before;
 };
 
-template <typename Group>
-PGAS_UPDATE_FN RunSum<Group::kColumns> empty_sum(const OwnerUpdateParams& p, RunRow at, Group group) {
-  RunSum<Group::kColumns> s;
-  s.at = at;
-  s.dim = static_cast<int>(p.tables[at.table].dim);
-  s.added = false;
+// One optimizer step of `row` of `table` with its summed gradient g.
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void update_row(const OwnerTable& table, int64_t row, const OwnerHyper& h,
+                               const OwnerUpdateConfig& config, Lanes lanes, const float* g,
+                               const RowBefore<Lanes::kMaxColumns>& before) {
+  const int dim = static_cast<int>(table.dim);
+  weight_t* w = static_cast<weight_t*>(table.weights) + row * dim;
+  RowStep step{h.lr, 1.f};  // SGD
+  if (kOptimizer == Optimizer::kRowwiseAdagrad) {
+    float squares = 0.f;
+    PGAS_UNROLL
+    for (int j = 0; j < lanes.columns(dim); ++j) {
+      const int d = lanes.lane + j * Lanes::kCount;
+      const float gd = d < dim ? adagrad_decayed(g[j], before.w[j], h, config.weight_decay_mode) : 0.f;
+      squares = fmaf(gd, gd, squares);
+    }
+    const float m = before.momentum + lanes.sum(squares) / static_cast<float>(dim);
+    lanes.sync();  // every lane has read the old momentum
+    if (lanes.lane == 0) table.momentum1[row] = m;
+    step = adagrad_row_step(m, h, config.weight_decay_mode);
+  }
+  float* m1 = kOptimizer == Optimizer::kAdam ? table.momentum1 + row * dim : nullptr;
+  float* m2 = kOptimizer == Optimizer::kAdam ? table.momentum2 + row * dim : nullptr;
   PGAS_UNROLL
-  for (int j = 0; j < group.columns(s.dim); ++j) s.g[j] = s.carry[j] = 0.f;
-  return s;
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    if (d >= dim) continue;
+    if (m1 == nullptr) {
+      w[d] = static_cast<weight_t>(fmaf(-step.multiplier, g[j], step.correction * before.w[j]));
+      continue;
+    }
+    const AdamColumn c = adam_column(before.w[j], g[j], m1[d], m2[d], h);
+    w[d] = static_cast<weight_t>(c.w);
+    m1[d] = c.m1;
+    m2[d] = c.m2;
+  }
 }
 
-// One id's gradient row (the lane's columns), as FBGEMM's GPU backward forms its term: a MEAN bag's gradient
-// times 1/length rounded to the gradient's dtype, then times the per-sample weight.
-template <typename Group, typename grad_t>
-PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, const IdTerm& id, int dim, bool vector, Group group,
-                              float* term) {
-  const grad_t* row = static_cast<const grad_t*>(p.grad) + id.src;
+// One id's gradient row (the lane's columns), as FBGEMM's GPU backward forms
+// its term: a MEAN bag's gradient times 1/length rounded to the gradient's
+// dtype, then times the per-sample weight; zeros where the id adds nothing.
+template <typename Lanes, typename grad_t>
+PGAS_UPDATE_FN void load_term(const OwnerUpdateParams& p, int64_t src, int dim, float weight, float inv_length,
+                              Lanes lanes, float* term) {
+  const grad_t* grad = static_cast<const grad_t*>(p.grad);
   PGAS_UNROLL
-  for (int j = 0; j < group.columns(dim); j += 4) load4(row, column_of<Group::kLanes>(group.lane, j), dim, vector,
-                                                        term + j);
-  PGAS_UNROLL
-  for (int j = 0; j < group.columns(dim); ++j) {
-    float s = term[j];
-    if (p.config.mean) s = static_cast<float>(static_cast<grad_t>(mul_rn(s, id.inv_length)));
-    if (p.config.weighted) s = mul_rn(s, id.weight);
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    float s = src >= 0 && d < dim ? static_cast<float>(grad[src + d]) : 0.f;
+    if (p.config.mean) s = static_cast<float>(static_cast<grad_t>(mul_rn(s, inv_length)));
+    if (p.config.weighted) s = mul_rn(s, weight);
     term[j] = s;
   }
 }
 
-// Adds one id's term to the run's sums (every lane holds the id's fields).
-template <typename Group, typename grad_t>
-PGAS_UPDATE_FN void add_id(const OwnerUpdateParams& p, const IdTerm& id, bool vector, Group group,
-                           RunSum<Group::kColumns>& s) {
-  if (id.src < 0) return;
-  float term[Group::kColumns];
-  load_term<Group, grad_t>(p, id, s.dim, vector, group, term);
-  s.added = true;
+// A run's first id: its row's state before the update (the lane's columns).
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void load_before(const OwnerUpdateParams& p, int32_t table, int64_t row, Lanes lanes,
+                                RowBefore<Lanes::kMaxColumns>& before) {
+  const OwnerTable& t = p.tables[table < 0 ? 0 : table];
+  const int dim = table < 0 ? 0 : static_cast<int>(t.dim);
+  const weight_t* w = static_cast<const weight_t*>(t.weights) + row * dim;
   PGAS_UNROLL
-  for (int j = 0; j < group.columns(s.dim); ++j) add_compensated(s.g[j], s.carry[j], term[j]);
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    before.w[j] = d < dim ? static_cast<float>(w[d]) : 0.f;
+  }
+  before.momentum =
+      table >= 0 && kOptimizer == Optimizer::kRowwiseAdagrad ? t.momentum1[row] : 0.f;
 }
 
-// Adds the terms of positions [lo, hi) of one run, in sorted order: `first` (src -2: none) is position lo's,
-// already read; then per kLanes positions their fields one a lane, broadcast through the group, kDepth ids'
-// gradient rows loaded before the first of them is summed.
-template <typename Group, typename grad_t>
-PGAS_UPDATE_FN void sum_ids(const OwnerUpdateParams& p, int64_t lo, int64_t hi, const IdTerm& first, Group group,
-                            RunSum<Group::kColumns>& s) {
-  constexpr int kDepth = Group::kDepth, kColumns = Group::kColumns;
-  const bool vector = p.grad_vectors && p.tables[s.at.table].vectors != 0;
-  if (first.src != -2 && lo < hi) {
-    add_id<Group, grad_t>(p, first, vector, group, s);
-    ++lo;
+// Applies the open run, if any.
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, const OpenRun<Lanes::kMaxColumns>& run,
+                              Lanes lanes) {
+  if (run.table >= 0 && run.added) {
+    update_row<Lanes, weight_t, kOptimizer>(p.tables[run.table], run.row, h, p.config, lanes, run.g, run.before);
   }
-  for (int64_t q0 = lo; q0 < hi; q0 += Group::kLanes) {
-    const int64_t q = q0 + group.lane;
-    const IdTerm mine = q < hi ? id_term(p, q, s.at.table) : IdTerm{-1, 0.f, 0.f};
-    const int count = hi - q0 < Group::kLanes ? static_cast<int>(hi - q0) : Group::kLanes;
+}
+
+// A chunk's partial: the run's column sums and carries as the lane holds them, and whether an id added a term.
+template <typename Lanes>
+PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t chunk, int dim, const float* g,
+                                  const float* carry, bool added, Lanes lanes) {
+  float* out = p.partials + chunk * p.partial_stride;
+  const int64_t cols = (p.partial_stride - 1) / 2;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    if (d < dim) {
+      out[d] = g[j];
+      out[cols + d] = carry[j];
+    }
+  }
+  if (lanes.lane == 0) out[2 * cols] = added ? 1.f : 0.f;
+}
+
+// Adds a chunk's partial to a run's compensated sum: its sum, then its carry taken back.
+template <typename Lanes>
+PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t chunk, int dim, float* g, float* carry,
+                                bool& added, Lanes lanes) {
+  const float* in = p.partials + chunk * p.partial_stride;
+  const int64_t cols = (p.partial_stride - 1) / 2;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) {
+    const int d = lanes.lane + j * Lanes::kCount;
+    if (d < dim) {
+      add_compensated(g[j], carry[j], in[d]);
+      add_compensated(g[j], carry[j], -in[cols + d]);
+    }
+  }
+  added = added || in[2 * cols] != 0.f;
+}
+
+// Adds the terms of positions [lo, hi), all of one run (of a table `dim` wide), in sorted order: per batch of
+// kCount positions their fields lane-per-position, then kDepth ids' gradient rows in flight at a time.
+template <typename Lanes, typename grad_t>
+PGAS_UPDATE_FN void sum_terms(const OwnerUpdateParams& p, int64_t lo, int64_t hi, int dim, Lanes lanes, float* g,
+                              float* carry, bool& added) {
+  constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
+  for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
+    const int64_t q = q0 + lanes.lane;
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, false, false};
+    prefetch_grad_row<grad_t>(p, mine);
+    lanes.stage(mine);
+    const int count = hi - q0 < Lanes::kCount ? static_cast<int>(hi - q0) : Lanes::kCount;
     for (int i0 = 0; i0 < count; i0 += kDepth) {
       float term[kDepth][kColumns];
       bool adds[kDepth];
       PGAS_UNROLL
-      for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
-        const IdTerm id = group.broadcast(mine, i0 + k < count ? i0 + k : count - 1, p.config);
+      for (int k = 0; k < kDepth; ++k) {  // loads only
+        const int i = i0 + k < count ? i0 + k : count - 1;
+        const IdMeta id = lanes.staged(i);
         adds[k] = i0 + k < count && id.src >= 0;
-        if (adds[k]) load_term<Group, grad_t>(p, id, s.dim, vector, group, term[k]);
+        load_term<Lanes, grad_t>(p, adds[k] ? id.src : -1, dim, id.weight, id.inv_length, lanes, term[k]);
       }
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {
         if (!adds[k]) continue;
-        s.added = true;
+        added = true;
         PGAS_UNROLL
-        for (int j = 0; j < group.columns(s.dim); ++j) add_compensated(s.g[j], s.carry[j], term[k][j]);
+        for (int j = 0; j < lanes.columns(dim); ++j) add_compensated(g[j], carry[j], term[k][j]);
       }
     }
   }
 }
 
-// A row's weights (the lane's columns) and row-wise momentum before the update, loaded as its run starts.
-template <int kColumns>
-struct RowBefore {
-  float w[kColumns];
-  float momentum;  // row-wise Adagrad's; else 0
-};
-
-template <typename Group, typename weight_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN RowBefore<Group::kColumns> load_before(const OwnerUpdateParams& p, RunRow at, Group group) {
-  const OwnerTable& t = p.tables[at.table];
-  const int dim = static_cast<int>(t.dim);
-  const weight_t* w = static_cast<const weight_t*>(t.weights) + static_cast<int64_t>(at.row) * dim;
-  RowBefore<Group::kColumns> before;
-  PGAS_UNROLL
-  for (int j = 0; j < group.columns(dim); j += 4) {
-    load4(w, column_of<Group::kLanes>(group.lane, j), dim, t.vectors != 0, before.w + j);
-  }
-  before.momentum = kOptimizer == Optimizer::kRowwiseAdagrad ? t.momentum1[at.row] : 0.f;
-  return before;
+// Whether `key` lies past every table's rows (a captured step's padding sorts there).
+PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
+  const OwnerTable& last = p.tables[p.num_tables - 1];
+  return key >= last.key_base + last.rows;
 }
 
-// One optimizer step of the run's row with its summed gradient (each column's compensated sum).
-template <typename Group, typename weight_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void update_row(const OwnerUpdateParams& p, const RunSum<Group::kColumns>& s,
-                               const RowBefore<Group::kColumns>& before, Group group) {
-  constexpr int kColumns = Group::kColumns;
-  const OwnerHyper h = *p.hyper;  // read per row: held across the runs, its eight words would cost occupancy
-  const OwnerTable& table = p.tables[s.at.table];
-  const int dim = s.dim;
-  const bool vector = table.vectors != 0;
-  const int64_t at = static_cast<int64_t>(s.at.row) * dim;
-  float g[kColumns];
-  PGAS_UNROLL
-  for (int j = 0; j < group.columns(dim); ++j) g[j] = s.g[j];
-  RowStep step{h.lr, 1.f};  // SGD
-  const WeightDecay mode = p.config.weight_decay_mode;
-  if (kOptimizer == Optimizer::kRowwiseAdagrad) {
-    float squares = 0.f;
-    PGAS_UNROLL
-    for (int j = 0; j < group.columns(dim); ++j) {
-      const float gd = column_of<Group::kLanes>(group.lane, j) < dim ? adagrad_decayed(g[j], before.w[j], h, mode)
-                                                                     : 0.f;
-      squares = fmaf(gd, gd, squares);
-    }
-    const float m = before.momentum + group.sum(squares) / static_cast<float>(dim);
-    group.sync();  // every lane has read the old momentum
-    if (group.lane == 0) table.momentum1[s.at.row] = m;
-    step = adagrad_row_step(m, h, mode);
-  }
-  float out[kColumns];
-  if (kOptimizer != Optimizer::kAdam) {
-    PGAS_UNROLL
-    for (int j = 0; j < group.columns(dim); ++j) out[j] = fmaf(-step.multiplier, g[j], step.correction * before.w[j]);
-  } else {
-    PGAS_UNROLL
-    for (int j = 0; j < group.columns(dim); j += 4) {
-      const int d = column_of<Group::kLanes>(group.lane, j);
-      float m1[4], m2[4];
-      load4(table.momentum1 + at, d, dim, vector, m1);
-      load4(table.momentum2 + at, d, dim, vector, m2);
-      PGAS_UNROLL
-      for (int k = 0; k < 4; ++k) {
-        const AdamColumn c = adam_column(before.w[j + k], g[j + k], m1[k], m2[k], h);
-        out[j + k] = c.w, m1[k] = c.m1, m2[k] = c.m2;
-      }
-      store4(table.momentum1 + at, d, dim, vector, m1);
-      store4(table.momentum2 + at, d, dim, vector, m2);
-    }
-  }
-  weight_t* w = static_cast<weight_t*>(table.weights) + at;
-  PGAS_UNROLL
-  for (int j = 0; j < group.columns(dim); j += 4) store4(w, column_of<Group::kLanes>(group.lane, j), dim, vector,
-                                                         out + j);
-}
-
-// A piece's partial, slot 2 * block + side: its column sums and carries as the lane holds them, and whether
-// an id added a term.
-template <typename Group>
-PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t slot, const RunSum<Group::kColumns>& s,
-                                  Group group) {
-  float* out = p.partials + slot * p.partial_stride;
-  const int64_t cols = (p.partial_stride - 1) / 2;
-  PGAS_UNROLL
-  for (int j = 0; j < group.columns(s.dim); ++j) {
-    const int d = column_of<Group::kLanes>(group.lane, j);
-    if (d < s.dim) {
-      out[d] = s.g[j];
-      out[cols + d] = s.carry[j];
-    }
-  }
-  if (group.lane == 0) out[2 * cols] = s.added ? 1.f : 0.f;
-}
-
-// Adds a piece's partial to a run's compensated sum: its sum, then its carry taken back.
-template <typename Group>
-PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t slot, RunSum<Group::kColumns>& s, Group group) {
-  const float* in = p.partials + slot * p.partial_stride;
-  const int64_t cols = (p.partial_stride - 1) / 2;
-  PGAS_UNROLL
-  for (int j = 0; j < group.columns(s.dim); ++j) {
-    const int d = column_of<Group::kLanes>(group.lane, j);
-    if (d < s.dim) {
-      add_compensated(s.g[j], s.carry[j], in[d]);
-      add_compensated(s.g[j], s.carry[j], -in[cols + d]);
-    }
-  }
-  s.added = s.added || in[2 * cols] != 0.f;
-}
-
-// What a run's group needs of it, read for a batch of runs one a lane (run_meta) and staged: its positions
-// [lo, hi), its row (table -1: skipped) and its first id's term.
-struct alignas(16) RunMeta {
-  IdTerm first;
-  int32_t lo, hi;  // < 2^31: checked on the host
-  RunRow at;
-};
-
-PGAS_UPDATE_FN RunMeta run_meta(const OwnerUpdateParams& p, int64_t r) {
-  RunMeta m{{-1, 0.f, 0.f}, p.run_begin[r], p.run_begin[r + 1], {-1, 0}};
-  if (m.lo >= m.hi) return m;
-  m.at = run_row(p, key_at(p, m.lo), m.lo);
-  if (m.at.table >= 0) m.first = id_term(p, m.lo, m.at.table);
-  return m;
-}
-
-// Phase 1, a run of the list: inside one block, summed and applied (its row's state loaded as it starts);
-// crossing blocks, its first piece (to its block's end) summed into slot 1 of that block.
-template <typename Group, typename weight_t, typename grad_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void sum_run(const OwnerUpdateParams& p, const RunMeta& m, Group group) {
-  if (m.at.table < 0) return;
-  RunSum<Group::kColumns> s = empty_sum(p, m.at, group);
-  const int64_t block = m.lo / kOwnerBlock, block_end = (block + 1) * kOwnerBlock;
-  if (m.hi > block_end) {
-    sum_ids<Group, grad_t>(p, m.lo, block_end, m.first, group, s);
-    return store_partial(p, 2 * block + 1, s, group);
-  }
-  const RowBefore<Group::kColumns> before = load_before<Group, weight_t, kOptimizer>(p, m.at, group);
-  sum_ids<Group, grad_t>(p, m.lo, m.hi, m.first, group, s);
-  if (s.added) update_row<Group, weight_t, kOptimizer>(p, s, before, group);
-}
-
-// Phase 1, block k's head piece: where a run enters the block from an earlier one, its positions in the block,
-// summed into slot 0 of the block.
-template <typename Group, typename grad_t>
-PGAS_UPDATE_FN void sum_block_head(const OwnerUpdateParams& p, int64_t k, int64_t used, Group group) {
-  const int64_t lo = k * kOwnerBlock;
-  if (lo == 0 || lo >= used || starts_run(p, lo)) return;
+// A chunk where no run starts, inside one long run (not one of keys past the tables or before them): summed
+// whole into the chunk's partial, which phase 2 adds to the run's.
+template <typename Lanes, typename grad_t>
+PGAS_UPDATE_FN void sum_interior_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t lo, int64_t hi,
+                                       Lanes lanes) {
   const int64_t key = key_at(p, lo);
-  const RunRow at = run_row(p, key, lo);
-  if (at.table < 0) return;
-  RunSum<Group::kColumns> s = empty_sum(p, at, group);
-  const int64_t hi = run_end(p, key, lo, lo + kOwnerBlock < used ? lo + kOwnerBlock : used);
-  sum_ids<Group, grad_t>(p, lo, hi, IdTerm{-2, 0.f, 0.f}, group, s);
-  store_partial(p, 2 * k, s, group);
+  if (key < 0 || past_tables(p, key)) return;
+  const int dim = static_cast<int>(p.tables[table_of(p, key)].dim);
+  float g[Lanes::kMaxColumns], carry[Lanes::kMaxColumns];
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) g[j] = carry[j] = 0.f;
+  bool added = false;
+  sum_terms<Lanes, grad_t>(p, lo, hi, dim, lanes, g, carry, added);
+  store_partial(p, chunk, dim, g, carry, added, lanes);
 }
 
-// Phase 2, block k: where a run starts in the block and leaves it, its first piece's partial, then the head
-// pieces' of the blocks it reaches, in block order; then its row's one update.
-template <typename Group, typename weight_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void combine_run(const OwnerUpdateParams& p, int64_t k, int64_t used, Group group) {
-  const int64_t lo = k * kOwnerBlock, last = lo + kOwnerBlock - 1;
-  if (last + 1 >= used) return;
-  const int64_t key = key_at(p, last);
-  if (key_at(p, last + 1) != key || (lo > 0 && key_at(p, lo - 1) == key)) return;  // ends here, or entered
-  const RunRow at = run_row(p, key, last);
-  if (at.table < 0) return;  // a key outside the tables: no piece was stored
-  const RowBefore<Group::kColumns> before = load_before<Group, weight_t, kOptimizer>(p, at, group);
-  RunSum<Group::kColumns> s = empty_sum(p, at, group);
-  add_partial(p, 2 * k + 1, s, group);
-  const int64_t last_block = (run_end(p, key, last + 1, used) - 1) / kOwnerBlock;
-  for (int64_t b = k + 1; b <= last_block; ++b) add_partial(p, 2 * b, s, group);
-  if (s.added) update_row<Group, weight_t, kOptimizer>(p, s, before, group);
+// Phase 1 for chunk `chunk` of sorted positions, [lo, hi) = [chunk * size, min((chunk + 1) * size, used)):
+// every run that starts in it, in sorted order, summed over its ids and applied when the next run starts; the
+// last one stored as the chunk's partial instead where it runs on past hi. Positions before the chunk's first
+// run start belong to an earlier chunk's run: skipped. Per batch of kCount positions: the fields
+// lane-per-position (id_meta); then, kDepth ids at a time, their gradient rows and their runs' weight rows are
+// loaded before the first is summed, so a walker keeps kDepth rows in flight. Every branch is uniform over
+// the lanes (all of them walk the same id), so they stay converged. Keys past every table's rows sort last and
+// end every walk.
+template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
+  constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
+  const int64_t lo = chunk * size, hi = lo + size < used ? lo + size : used;
+  if (lo >= hi) return;
+  if (lo > 0 && key_at(p, lo - 1) == key_at(p, hi - 1)) {  // no run starts here
+    return sum_interior_chunk<Lanes, grad_t>(p, chunk, lo, hi, lanes);
+  }
+  const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
+  OpenRun<kColumns> run;
+  run.table = -1;
+  run.added = false;
+  run.row = 0;
+  bool opened = false;  // a run of this chunk has started
+  for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
+    const int64_t q = q0 + lanes.lane;
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, true, true};
+    prefetch_grad_row<grad_t>(p, mine);
+    lanes.stage(mine);
+    // The batch ends at hi or at the first key past every table (the padding of a captured step's fixed
+    // capacity: never walked).
+    const unsigned past = lanes.ballot(mine.starts && mine.beyond);
+    const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
+    const unsigned starts = lanes.ballot(mine.starts);
+    // The batch's live positions (bit i: position q0 + i): those before its end in a run of this chunk, one
+    // opened in an earlier batch or at the batch's first start or after it; and the live ones that open a run.
+    const unsigned before_end = end == Lanes::kCount ? ~0u : (1u << end) - 1u;
+    const unsigned live = before_end & (opened ? ~0u : starts == 0 ? 0u : ~0u << lanes.first(starts));
+    const unsigned opening = live & starts;
+    for (int i0 = 0; i0 < end; i0 += kDepth) {
+      float term[kDepth][kColumns];
+      RowBefore<kColumns> before[kDepth];
+      int32_t tables[kDepth], dims[kDepth], rows[kDepth];
+      bool adds[kDepth], opens[kDepth];
+      PGAS_UNROLL
+      for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
+        const int i = i0 + k < end ? i0 + k : end - 1;
+        const bool is_live = i0 + k < end && ((live >> i) & 1u) != 0;
+        opens[k] = i0 + k < end && ((opening >> i) & 1u) != 0;
+        const IdMeta id = lanes.staged(i);
+        tables[k] = id.table;
+        dims[k] = id.dim;
+        rows[k] = id.row;
+        adds[k] = is_live && id.src >= 0;
+        load_term<Lanes, grad_t>(p, adds[k] ? id.src : -1, dims[k], id.weight, id.inv_length, lanes, term[k]);
+        if (opens[k]) load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, before[k]);
+      }
+      PGAS_UNROLL
+      for (int k = 0; k < kDepth; ++k) {  // the sums, in sorted order
+        if (opens[k]) {
+          close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
+          run.table = tables[k];
+          run.added = false;
+          run.row = rows[k];
+          run.before = before[k];
+          PGAS_UNROLL
+          for (int j = 0; j < lanes.columns(dims[k]); ++j) run.g[j] = run.carry[j] = 0.f;
+          opened = true;
+        }
+        if (adds[k]) {
+          run.added = true;
+          PGAS_UNROLL
+          for (int j = 0; j < lanes.columns(dims[k]); ++j) add_compensated(run.g[j], run.carry[j], term[k][j]);
+        }
+      }
+    }
+    if (end < Lanes::kCount) return close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);  // the padding
+  }
+  const bool crosses = hi < used && run.table >= 0 && key_at(p, hi) == key_at(p, hi - 1);
+  if (crosses) {
+    store_partial(p, chunk, static_cast<int>(p.tables[run.table].dim), run.g, run.carry, run.added, lanes);
+  } else {
+    close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
+  }
 }
 
-// The GPU update (owner_update.cu): the run list and both phases on `stream`, for tables up to `max_dim` wide,
-// its scratch (the run list, the partials) from `scratch(bytes)` (the host's: the stream's caching allocator,
-// a capture's graph pool). Raw pointers only: the kernel file includes no tensor header.
+// The first position in [lo, hi) whose key is past `key` (hi if none): the keys are sorted.
+PGAS_UPDATE_FN int64_t run_end(const OwnerUpdateParams& p, int64_t key, int64_t lo, int64_t hi) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (key_at(p, mid) <= key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Phase 2 for chunk `chunk`: where a run starts in it and crosses its end, the run's sum is its partial, then
+// the partials of the chunks it covers whole (in chunk order), then the terms of its tail (the positions of its
+// last chunk before that chunk's first run start); then the row's one update.
+template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
+  const int64_t lo = chunk * size, hi = lo + size;
+  if (hi >= used) return;
+  const int64_t key = key_at(p, hi - 1);
+  if (key_at(p, hi) != key || (lo > 0 && key_at(p, lo - 1) == key)) return;  // ends here, or starts before
+  const IdMeta last = id_meta(p, hi - 1);
+  if (last.table < 0) return;  // a key outside the tables: nothing was stored
+  const OwnerTable& table = p.tables[last.table];
+  const int dim = static_cast<int>(table.dim);
+  OpenRun<Lanes::kMaxColumns> run;
+  run.added = false;
+  PGAS_UNROLL
+  for (int j = 0; j < lanes.columns(dim); ++j) run.g[j] = run.carry[j] = 0.f;
+  add_partial(p, chunk, dim, run.g, run.carry, run.added, lanes);
+  const int64_t end = run_end(p, key, hi, used);
+  const int64_t whole_end = end == used ? (used + size - 1) / size : end / size;  // past the chunks it covers
+  for (int64_t c = chunk + 1; c < whole_end; ++c) add_partial(p, c, dim, run.g, run.carry, run.added, lanes);
+  const int64_t tail = whole_end * size < hi ? hi : whole_end * size;
+  if (tail < end) sum_terms<Lanes, grad_t>(p, tail, end, dim, lanes, run.g, run.carry, run.added);
+  if (!run.added) return;
+  load_before<Lanes, weight_t, kOptimizer>(p, last.table, last.row, lanes, run.before);
+  update_row<Lanes, weight_t, kOptimizer>(table, last.row, *p.hyper, p.config, lanes, run.g, run.before);
+}
+
+// The GPU update (owner_update.cu): both phases on `stream`, for tables up to `max_dim` wide, the partials in
+// the floats that `alloc_partials(count)` allocates (the host's: the stream's caching allocator, a capture's graph
+// pool). Raw pointers only: the kernel file includes no tensor header.
 void launch_owner_update(OwnerUpdateParams p, c10::ScalarType grad, c10::ScalarType weights, int64_t max_dim,
-                         const std::function<void*(size_t)>& scratch, cudaStream_t stream);
+                         const std::function<float*(int64_t)>& alloc_partials, cudaStream_t stream);
 
 // Calls fn(weight_t{}, grad_t{}, optimizer) for the update's weight and gradient dtypes and its optimizer (an
-// std::integral_constant: each optimizer's phases are kernels of their own, without the others' branches).
+// std::integral_constant: each optimizer's walk is its own kernel, without the others' branches).
 template <typename Fn>
 void dispatch_owner_update(c10::ScalarType grad, c10::ScalarType weights, Optimizer optimizer, Fn&& fn) {
   PGAS_CHECK(weights == c10::kFloat || weights == c10::kHalf, "owner_update: weights are %s, not fp32 or fp16",

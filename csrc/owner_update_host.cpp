@@ -59,11 +59,6 @@ float* checked_state(at::TensorList states, size_t t, const char* name, int64_t 
   return s.data_ptr<float>();
 }
 
-// Whether `at` starts a 4-element vector of `element_bytes` elements.
-bool on_vectors(const void* at, int64_t element_bytes) {
-  return reinterpret_cast<uintptr_t>(at) % static_cast<uintptr_t>(4 * element_bytes) == 0;
-}
-
 // The tables' views, checked against what the optimizer updates; key bases are the running sum of the rows.
 std::vector<OwnerTable> checked_tables(at::TensorList weights, at::TensorList momentum1, at::TensorList momentum2,
                                        const OwnerUpdateConfig& c, const at::Device& device) {
@@ -78,24 +73,20 @@ std::vector<OwnerTable> checked_tables(at::TensorList weights, at::TensorList mo
                t, static_cast<long long>(w.size(1)), kOwnerMaxDim);
     PGAS_CHECK(w.size(0) < (int64_t{1} << 31), "owner_update: table %zu has %lld rows, more than int32 row numbers",
                t, static_cast<long long>(w.size(0)));
-    OwnerTable table{w.data_ptr(), nullptr, nullptr, key_base, w.size(0), w.size(1), 0};
-    bool aligned = w.size(1) % 4 == 0 && on_vectors(w.data_ptr(), w.element_size());
+    OwnerTable table{w.data_ptr(), nullptr, nullptr, key_base, w.size(0), w.size(1)};
     if (c.optimizer == Optimizer::kRowwiseAdagrad) {
       table.momentum1 = checked_state(momentum1, t, "momentum1", w.size(0), w);
     } else if (c.optimizer == Optimizer::kAdam) {
       table.momentum1 = checked_state(momentum1, t, "momentum1", w.numel(), w);
       table.momentum2 = checked_state(momentum2, t, "momentum2", w.numel(), w);
-      aligned = aligned && on_vectors(table.momentum1, 4) && on_vectors(table.momentum2, 4);
     }
-    table.vectors = aligned ? 1 : 0;
     tables.push_back(table);
     key_base += w.size(0);
   }
   return tables;
 }
 
-// Checks the feature descriptors; returns whether every feature's gradient columns start on a 4-element boundary.
-bool check_features(const at::Tensor& features, const std::vector<OwnerTable>& tables, int64_t grad_cols) {
+void check_features(const at::Tensor& features, const std::vector<OwnerTable>& tables, int64_t grad_cols) {
   constexpr int64_t kWords = sizeof(OwnerFeatureDesc) / 8;
   PGAS_CHECK(features.device().is_cpu() && features.scalar_type() == at::kLong && features.dim() == 2 &&
                  features.size(1) == kWords && features.is_contiguous(),
@@ -103,7 +94,6 @@ bool check_features(const at::Tensor& features, const std::vector<OwnerTable>& t
              static_cast<long long>(kWords));
   const auto* f = reinterpret_cast<const OwnerFeatureDesc*>(features.data_ptr<int64_t>());
   const auto num_tables = static_cast<int64_t>(tables.size());
-  bool aligned = true;
   for (int64_t i = 0; i < features.size(0); ++i) {
     PGAS_CHECK(f[i].table >= 0 && f[i].table < num_tables, "owner_update: feature %lld names table %lld of %lld",
                static_cast<long long>(i), static_cast<long long>(f[i].table), static_cast<long long>(num_tables));
@@ -111,9 +101,7 @@ bool check_features(const at::Tensor& features, const std::vector<OwnerTable>& t
                "owner_update: feature %lld's columns [%lld, +%lld) exceed the gradient's %lld",
                static_cast<long long>(i), static_cast<long long>(f[i].grad_col),
                static_cast<long long>(tables[f[i].table].dim), static_cast<long long>(grad_cols));
-    aligned = aligned && f[i].grad_col % 4 == 0;
   }
-  return aligned;
 }
 
 // A descriptor table on `device`, one copy per distinct content, kept for the process: a TBE's tables and
@@ -141,46 +129,42 @@ at::Tensor device_copy(const at::Tensor& host, const at::Device& device) {
   return copy;
 }
 
-// The CPU path's group: one lane holding every column (column j is j), one id's row in flight.
-struct HostGroup {
-  static constexpr int kLanes = 1;
-  static constexpr int kColumns = kOwnerMaxDim;
+struct HostLanes {
+  static constexpr int kCount = 1;
+  static constexpr int kMaxColumns = kOwnerMaxDim;
   static constexpr int kDepth = 1;
   int lane = 0;
-  int columns(int dim) const { return (dim + 3) / 4 * 4; }
-  IdTerm broadcast(const IdTerm& m, int, const OwnerUpdateConfig&) const { return m; }
+  int columns(int dim) const { return dim; }
   float sum(float x) const { return x; }
+  unsigned ballot(bool flag) const { return flag ? 1u : 0u; }
+  int first(unsigned) const { return 0; }
+  IdMeta* slot;  // the walker's one staged position
+  void stage(const IdMeta& m) const { *slot = m; }
+  IdMeta staged(int) const { return *slot; }
   void sync() const {}
 };
 
-// The run list and both phases with CPU threads over the items (each item's sums are its own: the thread
-// count changes nothing), the list and partials in buffers of their own.
+// Both phases with a CPU thread per chunk (one walker's chunk sizes: 256 positions from 256 ids on), the
+// partials in a buffer of their own.
 template <typename weight_t, typename grad_t, Optimizer kOptimizer>
 void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
-  const int64_t used = used_positions(p), blocks = blocks_of(used);
-  std::vector<int32_t> run_begin;
-  for (int64_t q = 0; q < used; ++q) {
-    if (starts_run(p, q)) run_begin.push_back(static_cast<int32_t>(q));
-  }
-  const auto runs = static_cast<int64_t>(run_begin.size());
-  run_begin.push_back(static_cast<int32_t>(used));
-  p.run_begin = run_begin.data();
-  p.runs = &runs;
+  const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
+  const int64_t chunks = (used + size - 1) / size;
   p.partial_stride = 2 * max_dim + 1;
-  std::vector<float> partials(static_cast<size_t>(2 * blocks * p.partial_stride));
+  std::vector<float> partials(static_cast<size_t>(chunks * p.partial_stride));
   p.partials = partials.data();
-  const HostGroup group;
-  at::parallel_for(0, blocks + runs, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      if (i < blocks) {
-        sum_block_head<HostGroup, grad_t>(p, i, used, group);
-      } else {
-        sum_run<HostGroup, weight_t, grad_t, kOptimizer>(p, run_meta(p, i - blocks), group);
-      }
+  using Lanes = HostLanes;
+  at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
+    IdMeta staged;
+    for (int64_t c = lo; c < hi; ++c) {
+      walk_chunk<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{0, &staged});
     }
   });
-  at::parallel_for(0, blocks, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) combine_run<HostGroup, weight_t, kOptimizer>(p, k, used, group);
+  at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
+    IdMeta staged;
+    for (int64_t c = lo; c < hi; ++c) {
+      finish_run<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{0, &staged});
+    }
   });
 }
 
@@ -214,8 +198,7 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
   check_device_word(used, "used", device);
   PGAS_CHECK(!weights.empty(), "owner_update: no table");
   const std::vector<OwnerTable> tables = checked_tables(weights, momentum1, momentum2, c, device);
-  const bool grad_vectors = check_features(features, tables, grad.size(1)) && grad.stride(0) % 4 == 0 &&
-                            on_vectors(grad.data_ptr(), grad.element_size());
+  check_features(features, tables, grad.size(1));
   const auto table_bytes = static_cast<int64_t>(tables.size() * sizeof(OwnerTable));
   at::Tensor tables_host = at::empty({table_bytes}, at::kByte);
   std::memcpy(tables_host.data_ptr(), tables.data(), table_bytes);
@@ -228,7 +211,6 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
       c.weighted ? psw->data_ptr<float>() : nullptr,
       grad.data_ptr(),
       grad.stride(0),
-      grad_vectors,
       reinterpret_cast<const OwnerFeatureDesc*>(on_device[0].data_ptr<int64_t>()),
       reinterpret_cast<const OwnerTable*>(on_device[1].data_ptr()),
       reinterpret_cast<const OwnerHyper*>(hyper.data_ptr<float>()),
@@ -238,9 +220,8 @@ OwnerUpdateParams owner_update_params(const at::Tensor& keys, const at::Tensor& 
       static_cast<int64_t>(tables.size()),
       apply.has_value() ? apply->data_ptr<int64_t>() : nullptr,
       used.has_value() ? used->data_ptr<int64_t>() : nullptr,
-      nullptr,  // run_begin, runs, partials: the launch builds them
-      nullptr,
-      nullptr,
+      1,  // walkers: the launch sets its own
+      nullptr,  // partials: the launch allocates them
       0,
   };
 }
@@ -263,12 +244,12 @@ void owner_update_cuda(const at::Tensor& keys, const at::Tensor& bags, const at:
   std::vector<at::Tensor> on_device;  // the descriptors' device copies
   const OwnerUpdateParams p = owner_update_params(keys, bags, offsets, psw, grad, weights, momentum1, momentum2,
                                                   features, hyper, config, apply, used, on_device);
-  std::vector<at::Tensor> scratch;  // the launch's own allocations, freed in stream order
+  at::Tensor partials;  // the launch's own allocation, freed in stream order
   launch_owner_update(
       p, grad.scalar_type(), weights[0].scalar_type(), widest_dim(weights),
-      [&](size_t bytes) {
-        scratch.push_back(at::empty({static_cast<int64_t>(bytes)}, grad.options().dtype(at::kByte)));
-        return scratch.back().data_ptr();
+      [&](int64_t count) {
+        partials = at::empty({count}, grad.options().dtype(at::kFloat));
+        return partials.data_ptr<float>();
       },
       c10::cuda::getCurrentCUDAStream());
 }

@@ -229,7 +229,7 @@ if has owner-op; then
   done
   if [ -n "${OWNER_OP_NCU:-}" ]; then
     # Which launches: OWNER_OP_NCU_WORKLOAD names a workload (run alone; benchmarks.owner_op's NVTX start/end
-    # range "<side>:<name>" picks its timed step), else OWNER_OP_NCU_SKIP picks phase 1's launch.
+    # range "<side>:<name>" picks its timed step), else OWNER_OP_NCU_SKIP picks the walk's launch.
     side=${OWNER_OP_NCU_SIDE:-pgas}
     only=()
     if [ -n "${OWNER_OP_NCU_WORKLOAD:-}" ]; then
@@ -237,7 +237,7 @@ if has owner-op; then
       [ "$side" = pgas ] && pick+=(-k regex:owner_)
       only=(--only "$OWNER_OP_NCU_WORKLOAD")
     else
-      pick=(-k regex:owner_sum --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1)
+      pick=(-k regex:owner_walk --launch-skip "${OWNER_OP_NCU_SKIP:-1}" --launch-count 1)
     fi
     name=ncu_owner_op${OWNER_OP_NCU_NAME:+_$OWNER_OP_NCU_NAME}
     log "ncu: benchmarks.owner_op --side $side (${OWNER_OP_NCU_PRESET:-s000-weak}): ${pick[*]}"

@@ -30,8 +30,7 @@ def test_built_for_hopper_with_device_link() -> None:
     assert b"-arch sm_90a" in blob  # TORCH_CUDA_ARCH_LIST=9.0a, device-linked
     assert b"nvshmem_device" in blob  # NVSHMEM device library linked in (-rdc + dlink)
     for kernel in (b"put_kernel", b"signal_kernel", b"wait_kernel", b"index_dist_kernel", b"pooled_lookup_kernel",
-                   b"combine_partials_kernel", b"owner_sum_kernel", b"owner_combine_kernel",
-                   b"owner_run_scatter",
+                   b"combine_partials_kernel", b"owner_walk_kernel", b"owner_finish_kernel",
                    b"owner_keys_kernel"):
         assert kernel in blob
 

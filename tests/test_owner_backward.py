@@ -147,7 +147,7 @@ def test_matches_fbgemm_on_cpu(optimizer: EmbOptimType, precision: SparseType, p
     _compare(torch.device("cpu"), optimizer, precision, pooling, weighted, hot_ids=CPU_HOT_IDS)
 
 
-# A row hit by 10^5 ids in one step: the owner update sums them in two phases over ~390 blocks; FBGEMM's CPU
+# A row hit by 10^5 ids in one step: the owner update sums them in two phases over ~390 chunks; FBGEMM's CPU
 # kernel sums them one after another in fp32, about n * eps / 4 off the exact sum (its GPU kernel splits the run
 # over CTAs). The tolerance is that summation error.
 LONG_RUN = 100_000

@@ -14,10 +14,9 @@ What FBGEMM's fused backward does for its exact optimizers, as one pass over the
 
 The update formulas are those of FBGEMM's GPU kernels (its CPU kernels ignore row-wise Adagrad's weight
 decay and round fp16 SGD stochastically). Two implementations of the one algorithm: the extension's op
-``torch.ops.torchrec_pgas.owner_update`` (``csrc/owner_update.h``: a run list built on the device, then two CUDA
-kernels with a group of lanes per row's run, a hot row's ids cut at fixed 256-position blocks and their partial sums
-added in block order; and its CPU path, the same phases with one-lane groups; steps 1-3 fused, no per-id gradient
-rows in memory),
+``torch.ops.torchrec_pgas.owner_update`` (``csrc/owner_update.h``: two CUDA kernels, a warp per chunk of sorted ids,
+a hot row's ids split over chunks and their partial sums added in chunk order; and its CPU path, the same two
+phases with a thread per chunk; steps 1-3 fused, no per-id gradient rows in memory),
 used where the extension is built; and the reference below in torch ops on any device (a pure-Python install, tables
 wider than the op takes, and the tests' oracle). Both cover EXACT_SGD, EXACT_ROWWISE_ADAGRAD (no, L2 or
 decoupled weight decay) and ADAM (no weight decay); ``unsupported`` names what they do not cover, and
