@@ -27,7 +27,6 @@ from test_training_errors import (
     _refusals,
     _sides,
     _stall,
-    _train,
     check_failed_backward,
     check_misuse,
     check_refusals,
@@ -201,40 +200,6 @@ def test_the_eager_backward_reads_the_flags_after_the_rest_of_the_backward(graph
     for seen, replays in run_distributed(_checks_pending_at_the_end, 2, graphs):
         assert seen == [[True, True]] * 4, seen
         assert all(r > 0 for r in replays) if graphs else replays == [0, 0], replays
-
-
-def _kernel_streams(rank: int, world: int, trace_dir: str) -> Dict[str, List[int]]:
-    """Three eager steps of the two-EBC model, row-wise, through the owner update at the count (max_padded_eager_ids
-    0), the third under the profiler: per kernel of its backward (the gradient exchange's, the owner's key layout
-    and sort, the update), the CUDA streams it ran on."""
-    pgas, _, batches = _sides(rank, world, "pgas_row_wise", "cuda", owner_backward="pgas", graphs=False, padded=0)
-    for batch in batches[:2]:
-        _train(pgas, batch)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _train(pgas, batches[2])
-        torch.cuda.synchronize()
-    path = os.path.join(trace_dir, f"rank{rank}.json")
-    prof.export_chrome_trace(path)
-    names = {"grad_dist": "grad_dist_kernel", "owner_keys": "owner_keys_kernel", "sort": "DeviceRadixSort",
-             "walk": "owner_walk_kernel"}
-    streams: Dict[str, List[int]] = {key: [] for key in names}
-    for event in json.load(open(path))["traceEvents"]:
-        for key, name in names.items():
-            if event.get("cat") == "kernel" and name in event.get("name", ""):
-                streams[key].append(int(event["args"]["stream"]))
-    return {key: sorted(set(found)) for key, found in streams.items()}
-
-
-@pytest.mark.peers
-def test_an_update_at_the_count_sorts_beside_the_gradient_exchange(tmp_path: Any) -> None:
-    """An eager update at the count lays out and sorts its ids on a side stream forked before the gradient
-    exchange (they arrived in the forward), so the sort runs beside the exchange; the update itself runs on the
-    step's stream, after both. Its results are the serial path's: the training cases at max_padded_eager_ids 0."""
-    for streams in run_distributed(_kernel_streams, 2, str(tmp_path), device_type="cuda"):
-        assert all(streams.values()), streams  # every kernel ran
-        assert streams["walk"] == streams["grad_dist"], streams
-        assert streams["owner_keys"] == streams["sort"] and not set(streams["sort"]) & set(streams["grad_dist"]), \
-            streams
 
 
 def _eager_backward_graphs(rank: int, world: int, kind: str) -> Tuple[float, List[Tuple[Tuple[int, ...], bool]]]:

@@ -75,18 +75,6 @@ def mark(name: str) -> None:
         _active.mark(name)
 
 
-@contextlib.contextmanager
-def unmarked() -> Iterator[None]:
-    """Drop the marks made inside: work on a side stream, whose events would cut the step's stages out of order
-    (the stream that waits for it marks the part it did not hide)."""
-    global _active
-    active, _active = _active, None
-    try:
-        yield
-    finally:
-        _active = active
-
-
 class HostProfile:
     """cProfile over the calls run inside it (``with profile: step()``, a call each), reported in microseconds a
     call: pstats prints seconds to three places, which rounds a step's functions to zero."""

@@ -5,7 +5,7 @@ stock's lookup, whichever ``PgasConfig.owner_backward`` (``AUTO``: the faster of
 
 import contextlib
 import warnings
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -14,29 +14,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_pgas import profiling
 from torchrec_pgas.sharding.kept_ids import ReceivedBlocks
 from torchrec_pgas.sharding.owner_choice import OwnerBackwardTrial, TrialApply
-from torchrec_pgas.sharding.owner_backward import (PaddedIds, SortedIds, apply_sorted, op_available, owner_backward,
-                                                   sort_kept, tbe_id_counts)
+from torchrec_pgas.sharding.owner_backward import op_available, owner_backward, padded_owner_backward, tbe_id_counts
 from torchrec_pgas.sharding.owner_backward import unsupported as unsupported_update
 from torchrec_pgas.sharding.tbe_counters import iterations_before_forward, sync_tbe_iterations
 from torchrec_pgas.sharding.tickets import StepTicket
 from torchrec_pgas.types import OwnerBackward, PgasTrainingConfig
-
-
-class HeldIds(NamedTuple):
-    """One step's kept ids, sorted for the owner update op (``OwnerApply.sort``): where the sources wrote them,
-    each TBE's id count where the host read it (None: at capacity), the gradient rows' view, each TBE's sorted
-    ids."""
-
-    kept: PaddedIds
-    counts: Optional[List[int]]
-    grads: torch.Tensor
-    sorted: List[Optional[SortedIds]]
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Keep the sorted ids' memory until ``stream``'s work queued so far ran (they were made on another)."""
-        for ids in self.sorted:
-            if ids is not None:
-                ids.record_stream(stream)
 
 
 class OwnerApply:
@@ -104,40 +86,23 @@ class OwnerApply:
                whole: torch.Tensor, iterations: Optional[Sequence[Optional[int]]], at_count: bool = False) -> bool:
         """The owner update op over the ids kept in ``slot`` (an int, or the device's slot under capture), read
         where the sources wrote them (``ReceivedBlocks.kept_ids_padded``, ``kept_grads``' arguments) and applied
-        only where the device word ``whole`` is true: :meth:`sort`, then :meth:`apply` on the same stream. False,
-        with nothing applied, where the op does not take some TBE."""
-        held = self.sort(ticket, slot, rows, block_features, columns, batches, whole, at_count)
-        if held is None:
-            return False
-        self.apply(ticket, held, whole, iterations)
-        return True
-
-    def sort(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int,
-             block_features: Tuple[int, int, int], columns: Tuple[int, int, int], batches: torch.Tensor,
-             whole: Optional[torch.Tensor], at_count: bool) -> Optional["HeldIds"]:
-        """The kept ids of ``slot`` sorted for the op: laid out at their fixed capacity, nothing read on the host;
+        only where the device word ``whole`` is true. Laid out at their fixed capacity, nothing read on the host;
         or, ``at_count``, at each TBE's id count, read on the host (the one sync: a sort of exactly the ids, with
-        no rebuild of them as a KJT). ``whole``: the device word that says every source sent its rows (the bags
-        of a step without it hold no ids), or None before the exchange (a refused step's ids are then sorted, and
-        :meth:`apply` applies none of them). None, with the op refused from now on, where it does not take some
-        TBE."""
+        no rebuild of them as a KJT). False, with nothing applied, where the op does not take some TBE."""
         bases = self._slot_bases
         base = bases[slot:slot + 1] if isinstance(slot, int) else bases.index_select(0, slot.view(1))  # int: a view
         kept = self.received.kept_ids_padded(base, rows, block_features, batches, whole)
         counts = tbe_id_counts(ticket.tbes, kept) if at_count else None
         profiling.mark("kept_ids")
-        grads = self.received.kept_grads(slot, rows, columns, self.out_dtype)
-        held = None if at_count and counts is None else sort_kept(ticket.tbes, kept, grads, counts)
-        self._op_refused = held is None  # the op's reasons (dims, dtypes, not the TBEs' bags) hold for next steps
-        return None if held is None else HeldIds(kept, counts, grads, held)
-
-    def apply(self, ticket: StepTicket, held: "HeldIds", whole: torch.Tensor,
-              iterations: Optional[Sequence[Optional[int]]]) -> None:
-        """The op over ids :meth:`sort` sorted, applied only where ``whole`` (``iterations``: as
-        ``apply_sorted``'s)."""
-        if held.counts is not None and not any(held.counts):
+        if at_count and counts is None:  # not the TBEs' bags: the op does not take them
+            self._op_refused = True
+            return False
+        if counts is not None and not any(counts):
             self.applies_nothing()  # no row to update
-        apply_sorted(ticket.tbes, held.sorted, held.grads, held.kept.stride, whole.long().view(1), iterations)
+        grads = self.received.kept_grads(slot, rows, columns, self.out_dtype)
+        taken = padded_owner_backward(ticket.tbes, kept, grads, whole.long().view(1), iterations, counts)
+        self._op_refused = not taken  # the op's reasons (dims, dtypes) hold for the next steps too
+        return taken
 
     def applies_nothing(self) -> None:
         """The apply under way updates no row (none to update, or its step was refused): not a measure of

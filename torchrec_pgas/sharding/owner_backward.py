@@ -273,8 +273,8 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     keys, bags, psw = _owner_keys(layout, values.contiguous(), weights, offsets[:-1],
                                   None if weights is None else offsets[:-1], offsets, 0, lengths.numel(), batch,
                                   values.numel())
-    ids = _sort(layout, keys, bags, psw if weights is not None else None, offsets, None)
-    _update(tbe, ids, grads, batch, _eager_hyper(tbe, grads.device, iteration))
+    _sort_and_update(tbe, layout, keys, bags, psw if weights is not None else None, offsets, grads, batch,
+                     _eager_hyper(tbe, grads.device, iteration))
     return True
 
 
@@ -306,43 +306,22 @@ def _op_takes(layout: Optional["_OpLayout"], grads: torch.Tensor, num_bags: int,
             and num_bags < 2 ** 31)  # the op numbers bags in int32
 
 
-class SortedIds(NamedTuple):
-    """One TBE's kept ids sorted by row key for the op: keys, bags and weights in sorted order (a stable sort: a
-    row's ids in arrival order), the TBE's bag offsets (from its first bag), and the device word counting the
-    positions that hold ids, which the update stops at (None: all of them)."""
-
-    layout: "_OpLayout"
-    keys: torch.Tensor
-    bags: torch.Tensor
-    psw: Optional[torch.Tensor]
-    offsets: torch.Tensor
-    used: Optional[torch.Tensor]
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Keep the tensors' memory until ``stream``'s work queued so far ran (they were made on another)."""
-        for t in (self.keys, self.bags, self.psw, self.offsets, self.used):
-            if t is not None:
-                t.record_stream(stream)
-
-
-def _sort(layout: "_OpLayout", keys: torch.Tensor, bags: torch.Tensor, psw: Optional[torch.Tensor],
-          offsets: torch.Tensor, used: Optional[torch.Tensor]) -> SortedIds:
-    """The ids sorted by row key, each with its bag and weight (``used``: the device word counting the positions
-    that hold ids, which the sort stops at; None: all of them)."""
-    keys, bags, sorted_psw = torch.ops.torchrec_pgas.sort_owner_keys(
-        keys, bags, psw if psw is not None else keys.new_empty(0, dtype=torch.float32), layout.key_limit, used)
+def _sort_and_update(tbe: nn.Module, layout: "_OpLayout", keys: torch.Tensor, bags: torch.Tensor,
+                     psw: Optional[torch.Tensor], offsets: torch.Tensor, grads: torch.Tensor, batch: int,
+                     hyper: torch.Tensor, apply: Optional[torch.Tensor] = None,
+                     used: Optional[torch.Tensor] = None) -> None:
+    """The ids sorted by row key (stable: a row's ids in arrival order), each with its bag and weight, then the
+    op (``apply``: the step's device word; ``used``: the device word counting the positions that hold ids, which
+    the sort and the update stop at; None: all of them)."""
+    ops, weighted = torch.ops.torchrec_pgas, psw is not None
+    keys, bags, sorted_psw = ops.sort_owner_keys(
+        keys, bags, psw if weighted else keys.new_empty(0, dtype=torch.float32), layout.key_limit, used)
     profiling.mark("owner_sort")  # the benchmark's owner backward in two: the keys and their sort; the op
-    return SortedIds(layout, keys, bags, sorted_psw if psw is not None else None, offsets, used)
-
-
-def _update(tbe: nn.Module, ids: SortedIds, grads: torch.Tensor, batch: int, hyper: torch.Tensor,
-            apply: Optional[torch.Tensor] = None) -> None:
-    """The op over one TBE's sorted ids (``apply``: the step's device word, 0 applies nothing)."""
     mode = tbe.optimizer_args.weight_decay_mode if tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD else _WD_NONE
     config = build(OwnerUpdateConfig, optimizer=_OPTIMIZERS[tbe.optimizer], weight_decay_mode=mode,
-                   mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=ids.psw is not None, batch=batch)
-    torch.ops.torchrec_pgas.owner_update(ids.keys, ids.bags, ids.offsets, ids.psw, grads, *ids.layout.tables,
-                                         ids.layout.features, hyper, as_tensor(config), apply, ids.used)
+                   mean=tbe.pooling_mode == PoolingMode.MEAN, weighted=weighted, batch=batch)
+    ops.owner_update(keys, bags, offsets, sorted_psw if weighted else None, grads, *layout.tables, layout.features,
+                     hyper, as_tensor(config), apply, used)
     profiling.mark("owner_update")
 
 
@@ -383,25 +362,27 @@ def write_hyper(tbe: nn.Module, iteration: Optional[int]) -> None:
         _HYPER_WRITTEN[tbe] = written
 
 
-def sort_kept(tbes: Sequence[nn.Module], kept: PaddedIds, grads: torch.Tensor,
-              counts: Optional[Sequence[int]] = None) -> Optional[List[Optional[SortedIds]]]:
-    """The first half of the owner backward over the kept ids where the sources wrote them: each TBE's ids laid
-    out by the ``owner_keys`` op and sorted (None for a TBE without ids). Without ``counts``, at a fixed capacity
-    (padding keys past every table after its own ids, which the sort and the update stop before, at the count
-    word: no host sync); with them (:func:`tbe_id_counts`, an eager step), at exactly each TBE's ids, which CUB's
-    sort takes whole. It reads no gradient value (``grads``: where they will be, for the op's checks), so it may
-    run while they are still on their way. None, with nothing sorted, where the op does not take some TBE or the
-    gradient."""
+def padded_owner_backward(tbes: Sequence[nn.Module], kept: PaddedIds, grads: torch.Tensor, apply: torch.Tensor,
+                          iterations: Optional[Sequence[Optional[int]]],
+                          counts: Optional[Sequence[int]] = None) -> bool:
+    """The owner backward over the kept ids where the sources wrote them: each TBE's ids laid out by the
+    ``owner_keys`` op, sorted and applied, nothing applied where the device word ``apply`` is 0. Without
+    ``counts``, at a fixed capacity (padding keys past every table after its own ids, which the sort and the
+    update stop before, at the count word: no host sync); with them (:func:`tbe_id_counts`, an eager step), at
+    exactly each TBE's ids, which CUB's sort takes whole. ``iterations``: an eager step's, whose hyper-parameters
+    it writes; None under capture (``CapturedTrainStep`` writes them before each replay). False, with nothing
+    applied, where the op does not take some TBE or the gradient."""
     held_bags = sum(len(tbe.feature_table_map) for tbe in tbes) * kept.stride
     layouts = [_op_layout(tbe, grads, col) for tbe, col in zip(tbes, _first_columns(tbes))]
     if not all(_op_takes(layout, grads, kept.bags.offsets.numel() - 1, held_bags) for layout in layouts):
-        return None
-    held: List[Optional[SortedIds]] = []
+        return False
     first_bag = 0
     for i, (tbe, layout) in enumerate(zip(tbes, layouts)):
         assert layout is not None  # _op_takes
+        hyper = _eager_hyper(tbe, grads.device, iterations[i]) if iterations is not None else _HYPER.get(tbe)
+        if hyper is None or hyper.device != grads.device:
+            raise PgasError("a training step through the owner update op is captured only after an eager step")
         end_bag = first_bag + len(tbe.feature_table_map) * kept.stride
-        ids = None
         if counts is None or counts[i]:
             capacity = kept.capacity if counts is None else counts[i]
             keys, bags, psw = _owner_keys(layout, kept.ids, kept.weights, kept.bags.first_id,
@@ -410,30 +391,16 @@ def sort_kept(tbes: Sequence[nn.Module], kept: PaddedIds, grads: torch.Tensor,
             offsets = kept.bags.offsets[first_bag:end_bag + 1]
             if first_bag:  # the op counts this TBE's ids from its first bag's
                 offsets = offsets - offsets[0]
-            ids = _sort(layout, keys, bags, psw if kept.weights is not None else None, offsets,
-                        offsets[-1:] if counts is None else None)
-        held.append(ids)
+            _sort_and_update(tbe, layout, keys, bags, psw if kept.weights is not None else None, offsets, grads,
+                             kept.stride, hyper, apply, offsets[-1:] if counts is None else None)
         first_bag = end_bag
-    return held
-
-
-def apply_sorted(tbes: Sequence[nn.Module], held: Sequence[Optional[SortedIds]], grads: torch.Tensor, stride: int,
-                 apply: torch.Tensor, iterations: Optional[Sequence[Optional[int]]]) -> None:
-    """The second half: the op over each TBE's sorted ids (:func:`sort_kept`), nothing applied where the device
-    word ``apply`` is 0. ``iterations``: an eager step's, whose hyper-parameters it writes; None under capture
-    (``CapturedTrainStep`` writes them before each replay)."""
-    for i, (tbe, ids) in enumerate(zip(tbes, held)):
-        hyper = _eager_hyper(tbe, grads.device, iterations[i]) if iterations is not None else _HYPER.get(tbe)
-        if hyper is None or hyper.device != grads.device:
-            raise PgasError("a training step through the owner update op is captured only after an eager step")
-        if ids is not None:
-            _update(tbe, ids, grads, stride, hyper, apply)
+    return True
 
 
 def tbe_id_counts(tbes: Sequence[nn.Module], kept: PaddedIds) -> Optional[List[int]]:
     """Each TBE's kept ids (its bags' in the kept offsets, TBEs in order), read on the host in one sync, at most
     the capacity (the ``owner_keys`` op writes no position past it, whatever the sources' headers say); None
-    where the kept bags are not the TBEs' (:func:`sort_kept` refuses them)."""
+    where the kept bags are not the TBEs' (:func:`padded_owner_backward` refuses them)."""
     firsts = list(itertools.accumulate([0] + [len(tbe.feature_table_map) * kept.stride for tbe in tbes]))
     if kept.bags.offsets.numel() != firsts[-1] + 1:
         return None

@@ -140,7 +140,6 @@ class DeviceBackward:
         self.grad_sent = 0  # the last step whose gradient (or give-up) grad_dist sent
         self.replay = BackwardReplay(self)  # eager backwards replayed as CUDA graphs
         self._unread: Optional[FlagsCheck] = None  # the last deferred check: the next backward reuses its flags
-        self._side: Optional[torch.cuda.Stream] = None  # where an update at the count sorts (_update_aside)
 
     def check(self, ticket: StepTicket, exchanged: torch.cuda.Event, stream: Optional[torch.cuda.Stream]) -> None:
         """The host's check of ``ticket``'s step (``FlagsCheck``): at the end of the autograd backward running
@@ -195,9 +194,6 @@ class DeviceBackward:
         gave_up = epoch in step.errors.gave_up
         batch = ticket.batch
         sibling_gave_up = self._adopt_sibling_failures(epoch)
-        # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
-        rows = lay.max_batch if step.owners.variable_batch else batch
-        fork = self._sort_fork(ticket, rows, gave_up or sibling_gave_up)
         ops.grad_dist(self.sent_gradient(grad, batch), *args, epoch, batch, gradient_divisor(step.world_size),
                       gave_up or sibling_gave_up)
         self.grad_sent = epoch
@@ -205,37 +201,22 @@ class DeviceBackward:
         profiling.mark("grad_exchange")
         whole = (step.grad_flags == 0).all()
         step.grad_flags_host.copy_(step.grad_flags, non_blocking=True)
+        # Row-wise sources all feed this rank's batch (checked by the lookup); table-wise ones their own.
+        rows = lay.max_batch if step.owners.variable_batch else batch
         with step.owner_apply.applying(ticket.tbes):
-            self._apply(ticket, slot, rows, whole, gave_up, fork)
+            self._apply(ticket, slot, rows, whole, gave_up)
 
-    def _sort_fork(self, ticket: StepTicket, rows: int, gave_up: bool) -> Optional[torch.cuda.Event]:
-        """Where an eager update at the count may sort its ids: an event on the step's stream before the gradient
-        exchange (the ids arrived in the forward), so that the sort runs on a side stream beside the exchange
-        (:meth:`_update_aside`); None where the update will not run at the count through the op, or while
-        ``AUTO``'s trial times it (from the exchange's end)."""
-        step = self.step
-        f_lo, f_hi = step.lookup_features
-        owner = step.owner_apply
-        if (f_hi > f_lo and rows > 0 and not gave_up and not owner.choosing() and owner.op_serves(ticket)
-                and not owner.at_capacity(ticket)):
-            return torch.cuda.current_stream(step.device).record_event()
-        return None
-
-    def _apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor, gave_up: bool,
-               fork: Optional[torch.cuda.Event]) -> None:
+    def _apply(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor, gave_up: bool) -> None:
         """The owner update op at capacity where it serves (launched before the sources' flags are read, it applies
-        nothing unless ``whole``: the host reads them later, ``check``), else at the count (its sort beside the
-        exchange from ``fork``, where given): the op's where it serves, else the kept ids as a KJT for FBGEMM's
-        replay or the reference."""
+        nothing unless ``whole``: the host reads them later, ``check``), else at the count: the op's where it
+        serves, else the kept ids as a KJT for FBGEMM's replay or the reference."""
         step, epoch = self.step, ticket.epoch
         f_lo, f_hi = step.lookup_features
         if f_hi > f_lo and rows > 0 and not gave_up and step.owner_apply.op_serves(ticket):
             at_count = not step.owner_apply.at_capacity(ticket)
-            exchanged = torch.cuda.current_stream(step.device).record_event()  # the flags' copy is queued
-            if (self._update_aside(ticket, slot, rows, whole, fork) if at_count and fork is not None
-                    else self.update_held(ticket, slot, rows, whole, ticket.tbe_iters, at_count)):
-                if at_count:  # the update is queued; its flags read once the exchange ran
-                    exchanged.synchronize()
+            exchanged = None if at_count else torch.cuda.current_stream(step.device).record_event()
+            if self.update_held(ticket, slot, rows, whole, ticket.tbe_iters, at_count):
+                if exchanged is None:  # at the count: after its sync
                     if self.settle_read(ticket, self.refusal(epoch)):
                         sync_tbe_iterations(ticket.tbes, ticket.tbe_iters)
                     else:
@@ -302,31 +283,6 @@ class DeviceBackward:
                     f"first wait) for the gradients of step {epoch} from rank {src}: a peer crashed, diverged, or "
                     "skipped this step's backward")
         return None
-
-    def _update_aside(self, ticket: StepTicket, slot: int, rows: int, whole: torch.Tensor,
-                      fork: torch.cuda.Event) -> bool:
-        """:meth:`update_held` at the count with its host read and sort on a side stream that waits for ``fork``
-        only, not for the exchange queued since: the sort runs beside it, and the op's update on the step's stream
-        after both. False, with nothing applied, where the op does not take some TBE."""
-        step = self.step
-        f_lo, f_hi = step.lookup_features
-        stream = torch.cuda.current_stream(step.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(step.device)
-        side = self._side
-        try:
-            with torch.cuda.stream(side), profiling.unmarked():
-                side.wait_event(fork)
-                held = step.owner_apply.sort(ticket, slot, rows, (f_lo, f_hi - f_lo, step.layout.num_features),
-                                             self._held_columns(), self._kept_batches(slot), None, True)
-        finally:
-            stream.wait_stream(side)  # the slot is released on this stream: never while the sort reads it
-        if held is None:
-            return False
-        held.record_stream(stream)
-        profiling.mark("owner_sort")  # the sort's part the exchange did not hide
-        step.owner_apply.apply(ticket, held, whole, ticket.tbe_iters)
-        return True
 
     def update_held(self, ticket: StepTicket, slot: Union[int, torch.Tensor], rows: int, whole: torch.Tensor,
                     iterations: Optional[Sequence[Optional[int]]], at_count: bool = False) -> bool:
