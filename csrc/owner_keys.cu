@@ -1,5 +1,5 @@
 // The owner update's inputs on the GPU (owner_keys.h): the kept bags, a
-// thread each; the keys at a capacity in one kernel whose warps take the bags
+// thread each; the keys at a capacity in one kernel whose warps take 32 bags each
 // (the positions past the kept ids are not written); their sort over the key
 // limit's bits, carrying each key's bag (and per-sample weight: the two
 // packed in one 64-bit value): with a count word, counted_sort.cuh over the
@@ -18,14 +18,67 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A warp per bag (its lanes write adjacent positions).
+// A warp per 32 consecutive bags. Lane l reads bag b0 + l's span (one round of loads for the 32 bags, not a
+// dependent chain a bag) into the warp's slots in shared memory, with the running count of the spans' positions
+// (a shuffle scan); then the warp writes the concatenation of the spans, kRounds rounds of 32 positions at a time,
+// their ids read before any is written: position v belongs to the first lane whose running count passes v (a
+// binary search over the slots), at its span's q_lo + (v - its start). Consecutive bags' spans are adjacent, so a
+// round's stores are too. Every position written lies in its bag's span, inside the capacity, whatever the
+// offsets say (spans that overlap: memory-safe, meaningless).
+constexpr int kWarps = kThreads / 32;
+constexpr int kRounds = 4;
+
+struct BagSlot {
+  BagSpan span;
+  int64_t end;  // the running count of positions through this lane's bag
+};
+
+// The lane of the slots whose positions hold position v of their concatenation (v < the last slot's end).
+__device__ __forceinline__ int slot_of(const BagSlot* slots, int64_t v) {
+  int l = 0;
+  for (int step = 16; step > 0; step >>= 1) {
+    if (slots[l + step - 1].end <= v) l += step;
+  }
+  return l;
+}
+
 template <typename id_t, typename key_t>
 __global__ void __launch_bounds__(kThreads) owner_keys_kernel(OwnerKeysParams p) {
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * kThreads;
+  __shared__ BagSlot slots[kWarps][32];
   const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t b = p.config.first_bag + thread / 32; b < p.config.end_bag; b += threads / 32) {
-    write_bag_keys<id_t, key_t>(p, b, lane, 32);
+  BagSlot* warp_slots = slots[threadIdx.x / 32];
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t b0 = p.config.first_bag + 32 * warp; b0 < p.config.end_bag; b0 += 32 * warps) {
+    const int64_t b = b0 + lane;
+    const BagSpan span = b < p.config.end_bag ? bag_span<key_t>(p, b) : BagSpan{0, 0, 0, 0, 0};
+    int64_t end = span.q_hi - span.q_lo;  // >= 0
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t below = __shfl_up_sync(0xffffffffu, end, o);
+      if (lane >= o) end += below;
+    }
+    const int64_t total = __shfl_sync(0xffffffffu, end, 31);
+    __syncwarp();  // the previous group's reads of the slots are done
+    warp_slots[lane] = BagSlot{span, end};
+    __syncwarp();
+    for (int64_t v0 = lane; v0 < total; v0 += 32 * kRounds) {
+      int owner[kRounds];
+      int64_t q[kRounds];
+      PositionRead read[kRounds];
+#pragma unroll
+      for (int k = 0; k < kRounds; ++k) {  // loads only
+        const int64_t v = v0 + 32 * k;
+        owner[k] = v < total ? slot_of(warp_slots, v) : -1;
+        if (owner[k] < 0) continue;
+        const BagSlot& slot = warp_slots[owner[k]];
+        q[k] = slot.span.q_lo + v - (slot.end - (slot.span.q_hi - slot.span.q_lo));
+        read[k] = read_position<id_t>(p, slot.span, q[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kRounds; ++k) {
+        if (owner[k] >= 0) write_position<key_t>(p, warp_slots[owner[k]].span, b0 + owner[k], q[k], read[k]);
+      }
+    }
   }
 }
 
@@ -109,7 +162,7 @@ int sort_typed(const SortPairs& s, const std::function<void*(size_t)>& scratch, 
 }  // namespace
 
 void launch_owner_keys(const OwnerKeysParams& p, bool ids64, bool keys64, cudaStream_t stream) {
-  const int64_t threads = 32 * (p.config.end_bag - p.config.first_bag);
+  const int64_t threads = p.config.end_bag - p.config.first_bag;  // a warp per 32 bags
   const auto launch = [&](auto kernel) { kernel<<<grid_for(threads), kThreads, 0, stream>>>(p); };
   if (ids64) {
     keys64 ? launch(owner_keys_kernel<int64_t, int64_t>) : launch(owner_keys_kernel<int64_t, int32_t>);

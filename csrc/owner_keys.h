@@ -1,9 +1,10 @@
 // The owner update's inputs: the kept bags read from the owner's buffer, the
 // row keys of one TBE's kept ids (at a captured step's fixed capacity, or at
 // an eager step's id count), then their stable sort. One algorithm, written
-// once (write_kept_bag, write_bag_keys, pad_position, clamped_key):
-// owner_keys.cu runs it on the GPU (a thread per kept bag; a warp per bag's
-// keys; a radix sort of the positions a device word counts, counted_sort.cuh),
+// once (write_kept_bag, bag_span, read_position, write_position, pad_position,
+// clamped_key):
+// owner_keys.cu runs it on the GPU (a thread per kept bag; a warp per 32
+// bags' keys; a radix sort of the positions a device word counts, counted_sort.cuh),
 // owner_keys_host.cpp on the CPU.
 //
 // The kept bags (kept_bags; ReceivedBlocks.kept_ids reads them too): bag i of the
@@ -37,7 +38,7 @@
 // buffer, whatever they say (offsets that decrease make bags overlap: a
 // position then holds one of their writes, memory-safe but meaningless; the
 // kept bags' offsets are a sum of lengths clamped to >= 0, so theirs never
-// do, and the work is a warp per bag and the ids).
+// do, and the work is a warp per 32 bags and the ids).
 //
 // The sort: keys outside [0, key_limit] become key_limit, then a stable radix
 // sort over the key_limit's bits carries each key's bag and weight: a row's
@@ -131,31 +132,61 @@ PGAS_KEYS_FN void pad_position(const OwnerKeysParams& p, int64_t q) {
   if (p.psw != nullptr) p.psw[q] = 0.f;
 }
 
-// Bag b's ids at their positions [at, end) relative to the TBE's first, those inside the capacity: position q
-// holds buffer element first_id[b] + q - at. Its `lanes` writers take every lanes-th position from `lane`
-// (a GPU warp: adjacent positions, coalesced; the CPU: one writer).
-template <typename id_t, typename key_t>
-PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b, int lane, int lanes) {
+// Where bag b's ids go: positions [q_lo, q_hi) relative to the TBE's first, those of [offsets[b],
+// offsets[b + 1]) inside the capacity; position q holds buffer element id_shift + q (its weight: weight_shift + q),
+// as key base + id.
+struct BagSpan {
+  int64_t q_lo, q_hi, id_shift, weight_shift, base;
+};
+
+template <typename key_t>
+PGAS_KEYS_FN BagSpan bag_span(const OwnerKeysParams& p, int64_t b) {
   const OwnerKeysConfig& c = p.config;
   const int64_t first = offset_at(p, c.first_bag), at = offset_at(p, b) - first, end = offset_at(p, b + 1) - first;
-  const int64_t q_lo = clamped(at, 0, p.capacity), q_hi = clamped(end, q_lo, p.capacity);
-  const int64_t id_shift = clamped(p.first_id[b], -kFar, kFar) - at;
-  const int64_t weight_shift = p.psw != nullptr ? clamped(p.first_weight[b], -kFar, kFar) - at : 0;
-  const int64_t base = static_cast<const key_t*>(p.feature_base)[(b - c.first_bag) / c.stride];
-  for (int64_t q = q_lo + lane; q < q_hi; q += lanes) {
-    const int64_t src = id_shift + q;
-    const int64_t id = src >= 0 && src < p.num_ids ? static_cast<int64_t>(static_cast<const id_t*>(p.ids)[src]) : -1;
-    if (id < 0 || id >= c.key_limit - base) {
-      pad_position<key_t>(p, q);
-      continue;
-    }
-    static_cast<key_t*>(p.keys)[q] = static_cast<key_t>(base + id);
-    p.bags[q] = static_cast<int32_t>(b - c.first_bag);
-    if (p.psw != nullptr) {
-      const int64_t w = weight_shift + q;
-      p.psw[q] = w >= 0 && w < p.num_weights ? p.weights[w] : 0.f;
-    }
+  BagSpan s;
+  s.q_lo = clamped(at, 0, p.capacity);
+  s.q_hi = clamped(end, s.q_lo, p.capacity);
+  s.id_shift = clamped(p.first_id[b], -kFar, kFar) - at;
+  s.weight_shift = p.psw != nullptr ? clamped(p.first_weight[b], -kFar, kFar) - at : 0;
+  s.base = static_cast<const key_t*>(p.feature_base)[(b - c.first_bag) / c.stride];
+  return s;
+}
+
+// What position q of a bag (q in its span s) reads: its id, -1 where the element lies outside the buffer, and its
+// per-sample weight (0 outside the buffer; unread where unweighted).
+struct PositionRead {
+  int64_t id;
+  float weight;
+};
+
+template <typename id_t>
+PGAS_KEYS_FN PositionRead read_position(const OwnerKeysParams& p, const BagSpan& s, int64_t q) {
+  const int64_t src = s.id_shift + q, w = s.weight_shift + q;
+  PositionRead r{src >= 0 && src < p.num_ids ? static_cast<int64_t>(static_cast<const id_t*>(p.ids)[src]) : -1, 0.f};
+  if (p.psw != nullptr && w >= 0 && w < p.num_weights) r.weight = p.weights[w];
+  return r;
+}
+
+// Position q of bag b: its key, bag and weight, or padding where its id was not read or lies outside
+// [0, key_limit - base).
+template <typename key_t>
+PGAS_KEYS_FN void write_position(const OwnerKeysParams& p, const BagSpan& s, int64_t b, int64_t q,
+                                 const PositionRead& r) {
+  const OwnerKeysConfig& c = p.config;
+  if (r.id < 0 || r.id >= c.key_limit - s.base) {
+    pad_position<key_t>(p, q);
+    return;
   }
+  static_cast<key_t*>(p.keys)[q] = static_cast<key_t>(s.base + r.id);
+  p.bags[q] = static_cast<int32_t>(b - c.first_bag);
+  if (p.psw != nullptr) p.psw[q] = r.weight;
+}
+
+// Bag b's ids (the CPU path: one writer a bag, in position order).
+template <typename id_t, typename key_t>
+PGAS_KEYS_FN void write_bag_keys(const OwnerKeysParams& p, int64_t b) {
+  const BagSpan s = bag_span<key_t>(p, b);
+  for (int64_t q = s.q_lo; q < s.q_hi; ++q) write_position<key_t>(p, s, b, q, read_position<id_t>(p, s, q));
 }
 
 // A key as the sort orders it: outside [0, key_limit] it is key_limit (padding).

@@ -85,7 +85,7 @@ OwnerKeys empty_owner_keys(const at::Tensor& offsets, const at::Tensor& feature_
 
 template <typename id_t, typename key_t>
 void owner_keys_on_host(const OwnerKeysParams& p) {
-  for (int64_t b = p.config.first_bag; b < p.config.end_bag; ++b) write_bag_keys<id_t, key_t>(p, b, 0, 1);
+  for (int64_t b = p.config.first_bag; b < p.config.end_bag; ++b) write_bag_keys<id_t, key_t>(p, b);
 }
 
 template <typename key_t>

@@ -450,6 +450,44 @@ def test_owner_keys_writes_only_inside_its_capacity_and_reads_only_inside_the_bu
             OwnerKeysConfig, first_bag=2, end_bag=5, stride=2, key_limit=240))), capacity=16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids_dtype,weighted", [(torch.int32, True), (torch.int64, False)])
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_owner_keys_on_the_gpu_writes_what_the_cpu_path_writes(ids_dtype: torch.dtype, weighted: bool,
+                                                                corrupt: bool) -> None:
+    """The GPU's warps take 32 bags at a time and write their concatenated positions in rounds; the CPU writes
+    bag by bag: the same positions for 5,000 bags of 0-70 ids over 4 features (runs of empty bags, bags longer
+    than a warp, ids past the tables, starts whose ids run past the buffer, a capacity that cuts the last bags).
+    ``corrupt``: lengths that make offsets decrease are not kept bags' (their offsets are sums of lengths
+    clamped to >= 0): there only the positions no two bags share are compared, and all must be written in the
+    capacity."""
+    gen = torch.Generator().manual_seed(7 + corrupt)
+    bags, stride = 5000, 1250
+    lengths = torch.randint(0, 71, (bags,), generator=gen) * (torch.rand(bags, generator=gen) > 0.2)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    if corrupt:
+        offsets[1::97] -= 40
+    n = int(lengths.sum())
+    first_id = torch.randint(0, n, (bags,), generator=gen)
+    ids = torch.randint(-5, 4000, (n,), generator=gen).to(ids_dtype)
+    args = dict(ids=ids, weights=torch.rand(n + 9, generator=gen) if weighted else None, first_id=first_id,
+                first_weight=first_id + 9 if weighted else None, offsets=offsets,
+                feature_base=torch.tensor([0, 1000, 2000, 3000]),
+                config=as_tensor(build(OwnerKeysConfig, first_bag=0, end_bag=bags, stride=stride, key_limit=3900)))
+    capacity = n - 500
+    cpu = torch.ops.torchrec_pgas.owner_keys(**args, capacity=capacity)
+    gpu = torch.ops.torchrec_pgas.owner_keys(**{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                                                 for k, v in args.items()}, capacity=capacity)
+    covered = torch.zeros(capacity, dtype=torch.int64)
+    for lo, hi in zip(offsets[:-1].clamp(0, capacity).tolist(), offsets[1:].clamp(0, capacity).tolist()):
+        covered[lo:max(lo, hi)] += 1
+    once = covered == 1
+    for want, got in zip(cpu, gpu):
+        if want.numel():
+            assert torch.equal(want[once], got.cpu()[once])
+    assert bool(once.all()) != corrupt  # kept bags' offsets cover the capacity once
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weighted", [False, True])
