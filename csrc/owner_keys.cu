@@ -1,5 +1,5 @@
 // The owner update's inputs on the GPU (owner_keys.h): the kept bags, a
-// thread each; the keys at a capacity in one kernel whose warps take 32 bags each
+// thread each; the keys at a capacity in one kernel whose warps take 32 bags a group
 // (the positions past the kept ids are not written); their sort over the key
 // limit's bits, carrying each key's bag (and per-sample weight: the two
 // packed in one 64-bit value): with a count word, counted_sort.cuh over the
@@ -18,38 +18,39 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A warp per 32 consecutive bags. Lane l reads bag b0 + l's span (one round of loads for the 32 bags, not a
-// dependent chain a bag) into the warp's slots in shared memory, with the running count of the spans' positions
-// (a shuffle scan); then the warp writes the concatenation of the spans, kRounds rounds of 32 positions at a time,
-// their ids read before any is written: position v belongs to the first lane whose running count passes v (a
-// binary search over the slots), at its span's q_lo + (v - its start). Consecutive bags' spans are adjacent, so a
-// round's stores are too. Every position written lies in its bag's span, inside the capacity, whatever the
-// offsets say (spans that overlap: memory-safe, meaningless).
+// A group of 32 consecutive bags per `split` warps. Each warp's lane l reads bag b0 + l's span (one round of loads
+// for the 32 bags, not a dependent chain a bag) into the warp's slots in shared memory, with the running count of
+// the spans' positions (a shuffle scan); then the warp writes its share of the concatenation of the spans: rounds
+// of 32 positions, kRounds at a time, their ids read before any is written, the group's warps taking every
+// split-th batch of kRounds rounds (long bags: many warps a group). Position v belongs to the first lane whose
+// running count passes v (a binary search over the counts), at its span's q_lo + (v - its start). Consecutive
+// bags' spans are adjacent, so a round's stores are too. Every position written lies in its bag's span, inside
+// the capacity, whatever the offsets say (spans that overlap: memory-safe, meaningless).
 constexpr int kWarps = kThreads / 32;
 constexpr int kRounds = 4;
 
-struct BagSlot {
-  BagSpan span;
-  int64_t end;  // the running count of positions through this lane's bag
-};
-
-// The lane of the slots whose positions hold position v of their concatenation (v < the last slot's end).
-__device__ __forceinline__ int slot_of(const BagSlot* slots, int64_t v) {
+// The lane whose positions hold position v of the 32 spans' concatenation (ends: their running counts;
+// v < ends[31]).
+__device__ __forceinline__ int span_of(const int64_t* ends, int64_t v) {
   int l = 0;
   for (int step = 16; step > 0; step >>= 1) {
-    if (slots[l + step - 1].end <= v) l += step;
+    if (ends[l + step - 1] <= v) l += step;
   }
   return l;
 }
 
 template <typename id_t, typename key_t>
-__global__ void __launch_bounds__(kThreads) owner_keys_kernel(OwnerKeysParams p) {
-  __shared__ BagSlot slots[kWarps][32];
+__global__ void __launch_bounds__(kThreads, 4) owner_keys_kernel(OwnerKeysParams p, int split) {
+  __shared__ BagSpan spans[kWarps][32];
+  __shared__ int64_t ends[kWarps][32];
   const int lane = static_cast<int>(threadIdx.x % 32);
-  BagSlot* warp_slots = slots[threadIdx.x / 32];
+  BagSpan* warp_spans = spans[threadIdx.x / 32];
+  int64_t* warp_ends = ends[threadIdx.x / 32];
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t b0 = p.config.first_bag + 32 * warp; b0 < p.config.end_bag; b0 += 32 * warps) {
+  const int64_t groups = static_cast<int64_t>(gridDim.x) * kWarps / split;
+  if (warp >= groups * split) return;  // the grid's last warps, short of a whole set of `split`
+  const int64_t part = warp % split;  // this warp's share of its group's positions
+  for (int64_t b0 = p.config.first_bag + 32 * (warp / split); b0 < p.config.end_bag; b0 += 32 * groups) {
     const int64_t b = b0 + lane;
     const BagSpan span = b < p.config.end_bag ? bag_span<key_t>(p, b) : BagSpan{0, 0, 0, 0, 0};
     int64_t end = span.q_hi - span.q_lo;  // >= 0
@@ -59,24 +60,25 @@ __global__ void __launch_bounds__(kThreads) owner_keys_kernel(OwnerKeysParams p)
     }
     const int64_t total = __shfl_sync(0xffffffffu, end, 31);
     __syncwarp();  // the previous group's reads of the slots are done
-    warp_slots[lane] = BagSlot{span, end};
+    warp_spans[lane] = span;
+    warp_ends[lane] = end;
     __syncwarp();
-    for (int64_t v0 = lane; v0 < total; v0 += 32 * kRounds) {
+    for (int64_t v0 = 32 * kRounds * part + lane; v0 < total; v0 += 32 * kRounds * split) {
       int owner[kRounds];
       int64_t q[kRounds];
       PositionRead read[kRounds];
 #pragma unroll
       for (int k = 0; k < kRounds; ++k) {  // loads only
         const int64_t v = v0 + 32 * k;
-        owner[k] = v < total ? slot_of(warp_slots, v) : -1;
+        owner[k] = v < total ? span_of(warp_ends, v) : -1;
         if (owner[k] < 0) continue;
-        const BagSlot& slot = warp_slots[owner[k]];
-        q[k] = slot.span.q_lo + v - (slot.end - (slot.span.q_hi - slot.span.q_lo));
-        read[k] = read_position<id_t>(p, slot.span, q[k]);
+        const BagSpan& s = warp_spans[owner[k]];
+        q[k] = s.q_hi - (warp_ends[owner[k]] - v);  // its span ends where its running count does
+        read[k] = read_position<id_t>(p, s, q[k]);
       }
 #pragma unroll
       for (int k = 0; k < kRounds; ++k) {
-        if (owner[k] >= 0) write_position<key_t>(p, warp_slots[owner[k]].span, b0 + owner[k], q[k], read[k]);
+        if (owner[k] >= 0) write_position<key_t>(p, warp_spans[owner[k]], b0 + owner[k], q[k], read[k]);
       }
     }
   }
@@ -162,8 +164,14 @@ int sort_typed(const SortPairs& s, const std::function<void*(size_t)>& scratch, 
 }  // namespace
 
 void launch_owner_keys(const OwnerKeysParams& p, bool ids64, bool keys64, cudaStream_t stream) {
-  const int64_t threads = p.config.end_bag - p.config.first_bag;  // a warp per 32 bags
-  const auto launch = [&](auto kernel) { kernel<<<grid_for(threads), kThreads, 0, stream>>>(p); };
+  // Warps a group of 32 bags: about one for every 1,024 of its positions the capacity allows on average (1 at
+  // s000-strong's 16 ids a bag, 2 at s000-weak's 64), a power of two up to 32.
+  const int64_t bags = p.config.end_bag - p.config.first_bag;
+  const int64_t per_group = p.capacity / std::max<int64_t>(1, bags) * 32;
+  int split = 1;
+  while (split < 32 && 1024 * 2 * split <= per_group) split *= 2;
+  const int64_t threads = (bags + 31) / 32 * split * 32;
+  const auto launch = [&](auto kernel) { kernel<<<grid_for(threads), kThreads, 0, stream>>>(p, split); };
   if (ids64) {
     keys64 ? launch(owner_keys_kernel<int64_t, int64_t>) : launch(owner_keys_kernel<int64_t, int32_t>);
   } else {

@@ -451,41 +451,48 @@ def test_owner_keys_writes_only_inside_its_capacity_and_reads_only_inside_the_bu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ids_dtype,weighted", [(torch.int32, True), (torch.int64, False)])
-@pytest.mark.parametrize("corrupt", [False, True])
+@pytest.mark.parametrize("ids_dtype,weighted,key_dtype", [(torch.int32, True, torch.int64),
+                                                          (torch.int64, False, torch.int32)])
+@pytest.mark.parametrize("shape", ["short", "long", "corrupt"])
 def test_owner_keys_on_the_gpu_writes_what_the_cpu_path_writes(ids_dtype: torch.dtype, weighted: bool,
-                                                                corrupt: bool) -> None:
-    """The GPU's warps take 32 bags at a time and write their concatenated positions in rounds; the CPU writes
-    bag by bag: the same positions for 5,000 bags of 0-70 ids over 4 features (runs of empty bags, bags longer
-    than a warp, ids past the tables, starts whose ids run past the buffer, a capacity that cuts the last bags).
-    ``corrupt``: lengths that make offsets decrease are not kept bags' (their offsets are sums of lengths
-    clamped to >= 0): there only the positions no two bags share are compared, and all must be written in the
-    capacity."""
-    gen = torch.Generator().manual_seed(7 + corrupt)
-    bags, stride = 5000, 1250
-    lengths = torch.randint(0, 71, (bags,), generator=gen) * (torch.rand(bags, generator=gen) > 0.2)
+                                                                key_dtype: torch.dtype, shape: str) -> None:
+    """The GPU's warps take 32 bags a group and write their concatenated positions in rounds (several warps a
+    group where bags are long); the CPU writes bag by bag: the same positions. ``short``: 5,000 bags of 0-70 ids
+    over 4 features (runs of empty bags, bags longer than a warp, ids past the tables, starts whose ids run past
+    the buffer), a capacity that cuts the last bags. ``long``: the second half (first_bag 600) of 1,200 bags of
+    200-900 ids, a capacity past the ids, whose positions are not written. ``corrupt``: offsets that decrease
+    (kept bags' never do: theirs are sums of lengths clamped to >= 0): only the positions no two bags share are
+    compared."""
+    gen = torch.Generator().manual_seed({"short": 7, "long": 8, "corrupt": 9}[shape])
+    bags, first_bag = (1200, 600) if shape == "long" else (5000, 0)
+    lengths = (torch.randint(200, 901, (bags,), generator=gen) if shape == "long"
+               else torch.randint(0, 71, (bags,), generator=gen) * (torch.rand(bags, generator=gen) > 0.2))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    if corrupt:
+    if shape == "corrupt":
         offsets[1::97] -= 40
     n = int(lengths.sum())
     first_id = torch.randint(0, n, (bags,), generator=gen)
     ids = torch.randint(-5, 4000, (n,), generator=gen).to(ids_dtype)
+    held = bags - first_bag
     args = dict(ids=ids, weights=torch.rand(n + 9, generator=gen) if weighted else None, first_id=first_id,
                 first_weight=first_id + 9 if weighted else None, offsets=offsets,
-                feature_base=torch.tensor([0, 1000, 2000, 3000]),
-                config=as_tensor(build(OwnerKeysConfig, first_bag=0, end_bag=bags, stride=stride, key_limit=3900)))
-    capacity = n - 500
+                feature_base=torch.tensor([0, 1000, 2000, 3000], dtype=key_dtype)[:2 if shape == "long" else 4],
+                config=as_tensor(build(OwnerKeysConfig, first_bag=first_bag, end_bag=bags,
+                                       stride=held // (2 if shape == "long" else 4), key_limit=3900)))
+    count = int(offsets[-1] - offsets[first_bag])
+    capacity = count + 100 if shape == "long" else count - 500
     cpu = torch.ops.torchrec_pgas.owner_keys(**args, capacity=capacity)
-    gpu = torch.ops.torchrec_pgas.owner_keys(**{k: v.cuda() if isinstance(v, torch.Tensor) else v
+    gpu = torch.ops.torchrec_pgas.owner_keys(**{k: v.cuda() if isinstance(v, torch.Tensor) and k != "config" else v
                                                  for k, v in args.items()}, capacity=capacity)
     covered = torch.zeros(capacity, dtype=torch.int64)
-    for lo, hi in zip(offsets[:-1].clamp(0, capacity).tolist(), offsets[1:].clamp(0, capacity).tolist()):
+    rel = (offsets - offsets[first_bag]).clamp(0, capacity)
+    for lo, hi in zip(rel[first_bag:-1].tolist(), rel[first_bag + 1:].tolist()):
         covered[lo:max(lo, hi)] += 1
     once = covered == 1
+    assert bool(once[:min(count, capacity)].all()) == (shape != "corrupt") and not bool(covered[count:].any())
     for want, got in zip(cpu, gpu):
         if want.numel():
             assert torch.equal(want[once], got.cpu()[once])
-    assert bool(once.all()) != corrupt  # kept bags' offsets cover the capacity once
 
 
 @pytest.mark.parametrize("device", DEVICES)
