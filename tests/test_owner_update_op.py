@@ -460,7 +460,8 @@ def test_owner_keys_on_the_gpu_writes_what_the_cpu_path_writes(ids_dtype: torch.
     group where bags are long); the CPU writes bag by bag: the same positions. ``short``: 5,000 bags of 0-70 ids
     over 4 features (runs of empty bags, bags longer than a warp, ids past the tables, starts whose ids run past
     the buffer), a capacity that cuts the last bags. ``long``: the second half (first_bag 600) of 1,200 bags of
-    200-900 ids, a capacity past the ids, whose positions are not written. ``corrupt``: offsets that decrease
+    200-900 ids, a capacity past the ids (their positions compared; that the rest stay unwritten is
+    test_owner_keys_lays_out_a_tbes_ids_and_leaves_the_rest_of_the_capacity's). ``corrupt``: offsets that decrease
     (kept bags' never do: theirs are sums of lengths clamped to >= 0): only the positions no two bags share are
     compared."""
     gen = torch.Generator().manual_seed({"short": 7, "long": 8, "corrupt": 9}[shape])
