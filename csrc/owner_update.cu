@@ -70,11 +70,12 @@ __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
   });
 }
 
-template <typename weight_t, typename grad_t, Optimizer kOptimizer, int kColumns>
+// Phase 2 sums no id: one kernel for every gradient dtype.
+template <typename weight_t, Optimizer kOptimizer, int kColumns>
 __global__ void __launch_bounds__(kThreads, WarpLanes<kColumns>::kMinBlocks)
     owner_finish_kernel(OwnerUpdateParams p) {
   for_each_chunk<kColumns>(p, [&](int64_t c, int64_t size, int64_t used, WarpLanes<kColumns> lanes) {
-    finish_run<WarpLanes<kColumns>, weight_t, grad_t, kOptimizer>(p, c, size, used, lanes);
+    finish_run<WarpLanes<kColumns>, weight_t, kOptimizer>(p, c, size, used, lanes);
   });
 }
 
@@ -88,12 +89,12 @@ void launch(OwnerUpdateParams p, int64_t max_dim, const std::function<float*(int
   p.walkers = static_cast<int64_t>(resident) * kWarps;
   const int64_t cols = (max_dim + 31) / 32 * 32;
   p.partial_stride = 2 * cols + 1;
-  p.partials = alloc_partials(max_chunks(p.n, p.walkers) * p.partial_stride);
+  p.partials = alloc_partials(2 * max_chunks(p.n, p.walkers) * p.partial_stride);
   const int64_t needed = (p.n + kWarps * 32 - 1) / (kWarps * 32);
   const int blocks = static_cast<int>(std::min<int64_t>(needed, resident));
   walk<<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
-  owner_finish_kernel<weight_t, grad_t, kOptimizer, kColumns><<<blocks, kThreads, 0, stream>>>(p);
+  owner_finish_kernel<weight_t, kOptimizer, kColumns><<<blocks, kThreads, 0, stream>>>(p);
   PGAS_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -42,18 +42,21 @@
 // grid, so an eager step and a replay of it cut alike and sum alike, bit for
 // bit. Phase 1 (walk_chunk): a chunk's walker sums and applies every run that
 // starts in the chunk and ends in it; the positions before its first run start
-// are the tail of an earlier chunk's run (skipped); a chunk where no run starts
-// (interior to one long run) is summed whole; the sum of the run that starts in
-// a chunk and crosses its end, and an interior chunk's sum, are stored as the
-// chunk's partial (each column's compensated sum and its carry). Phase 2
-// (finish_run, after every walker of phase 1): the walker of the chunk a
-// crossing run starts in adds the partials of its interior chunks in chunk
-// order, then the run's tail terms, and applies the row. A hot row's n ids cost
+// (its head: the tail of an earlier chunk's run) are summed into the chunk's
+// head partial; a chunk where no run starts (interior to one long run) is summed
+// whole; the sum of the run that starts in a chunk and crosses its end, and an
+// interior chunk's sum, are stored as the chunk's run partial (each column's
+// compensated sum and its carry). Phase 2 (finish_run, after every walker of
+// phase 1): the walker of the chunk a crossing run starts in adds the run
+// partials of its interior chunks in chunk order, then the head partial of the
+// chunk it ends in, and applies the row: no id is summed in phase 2, whose
+// walkers are the few chunks a crossing run starts in. A hot row's n ids cost
 // its walkers n / chunks each plus one partial a chunk in phase 2: the split
 // FBGEMM makes over CTAs for runs past 1,024 ids, in a fixed order instead of
-// fp32 atomics. Partials: `partial_stride` floats a chunk, the column sums at
-// [0, cols), their carries at [cols, 2 cols) (cols = (partial_stride - 1) / 2,
-// indexed by column), then whether an id of the chunk added a term (1 or 0).
+// fp32 atomics. Partials: two slots a chunk (its run partial, then its head
+// partial) of `partial_stride` floats, the column sums at [0, cols), their
+// carries at [cols, 2 cols) (cols = (partial_stride - 1) / 2, indexed by
+// column), then whether an id added a term (1 or 0).
 //
 // Bounds: the host checks every table view and feature descriptor against the
 // tensors they name (owner_update_host.cpp). On the device a key outside
@@ -121,7 +124,7 @@ struct OwnerUpdateParams {
   const int64_t* used;  // null, or a word on the update's device: positions at or past it hold only keys past
                         // every table (a captured step's capacity); it sizes the walkers' chunks
   int64_t walkers;  // the walkers the chunks are sized for: the GPU kernel's resident warps; 1 on the CPU
-  float* partials;  // [max_chunks(n, walkers)][partial_stride]: the chunks' partial sums (phase 1 -> phase 2)
+  float* partials;  // [max_chunks(n, walkers)][2][partial_stride]: the chunks' partial sums (phase 1 -> phase 2)
   int64_t partial_stride;
 };
 
@@ -377,12 +380,23 @@ PGAS_UPDATE_FN void close_run(const OwnerUpdateParams& p, const OwnerHyper& h, c
   }
 }
 
-// A chunk's partial: the run's column sums and carries as the lane holds them, and whether an id added a term.
+// A chunk's two partials: the sum of the run that crosses its end (or of the whole chunk, where no run starts
+// in it), and the sum of its head (the positions before its first run start).
+enum class Partial : int { kRun = 0, kHead = 1 };
+
+PGAS_UPDATE_FN float* partial_at(const OwnerUpdateParams& p, int64_t chunk, Partial which) {
+  return p.partials + (2 * chunk + static_cast<int>(which)) * p.partial_stride;
+}
+
+// The columns a partial holds: the launch's widest table's.
+PGAS_UPDATE_FN int partial_columns(const OwnerUpdateParams& p) { return static_cast<int>((p.partial_stride - 1) / 2); }
+
+// A chunk's partial: the column sums and carries as the lane holds them, and whether an id added a term.
 template <typename Lanes>
-PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t chunk, int dim, const float* g,
+PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t chunk, Partial which, int dim, const float* g,
                                   const float* carry, bool added, Lanes lanes) {
-  float* out = p.partials + chunk * p.partial_stride;
-  const int64_t cols = (p.partial_stride - 1) / 2;
+  float* out = partial_at(p, chunk, which);
+  const int64_t cols = partial_columns(p);
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
     const int d = lanes.lane + j * Lanes::kCount;
@@ -396,10 +410,10 @@ PGAS_UPDATE_FN void store_partial(const OwnerUpdateParams& p, int64_t chunk, int
 
 // Adds a chunk's partial to a run's compensated sum: its sum, then its carry taken back.
 template <typename Lanes>
-PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t chunk, int dim, float* g, float* carry,
-                                bool& added, Lanes lanes) {
-  const float* in = p.partials + chunk * p.partial_stride;
-  const int64_t cols = (p.partial_stride - 1) / 2;
+PGAS_UPDATE_FN void add_partial(const OwnerUpdateParams& p, int64_t chunk, Partial which, int dim, float* g,
+                                float* carry, bool& added, Lanes lanes) {
+  const float* in = partial_at(p, chunk, which);
+  const int64_t cols = partial_columns(p);
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) {
     const int d = lanes.lane + j * Lanes::kCount;
@@ -450,11 +464,13 @@ PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
   return key >= last.key_base + last.rows;
 }
 
-// A chunk where no run starts, inside one long run (not one of keys past the tables or before them): summed
-// whole into the chunk's partial, which phase 2 adds to the run's.
+// Positions [lo, hi) of chunk `chunk`, all of one run that started in an earlier chunk (not one of keys past
+// the tables or before them): summed into the chunk's partial `which`, which phase 2 adds to the run's. The
+// whole chunk where no run starts in it (its run partial); else its head, the positions before its first run
+// start.
 template <typename Lanes, typename grad_t>
-PGAS_UPDATE_FN void sum_interior_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t lo, int64_t hi,
-                                       Lanes lanes) {
+PGAS_UPDATE_FN void sum_partial(const OwnerUpdateParams& p, int64_t chunk, Partial which, int64_t lo, int64_t hi,
+                                Lanes lanes) {
   const int64_t key = key_at(p, lo);
   if (key < 0 || past_tables(p, key)) return;
   const int dim = static_cast<int>(p.tables[table_of(p, key)].dim);
@@ -463,32 +479,46 @@ PGAS_UPDATE_FN void sum_interior_chunk(const OwnerUpdateParams& p, int64_t chunk
   for (int j = 0; j < lanes.columns(dim); ++j) g[j] = carry[j] = 0.f;
   bool added = false;
   sum_terms<Lanes, grad_t>(p, lo, hi, dim, lanes, g, carry, added);
-  store_partial(p, chunk, dim, g, carry, added, lanes);
+  store_partial(p, chunk, which, dim, g, carry, added, lanes);
+}
+
+// The first run start in [lo, hi), hi if none: kCount positions' keys at a time against the key before lo.
+template <typename Lanes>
+PGAS_UPDATE_FN int64_t first_start(const OwnerUpdateParams& p, int64_t lo, int64_t hi, Lanes lanes) {
+  if (lo == 0) return 0;
+  const int64_t key = key_at(p, lo - 1);
+  for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
+    const int64_t q = q0 + lanes.lane;
+    const unsigned starts = lanes.ballot(q < hi && key_at(p, q) != key);
+    if (starts != 0) return q0 + lanes.first(starts);
+  }
+  return hi;
 }
 
 // Phase 1 for chunk `chunk` of sorted positions, [lo, hi) = [chunk * size, min((chunk + 1) * size, used)):
 // every run that starts in it, in sorted order, summed over its ids and applied when the next run starts; the
-// last one stored as the chunk's partial instead where it runs on past hi. Positions before the chunk's first
-// run start belong to an earlier chunk's run: skipped. Per batch of kCount positions: the fields
-// lane-per-position (id_meta); then, kDepth ids at a time, their gradient rows and their runs' weight rows are
-// loaded before the first is summed, so a walker keeps kDepth rows in flight. Every branch is uniform over
-// the lanes (all of them walk the same id), so they stay converged. Keys past every table's rows sort last and
-// end every walk.
+// last one stored as the chunk's run partial instead where it runs on past hi. Positions before the chunk's
+// first run start belong to an earlier chunk's run: summed first, as the chunk's head partial, which phase 2
+// adds to that run. Then, from the first start, per batch of kCount positions: the fields lane-per-position
+// (id_meta); then, kDepth ids at a time, their gradient rows and their runs' weight rows are loaded before the
+// first is summed, so a walker keeps kDepth rows in flight. Every branch is uniform over the lanes (all of them
+// walk the same id), so they stay converged. Keys past every table's rows sort last and end every walk.
 template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
   const int64_t lo = chunk * size, hi = lo + size < used ? lo + size : used;
   if (lo >= hi) return;
   if (lo > 0 && key_at(p, lo - 1) == key_at(p, hi - 1)) {  // no run starts here
-    return sum_interior_chunk<Lanes, grad_t>(p, chunk, lo, hi, lanes);
+    return sum_partial<Lanes, grad_t>(p, chunk, Partial::kRun, lo, hi, lanes);
   }
+  const int64_t start = first_start(p, lo, hi, lanes);
+  if (start > lo) sum_partial<Lanes, grad_t>(p, chunk, Partial::kHead, lo, start, lanes);
   const OwnerHyper h = *p.hyper;  // once: the row stores below may alias it for all the compiler knows
   OpenRun<kColumns> run;
   run.table = -1;
   run.added = false;
   run.row = 0;
-  bool opened = false;  // a run of this chunk has started
-  for (int64_t q0 = lo; q0 < hi; q0 += Lanes::kCount) {
+  for (int64_t q0 = start; q0 < hi; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
     const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, true, true};
     prefetch_grad_row<grad_t>(p, mine);
@@ -497,12 +527,9 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
     // capacity: never walked).
     const unsigned past = lanes.ballot(mine.starts && mine.beyond);
     const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
+    // The batch's positions that open a run (bit i: position q0 + i); every position before its end lies in a
+    // run of this chunk (the walk starts at a run start).
     const unsigned starts = lanes.ballot(mine.starts);
-    // The batch's live positions (bit i: position q0 + i): those before its end in a run of this chunk, one
-    // opened in an earlier batch or at the batch's first start or after it; and the live ones that open a run.
-    const unsigned before_end = end == Lanes::kCount ? ~0u : (1u << end) - 1u;
-    const unsigned live = before_end & (opened ? ~0u : starts == 0 ? 0u : ~0u << lanes.first(starts));
-    const unsigned opening = live & starts;
     for (int i0 = 0; i0 < end; i0 += kDepth) {
       float term[kDepth][kColumns];
       RowBefore<kColumns> before[kDepth];
@@ -511,13 +538,12 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // loads only: kDepth ids' rows in flight
         const int i = i0 + k < end ? i0 + k : end - 1;
-        const bool is_live = i0 + k < end && ((live >> i) & 1u) != 0;
-        opens[k] = i0 + k < end && ((opening >> i) & 1u) != 0;
+        opens[k] = i0 + k < end && ((starts >> i) & 1u) != 0;
         const IdMeta id = lanes.staged(i);
         tables[k] = id.table;
         dims[k] = id.dim;
         rows[k] = id.row;
-        adds[k] = is_live && id.src >= 0;
+        adds[k] = i0 + k < end && id.src >= 0;
         load_term<Lanes, grad_t>(p, adds[k] ? id.src : -1, dims[k], id.weight, id.inv_length, lanes, term[k]);
         if (opens[k]) load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, before[k]);
       }
@@ -531,7 +557,6 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
           run.before = before[k];
           PGAS_UNROLL
           for (int j = 0; j < lanes.columns(dims[k]); ++j) run.g[j] = run.carry[j] = 0.f;
-          opened = true;
         }
         if (adds[k]) {
           run.added = true;
@@ -544,7 +569,8 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
   }
   const bool crosses = hi < used && run.table >= 0 && key_at(p, hi) == key_at(p, hi - 1);
   if (crosses) {
-    store_partial(p, chunk, static_cast<int>(p.tables[run.table].dim), run.g, run.carry, run.added, lanes);
+    store_partial(p, chunk, Partial::kRun, static_cast<int>(p.tables[run.table].dim), run.g, run.carry, run.added,
+                  lanes);
   } else {
     close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);
   }
@@ -560,9 +586,9 @@ PGAS_UPDATE_FN int64_t run_end(const OwnerUpdateParams& p, int64_t key, int64_t 
 }
 
 // Phase 2 for chunk `chunk`: where a run starts in it and crosses its end, the run's sum is its partial, then
-// the partials of the chunks it covers whole (in chunk order), then the terms of its tail (the positions of its
-// last chunk before that chunk's first run start); then the row's one update.
-template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
+// the partials of the chunks it covers whole (in chunk order), then the head partial of the chunk it ends in
+// (its tail: that chunk's positions before its first run start); then the row's one update.
+template <typename Lanes, typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
   const int64_t lo = chunk * size, hi = lo + size;
   if (hi >= used) return;
@@ -576,12 +602,13 @@ PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_
   run.added = false;
   PGAS_UNROLL
   for (int j = 0; j < lanes.columns(dim); ++j) run.g[j] = run.carry[j] = 0.f;
-  add_partial(p, chunk, dim, run.g, run.carry, run.added, lanes);
+  add_partial(p, chunk, Partial::kRun, dim, run.g, run.carry, run.added, lanes);
   const int64_t end = run_end(p, key, hi, used);
   const int64_t whole_end = end == used ? (used + size - 1) / size : end / size;  // past the chunks it covers
-  for (int64_t c = chunk + 1; c < whole_end; ++c) add_partial(p, c, dim, run.g, run.carry, run.added, lanes);
-  const int64_t tail = whole_end * size < hi ? hi : whole_end * size;
-  if (tail < end) sum_terms<Lanes, grad_t>(p, tail, end, dim, lanes, run.g, run.carry, run.added);
+  for (int64_t c = chunk + 1; c < whole_end; ++c) {
+    add_partial(p, c, Partial::kRun, dim, run.g, run.carry, run.added, lanes);
+  }
+  if (whole_end * size < end) add_partial(p, whole_end, Partial::kHead, dim, run.g, run.carry, run.added, lanes);
   if (!run.added) return;
   load_before<Lanes, weight_t, kOptimizer>(p, last.table, last.row, lanes, run.before);
   update_row<Lanes, weight_t, kOptimizer>(table, last.row, *p.hyper, p.config, lanes, run.g, run.before);

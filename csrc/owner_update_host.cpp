@@ -151,7 +151,7 @@ void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
   const int64_t used = used_positions(p), size = chunk_positions(used, p.walkers);
   const int64_t chunks = (used + size - 1) / size;
   p.partial_stride = 2 * max_dim + 1;
-  std::vector<float> partials(static_cast<size_t>(chunks * p.partial_stride));
+  std::vector<float> partials(static_cast<size_t>(2 * chunks * p.partial_stride));
   p.partials = partials.data();
   using Lanes = HostLanes;
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
@@ -163,7 +163,7 @@ void update_on_host(OwnerUpdateParams p, int64_t max_dim) {
   at::parallel_for(0, chunks, 8, [&](int64_t lo, int64_t hi) {
     IdMeta staged;
     for (int64_t c = lo; c < hi; ++c) {
-      finish_run<Lanes, weight_t, grad_t, kOptimizer>(p, c, size, used, Lanes{0, &staged});
+      finish_run<Lanes, weight_t, kOptimizer>(p, c, size, used, Lanes{0, &staged});
     }
   });
 }
