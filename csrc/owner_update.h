@@ -520,13 +520,15 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
   run.row = 0;
   for (int64_t q0 = start; q0 < hi; q0 += Lanes::kCount) {
     const int64_t q = q0 + lanes.lane;
-    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, true, true};
+    const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, false, false};
     prefetch_grad_row<grad_t>(p, mine);
     lanes.stage(mine);
-    // The batch ends at hi or at the first key past every table (the padding of a captured step's fixed
-    // capacity: never walked).
+    // The batch ends at hi (batches start at the first run start, so the last may overrun the chunk: a run open
+    // there goes on into the next chunk) or at the first key past every table (the padding of a captured step's
+    // fixed capacity: never walked; it ends the walk).
     const unsigned past = lanes.ballot(mine.starts && mine.beyond);
-    const int end = past != 0 ? lanes.first(past) : Lanes::kCount;
+    const int in_chunk = hi - q0 < Lanes::kCount ? static_cast<int>(hi - q0) : Lanes::kCount;
+    const int end = past != 0 ? lanes.first(past) : in_chunk;
     // The batch's positions that open a run (bit i: position q0 + i); every position before its end lies in a
     // run of this chunk (the walk starts at a run start).
     const unsigned starts = lanes.ballot(mine.starts);
@@ -565,7 +567,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
         }
       }
     }
-    if (end < Lanes::kCount) return close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);  // the padding
+    if (past != 0) return close_run<Lanes, weight_t, kOptimizer>(p, h, run, lanes);  // the padding
   }
   const bool crosses = hi < used && run.table >= 0 && key_at(p, hi) == key_at(p, hi - 1);
   if (crosses) {
