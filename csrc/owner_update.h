@@ -27,10 +27,13 @@
 // in fp32 with Kahan compensation: a plain running sum drifts by about
 // n * eps / 4 over a hot row's n ids (1-3e-5 at 3000), FBGEMM's GPU kernel
 // splits long runs over warps, and the compensated sum stays within an ulp or
-// two of the exact one at any length. One deterministic sum per row whatever
-// the device (the products are rounded before the sum, never contracted into
-// it); only row-wise Adagrad's sum of the row's squares adds in another order
-// on a GPU (each lane's columns, then across the lanes) than on the CPU.
+// two of the exact one at any length. The sums are deterministic: a device
+// sums a row alike in every run, eager and replayed (the products are rounded
+// before the sum, never contracted into it). Devices may differ in the last
+// bits: a run that crosses a chunk boundary is summed in compensated pieces,
+// and the chunks follow the walkers (below), and row-wise Adagrad's sum of the
+// row's squares adds in another order on a GPU (each lane's columns, then
+// across the lanes) than on the CPU.
 // Then one update of that row and its optimizer state in fp32, stored in the
 // weights' dtype (round to nearest). No two walkers write one row and nothing
 // is atomic (so the keys must be sorted: unsorted ones would split a row into
@@ -464,10 +467,10 @@ PGAS_UPDATE_FN bool past_tables(const OwnerUpdateParams& p, int64_t key) {
   return key >= last.key_base + last.rows;
 }
 
-// Positions [lo, hi) of chunk `chunk`, all of one run that started in an earlier chunk (not one of keys past
-// the tables or before them): summed into the chunk's partial `which`, which phase 2 adds to the run's. The
-// whole chunk where no run starts in it (its run partial); else its head, the positions before its first run
-// start.
+// Positions [lo, hi) of chunk `chunk`, all of one run that started in an earlier chunk: summed into the chunk's
+// partial `which`, which phase 2 adds to the run's (nothing is stored for keys outside every table: phase 2
+// finishes no such run). The whole chunk where no run starts in it (its run partial); else its head, the
+// positions before its first run start.
 template <typename Lanes, typename grad_t>
 PGAS_UPDATE_FN void sum_partial(const OwnerUpdateParams& p, int64_t chunk, Partial which, int64_t lo, int64_t hi,
                                 Lanes lanes) {

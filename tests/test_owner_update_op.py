@@ -171,9 +171,9 @@ def test_a_row_of_100k_ids_matches_the_float64_reference(device: str, optimizer:
                                                          weight_dtype: torch.dtype, grad_dtype: torch.dtype,
                                                          pooling: PoolingMode, weighted: bool,
                                                          mode: WeightDecayMode) -> None:
-    """A run of 10^5 ids crosses hundreds of chunks: its partials and tail, added in phase 2, give the row's
-    sum as the reference's float64 sum does, within rtol 1e-5 (fp16 weights: one ulp); two runs of the op
-    agree bit for bit."""
+    """A run of 10^5 ids crosses hundreds of chunks: its partials and the head of the chunk it ends in, added in
+    phase 2, give the row's sum as the reference's float64 sum does, within rtol 1e-5 (fp16 weights: one ulp);
+    two runs of the op agree bit for bit."""
     dev, batch = torch.device(device), 32
     kjt = _long_run_kjt(batch, weighted, dev)
     grad = (torch.randn(batch, 64 + 16 + 16, generator=torch.Generator().manual_seed(2)) * 0.1).to(grad_dtype).to(dev)
@@ -353,7 +353,7 @@ def test_op_walks_alike_at_any_chunk_size(n: int) -> None:
                                              bags=torch.cat([bags, torch.full((pad,), -1, dtype=torch.int32)]),
                                              used=used))
         _run(got)
-        # the same sums in the same order; only the row's square sum adds the lanes in another order
+        # the same terms; the GPU's chunks (and so its sums' pieces) and its square sum's order differ
         for name in ("weights", "momentum1"):
             torch.testing.assert_close(got[name][0].cpu(), want[name][0], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}, used {used}: {m}")

@@ -6,7 +6,7 @@ What FBGEMM's fused backward does for its exact optimizers, as one pass over the
 1. gradient rows: every (bag, id) pair's row is its bag's pooled gradient (times 1/length, rounded to the
    gradient's dtype, when the TBE pools by MEAN), times the id's per-sample weight;
 2. aggregation: summed per distinct (table, row), in the order the ids arrived (a stable sort by row, then a
-   segment sum in fp32): deterministic, whatever the device;
+   segment sum in fp32): deterministic on every device;
 3. update: one optimizer step of each distinct row, in fp32, stored back in the weights' precision (round to
    nearest: stochastic rounding falls back to FBGEMM), into ``split_embedding_weights()`` and
    ``split_optimizer_states()``, the tensors ``state_dict`` and ``fused_optimizer`` hold, so checkpoints and
