@@ -911,7 +911,7 @@ def summary_table(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> s
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default quick")
     parser.add_argument("--workloads", default="", metavar="REGEX",
@@ -961,9 +961,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "<side>_train_host_p50_ms) and cProfile's top functions, <out>/host_profile/<workload>-"
                              "<side>.txt (rank 0)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>)")
-    args = parser.parse_args(argv)
-    if args.node_size is not None:
-        os.environ["LOCAL_WORLD_SIZE"] = str(args.node_size)  # TorchRec's node groups, read at sharding
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses the flag combinations that would measure something else than they name."""
     if args.mode == "train" and args.inference_only:
         parser.error("--mode train needs the training layout: drop --inference-only")
     if args.train_graph and (args.mode != "train" or args.owner_backward != "pgas" or not args.no_graph
@@ -978,20 +980,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error("--host-profile profiles the training step: add --mode train")
     if args.layout_ab and (args.inference_only or args.mode == "train"):
         parser.error("--layout-ab compares the two layouts' forwards: drop --inference-only and --mode train")
-    presets = args.preset or ["quick"]
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    workloads = [w for p in presets for w in PRESETS[p](world) if re.search(args.workloads, w.name)]
-    bandwidths = measure_bandwidths(device) if cuda else None
-    today = datetime.date.today().isoformat()
-    args.out = args.out or os.path.join("benchmarks", "results", f"{today}-{device_tag(device, world)}-{git_commit()}")
 
-    # inputs first: they size the PGAS buffers (and the NVSHMEM heap) exactly
+def _step_inputs(workloads: List[Workload], args: argparse.Namespace, rank: int, device: torch.device
+                 ) -> Tuple[Dict[Workload, List[KeyedJaggedTensor]], Dict[Tuple[Hashable, ...], int]]:
+    """Every workload's input sets, and the ids capacity of each group of workloads that share models (the
+    largest step of the group on any rank): the inputs come first because they size the PGAS buffers (and the
+    NVSHMEM heap) exactly."""
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
     group = own_models if owns_models(args) else shared_models
     capacity: Dict[Tuple[Hashable, ...], int] = {}
@@ -1000,30 +995,36 @@ def main(argv: Optional[List[str]] = None) -> None:
         nnz = torch.tensor(max(x.values().numel() for x in inputs[w]), device=device)
         dist.all_reduce(nnz, op=dist.ReduceOp.MAX)
         capacity[group(w)] = max(capacity.get(group(w), 1), int(nnz))
-    if cuda and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
-        heap = symmetric_heap_bytes(workloads, world, capacity, group) + (1 << 30)
-        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
+    return inputs, capacity
 
+
+def _run_meta(args: argparse.Namespace, device: torch.device, world: int, today: str,
+              bandwidths: Optional[Tuple[float, float]]) -> Dict[str, Any]:
+    """What results.json records of the run beside its rows."""
+    train = args.mode == "train"
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "world_size": world,
+        "commit": git_commit(), "torch": torch.__version__, "date": today,
+        "presets": args.preset or ["quick"], "workloads": args.workloads, "pair": args.pair, "steps": args.steps,
+        "warmup": args.warmup, "input_sets": args.sets, "stage_steps": args.stage_steps,
+        "own_models": owns_models(args),
+        "pgas_training_layout": not args.inference_only, "mode": args.mode,
+        "optimizer": args.optimizer if train else None, "owner_backward": args.owner_backward,
+        "eager_backward_graphs": not args.launched_backward, "max_padded_eager_ids": args.max_padded_eager_ids,
+        "learning_rate": args.lr if train else None,
+        "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
+        "argv": sys.argv,
+    }
+
+
+def _run_workloads(workloads: List[Workload], inputs: Dict[Workload, List[KeyedJaggedTensor]],
+                   capacity: Dict[Tuple[Hashable, ...], int], args: argparse.Namespace, device: torch.device,
+                   bandwidths: Optional[Tuple[float, float]], meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each group of workloads on its own stock and PGAS models (sized for the group's largest step); rank 0
+    writes the rows after every workload, so a run cut short keeps them."""
+    rank = dist.get_rank()
+    group = own_models if owns_models(args) else shared_models
     rows: List[Dict[str, Any]] = []
-
-    def save(rows: List[Dict[str, Any]], single: List[Dict[str, Any]]) -> str:
-        """Write results.json/csv (rank 0) under ``--out``; after every workload, so a run cut short keeps its rows."""
-        meta = {
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
-            "commit": git_commit(), "torch": torch.__version__, "date": today,
-            "presets": presets, "workloads": args.workloads, "pair": args.pair, "steps": args.steps,
-            "warmup": args.warmup, "input_sets": args.sets, "stage_steps": args.stage_steps,
-            "own_models": owns_models(args),
-            "pgas_training_layout": not args.inference_only, "mode": args.mode,
-            "optimizer": args.optimizer if args.mode == "train" else None, "owner_backward": args.owner_backward,
-            "eager_backward_graphs": not args.launched_backward, "max_padded_eager_ids": args.max_padded_eager_ids,
-            "learning_rate": args.lr if args.mode == "train" else None,
-            "hbm_gbps": bandwidths[0] if bandwidths else None, "p2p_gbps": bandwidths[1] if bandwidths else None,
-            "argv": sys.argv,
-        }
-        write_results(args.out, meta, rows, single)
-        return args.out
-
     fused_params = ({"optimizer": OPTIMIZERS[args.optimizer][0], "learning_rate": args.lr}
                     if args.mode == "train" else None)
     progress = tqdm(total=len(workloads), disable=rank != 0, file=sys.stderr, desc="workloads")
@@ -1044,31 +1045,60 @@ def main(argv: Optional[List[str]] = None) -> None:
                 rows.append(run_workload(w, stock, pgas, inputs.pop(w), args, device, bandwidths, inference))
                 progress.update()
                 if rank == 0:
-                    save(rows, [])
+                    write_results(args.out, meta, rows, [])
             del stock, pgas, inference
             gc.collect()
-            if cuda:
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
     progress.close()
+    return rows
 
+
+def _single_gpu_references(args: argparse.Namespace, device: torch.device) -> List[Dict[str, Any]]:
+    """The unsharded TBE's step of each scaling preset on rank 0's GPU (the others wait)."""
     single: List[Dict[str, Any]] = []
-    if cuda and not args.no_single_gpu:
-        for preset in (p for p in presets if p in SINGLE_GPU):
-            w = PRESETS[preset](world)[0]
-            if rank == 0:
-                single.append(single_gpu_reference(preset, w, args, device))
-            gc.collect()
-            torch.cuda.empty_cache()
-            dist.barrier()
+    for preset in (p for p in args.preset or ["quick"] if p in SINGLE_GPU):
+        w = PRESETS[preset](dist.get_world_size())[0]
+        if dist.get_rank() == 0:
+            single.append(single_gpu_reference(preset, w, args, device))
+        gc.collect()
+        torch.cuda.empty_cache()
+        dist.barrier()
+    return single
 
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    if args.node_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.node_size)  # TorchRec's node groups, read at sharding
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    workloads = [w for p in args.preset or ["quick"] for w in PRESETS[p](world) if re.search(args.workloads, w.name)]
+    bandwidths = measure_bandwidths(device) if cuda else None
+    today = datetime.date.today().isoformat()
+    args.out = args.out or os.path.join("benchmarks", "results", f"{today}-{device_tag(device, world)}-{git_commit()}")
+    inputs, capacity = _step_inputs(workloads, args, rank, device)
+    if cuda and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        group = own_models if owns_models(args) else shared_models
+        heap = symmetric_heap_bytes(workloads, world, capacity, group) + (1 << 30)
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
+    meta = _run_meta(args, device, world, today, bandwidths)
+    rows = _run_workloads(workloads, inputs, capacity, args, device, bandwidths, meta)
+    single = _single_gpu_references(args, device) if cuda and not args.no_single_gpu else []
     if rank == 0:
-        out_dir = save(rows, single)
+        write_results(args.out, meta, rows, single)
         if bandwidths:
             print(f"measured: HBM {bandwidths[0]:.0f} GB/s (copy), P2P {bandwidths[1]:.0f} GB/s per direction")
         print(summary_table(rows, single))
-        print(f"results: {out_dir}/results.json")
+        print(f"results: {args.out}/results.json")
     shutdown()
-
 
 if __name__ == "__main__":
     main()
