@@ -411,6 +411,11 @@ def own_models(w: Workload) -> Tuple[Hashable, ...]:
     return (w.preset, w.name)
 
 
+def model_group(args: argparse.Namespace) -> Callable[[Workload], Tuple[Hashable, ...]]:
+    """The key under which workloads share models: each its own (``owns_models``), else its table shape."""
+    return own_models if owns_models(args) else shared_models
+
+
 def symmetric_heap_bytes(workloads: Sequence[Workload], world: int, capacity: Dict[Tuple[Hashable, ...], int],
                          group: ModelGroup) -> int:
     """NVSHMEM heap for every PGAS sharding of the run (buffers live until exit)."""
@@ -988,7 +993,7 @@ def _step_inputs(workloads: List[Workload], args: argparse.Namespace, rank: int,
     largest step of the group on any rank): the inputs come first because they size the PGAS buffers (and the
     NVSHMEM heap) exactly."""
     inputs: Dict[Workload, List[KeyedJaggedTensor]] = {}
-    group = own_models if owns_models(args) else shared_models
+    group = model_group(args)
     capacity: Dict[Tuple[Hashable, ...], int] = {}
     for k, w in enumerate(workloads):
         inputs[w] = make_inputs(w, w.tables, w.batch_per_gpu, args.sets, seed=1000 * rank + k, device=device)
@@ -1005,7 +1010,7 @@ def _run_meta(args: argparse.Namespace, device: torch.device, world: int, today:
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "world_size": world,
         "commit": git_commit(), "torch": torch.__version__, "date": today,
-        "presets": args.preset or ["quick"], "workloads": args.workloads, "pair": args.pair, "steps": args.steps,
+        "presets": args.preset, "workloads": args.workloads, "pair": args.pair, "steps": args.steps,
         "warmup": args.warmup, "input_sets": args.sets, "stage_steps": args.stage_steps,
         "own_models": owns_models(args),
         "pgas_training_layout": not args.inference_only, "mode": args.mode,
@@ -1023,7 +1028,7 @@ def _run_workloads(workloads: List[Workload], inputs: Dict[Workload, List[KeyedJ
     """Each group of workloads on its own stock and PGAS models (sized for the group's largest step); rank 0
     writes the rows after every workload, so a run cut short keeps them."""
     rank = dist.get_rank()
-    group = own_models if owns_models(args) else shared_models
+    group = model_group(args)
     rows: List[Dict[str, Any]] = []
     fused_params = ({"optimizer": OPTIMIZERS[args.optimizer][0], "learning_rate": args.lr}
                     if args.mode == "train" else None)
@@ -1057,7 +1062,7 @@ def _run_workloads(workloads: List[Workload], inputs: Dict[Workload, List[KeyedJ
 def _single_gpu_references(args: argparse.Namespace, device: torch.device) -> List[Dict[str, Any]]:
     """The unsharded TBE's step of each scaling preset on rank 0's GPU (the others wait)."""
     single: List[Dict[str, Any]] = []
-    for preset in (p for p in args.preset or ["quick"] if p in SINGLE_GPU):
+    for preset in (p for p in args.preset if p in SINGLE_GPU):
         w = PRESETS[preset](dist.get_world_size())[0]
         if dist.get_rank() == 0:
             single.append(single_gpu_reference(preset, w, args, device))
@@ -1071,6 +1076,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    args.preset = args.preset or ["quick"]
     if args.node_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(args.node_size)  # TorchRec's node groups, read at sharding
 
@@ -1080,14 +1086,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    workloads = [w for p in args.preset or ["quick"] for w in PRESETS[p](world) if re.search(args.workloads, w.name)]
+    workloads = [w for p in args.preset for w in PRESETS[p](world) if re.search(args.workloads, w.name)]
     bandwidths = measure_bandwidths(device) if cuda else None
     today = datetime.date.today().isoformat()
     args.out = args.out or os.path.join("benchmarks", "results", f"{today}-{device_tag(device, world)}-{git_commit()}")
     inputs, capacity = _step_inputs(workloads, args, rank, device)
     if cuda and "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
-        group = own_models if owns_models(args) else shared_models
-        heap = symmetric_heap_bytes(workloads, world, capacity, group) + (1 << 30)
+        heap = symmetric_heap_bytes(workloads, world, capacity, model_group(args)) + (1 << 30)
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
     meta = _run_meta(args, device, world, today, bandwidths)
     rows = _run_workloads(workloads, inputs, capacity, args, device, bandwidths, meta)
