@@ -54,7 +54,7 @@
 #              rounds (scripts/compare_runs.py rounds)
 #   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
-#              (as virtual's); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full), of
+#              (as virtual's), in OWNER_OP_ROUNDS alternating rounds (default 1); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full), of
 #              OWNER_OP_NCU_PRESET's walk launch OWNER_OP_NCU_SKIP (default 1: the first workload's timed one;
 #              a workload launches it twice, so 5 is a three-workload preset's third), or of every kernel of
 #              OWNER_OP_NCU_SIDE's (pgas: its owner_ kernels; fbgemm) timed step of the workload named
@@ -216,16 +216,21 @@ if has owner-op; then
   # benchmarks.owner_op on GPU 0 for the tree and each of AB_VARIANTS (results under $OUT/owner-op[-variant]),
   # then, with OWNER_OP_NCU=1, ncu of the tree's walk (every section: the op alone fits ncu's memory save).
   read -r -a OARGS <<< "${OWNER_OP_ARGS:---preset s000-weak --preset s000-strong --steps 20}"
-  for variant in tree ${AB_VARIANTS:-}; do
-    name=$(variant_name owner-op "$variant")
-    dir=$(variant_dir "$variant") || continue
-    log "owner op against FBGEMM ($variant, in $dir): ${OARGS[*]}"
-    (cd "$dir" && PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${OWNER_OP_TIMEOUT:-300}" \
-      "$PY" -m benchmarks.owner_op "${OARGS[@]}" --out "$OUT/$name") > /tmp/owner_op.log 2>&1
-    echo "owner-op $variant exit $?" | tee -a "$OUT/summary.txt"
-    { echo "### $variant"; cat /tmp/owner_op.log; } >> "$OUT/owner_op.log"
-    sed -n '/^measured:/,$p' /tmp/owner_op.log | grep -v "^results:" | tee -a "$OUT/summary.txt"
-    grep -E "Error" /tmp/owner_op.log | tail -3 | tee -a "$OUT/summary.txt"
+  # OWNER_OP_ROUNDS rounds alternate the builds (tree, variants, tree, ...; round k > 1 into <name>-r<k>): the
+  # second build of a lease ran the same sort up to 9% shorter than the first, so small effects need both orders.
+  for round in $(seq 1 "${OWNER_OP_ROUNDS:-1}"); do
+    for variant in tree ${AB_VARIANTS:-}; do
+      name=$(variant_name owner-op "$variant")
+      [ "$round" -gt 1 ] && name=$name-r$round
+      dir=$(variant_dir "$variant") || continue
+      log "owner op against FBGEMM ($variant, round $round, in $dir): ${OARGS[*]}"
+      (cd "$dir" && PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=0 timeout "${OWNER_OP_TIMEOUT:-300}" \
+        "$PY" -m benchmarks.owner_op "${OARGS[@]}" --out "$OUT/$name") > /tmp/owner_op.log 2>&1
+      echo "owner-op $variant round $round exit $?" | tee -a "$OUT/summary.txt"
+      { echo "### $variant, round $round"; cat /tmp/owner_op.log; } >> "$OUT/owner_op.log"
+      sed -n '/^measured:/,$p' /tmp/owner_op.log | grep -v "^results:" | tee -a "$OUT/summary.txt"
+      grep -E "Error" /tmp/owner_op.log | tail -3 | tee -a "$OUT/summary.txt"
+    done
   done
   if [ -n "${OWNER_OP_NCU:-}" ]; then
     # Which launches: OWNER_OP_NCU_WORKLOAD names a workload (run alone; benchmarks.owner_op's NVTX start/end
