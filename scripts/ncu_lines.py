@@ -120,7 +120,8 @@ def _print_loops(loops: List[Loop], samples: float, executed: float) -> None:
         s, i = loop.samples / (samples or 1.0), loop.executed / (executed or 1.0)
         if s >= 0.01 or i >= 0.01:
             print(f"  {loop.first:#07x}-{loop.last:#07x}: {loop.instructions:5d} SASS, {loop.global_loads:3d} LDG, "
-                  f"{loop.spills:2d} LDL/STL, {100 * s:5.1f}% samples, {100 * i:5.1f}% inst ({loop.executed / 1e6:.0f}M)")
+                  f"{loop.spills:2d} LDL/STL, {100 * s:5.1f}% samples, {100 * i:5.1f}% inst "
+                  f"({loop.executed / 1e6:.0f}M)")
 
 
 if __name__ == "__main__":
