@@ -1105,5 +1105,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"results: {args.out}/results.json")
     shutdown()
 
+
 if __name__ == "__main__":
     main()

@@ -54,11 +54,12 @@
 #              rounds (scripts/compare_runs.py rounds)
 #   owner-op   benchmarks.owner_op on GPU 0: the owner_update op against FBGEMM's backward on the same ids
 #              (OWNER_OP_ARGS, default s000-weak and s000-strong, 20 steps), for the tree and each of AB_VARIANTS
-#              (as virtual's), in OWNER_OP_ROUNDS alternating rounds (default 1); OWNER_OP_NCU=1 adds ncu of the walk with every section (--set full), of
-#              OWNER_OP_NCU_PRESET's walk launch OWNER_OP_NCU_SKIP (default 1: the first workload's timed one;
-#              a workload launches it twice, so 5 is a three-workload preset's third), or of every kernel of
-#              OWNER_OP_NCU_SIDE's (pgas: its owner_ kernels; fbgemm) timed step of the workload named
-#              OWNER_OP_NCU_WORKLOAD, into ncu/ncu_owner_op[_OWNER_OP_NCU_NAME]_*
+#              (as virtual's), in OWNER_OP_ROUNDS alternating rounds (default 1); OWNER_OP_NCU=1 adds ncu of
+#              the walk with every section (--set full), of OWNER_OP_NCU_PRESET's walk launch OWNER_OP_NCU_SKIP
+#              (default 1: the first workload's timed one; a workload launches it twice, so 5 is a
+#              three-workload preset's third), or of every kernel of OWNER_OP_NCU_SIDE's (pgas: its owner_
+#              kernels; fbgemm) timed step of the workload named OWNER_OP_NCU_WORKLOAD, into
+#              ncu/ncu_owner_op[_OWNER_OP_NCU_NAME]_*
 #   ceiling    benchmarks/gather_ceiling.cu on GPU 0: random-row gather, streaming read and copy bandwidth
 #   profile    ncu of the stage kernels (default: the fused kernels, index_dist|pooled_lookup|combine_partials,
 #              on one GPU; NCU_* variables: what, where, NCU_NPROC=2: rank 0 of two, NCU_VIRTUAL: virtual

@@ -85,9 +85,10 @@ def loop_totals(path: str, function: str) -> Tuple[List[Loop], float, float]:
     loops = []
     for at in addresses:
         branch = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", sass[at][0])
-        if branch is None or int(branch.group(1), 16) > at:
+        target = int(branch.group(1), 16) if branch else at + 1
+        if target > at:
             continue
-        body = [a for a in addresses if int(branch.group(1), 16) <= a <= at]
+        body = [a for a in addresses if target <= a <= at]
         loops.append(Loop(body[0] - base, at - base, len(body), sum("LDG" in sass[a][0] for a in body),
                           sum(re.search(r"\b(LDL|STL)\b", sass[a][0]) is not None for a in body),
                           sum(sass[a][1] for a in body), sum(sass[a][2] for a in body)))
