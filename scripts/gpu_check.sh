@@ -184,6 +184,13 @@ variant_dir() {
   fi
   echo "$dir"
 }
+# prebuild_variants: every AB_VARIANTS build at once (each ~1.3 min alone, mostly one nvcc process), so a step's
+# loop over them finds them built; a failed build is reported again by variant_dir in that loop.
+prebuild_variants() {
+  local variant
+  for variant in ${AB_VARIANTS:-}; do variant_dir "$variant" > /dev/null & done
+  wait
+}
 variant_name() { if [ "$2" = tree ]; then echo "$1"; else echo "$1-$(basename "$2")"; fi; }
 
 # ncu_export REPORT NAME KERNELS: an ncu report's details and per-line source counters into
@@ -199,6 +206,7 @@ ncu_export() {
 
 if has virtual; then
   # One results.json per variant (the tree's first) under $OUT/virtual[-variant], their logs in virtual.log.
+  prebuild_variants
   read -r -a VARGS <<< "${VIRTUAL_ARGS:---preset s000-weak --preset s000-strong --world 1 --world 2 --pair rw --pair tw}"
   for variant in tree ${AB_VARIANTS:-}; do
     name=$(variant_name virtual "$variant")
@@ -216,6 +224,7 @@ fi
 if has owner-op; then
   # benchmarks.owner_op on GPU 0 for the tree and each of AB_VARIANTS (results under $OUT/owner-op[-variant]),
   # then, with OWNER_OP_NCU=1, ncu of the tree's walk (every section: the op alone fits ncu's memory save).
+  prebuild_variants
   read -r -a OARGS <<< "${OWNER_OP_ARGS:---preset s000-weak --preset s000-strong --steps 20}"
   # OWNER_OP_ROUNDS rounds alternate the builds (tree, variants, tree, ...; round k > 1 into <name>-r<k>): the
   # second build of a lease ran the same sort up to 9% shorter than the first, so small effects need both orders.
