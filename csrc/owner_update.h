@@ -260,26 +260,11 @@ PGAS_UPDATE_FN void prefetch_l2(const void* row, int64_t bytes) {
 }
 
 // The gradient row one position of a batch will be read for, asked of L2 as the batch starts: the walk then
-// loads rows kDepth ids at a time, so without it a walker has only those kDepth rows in flight from DRAM.
+// loads rows kDepth ids at a time, so without it a walker has only those kDepth rows in flight from DRAM. The
+// weight and optimizer-state rows are not asked for: each is read once per run, by the run's first ids.
 template <typename grad_t>
 PGAS_UPDATE_FN void prefetch_grad_row(const OwnerUpdateParams& p, const IdMeta& m) {
   if (m.src >= 0) prefetch_l2(static_cast<const grad_t*>(p.grad) + m.src, m.dim * int64_t{sizeof(grad_t)});
-}
-
-// The state a run's update reads and writes (its weight row and optimizer state), asked of L2 as the batch
-// that opens the run starts (or as phase 2 starts a crossing run's partials), for the same reason: the walk
-// loads it with the run's first id, and its first use waits on DRAM otherwise. `table` -1 asks nothing.
-template <typename weight_t, Optimizer kOptimizer>
-PGAS_UPDATE_FN void prefetch_state(const OwnerUpdateParams& p, int32_t table, int64_t row) {
-  if (table < 0) return;
-  const OwnerTable& t = p.tables[table];
-  const int64_t dim = t.dim;
-  prefetch_l2(static_cast<const weight_t*>(t.weights) + row * dim, dim * int64_t{sizeof(weight_t)});
-  if (kOptimizer == Optimizer::kRowwiseAdagrad) prefetch_l2(t.momentum1 + row, sizeof(float));
-  if (kOptimizer == Optimizer::kAdam) {
-    prefetch_l2(t.momentum1 + row * dim, dim * int64_t{sizeof(float)});
-    prefetch_l2(t.momentum2 + row * dim, dim * int64_t{sizeof(float)});
-  }
 }
 
 // a * b rounded to fp32 on its own: never contracted into a following add.
@@ -540,7 +525,6 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
     const int64_t q = q0 + lanes.lane;
     const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, false, false};
     prefetch_grad_row<grad_t>(p, mine);
-    if (mine.starts) prefetch_state<weight_t, kOptimizer>(p, mine.table, mine.row);
     lanes.stage(mine);
     // The batch ends at hi (batches start at the first run start, so the last may overrun the chunk: a run open
     // there goes on into the next chunk) or at the first key past every table (the padding of a captured step's
@@ -617,7 +601,6 @@ PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_
   if (key_at(p, hi) != key || (lo > 0 && key_at(p, lo - 1) == key)) return;  // ends here, or starts before
   const IdMeta last = id_meta(p, hi - 1);
   if (last.table < 0) return;  // a key outside the tables: nothing was stored
-  prefetch_state<weight_t, kOptimizer>(p, last.table, last.row);
   const OwnerTable& table = p.tables[last.table];
   const int dim = static_cast<int>(table.dim);
   OpenRun<Lanes::kMaxColumns> run;
