@@ -20,9 +20,9 @@ constexpr int kWarps = kThreads / 32;
 // A warp as the walk's lanes: kColumns columns a lane (dim <= 32 * kColumns,
 // sized by the widest table of the launch), and as many ids' rows in flight
 // (kDepth) as registers allow at kMinBlocks CTAs per SM. Chosen by measurement
-// (benchmarks/archive/NOTES-2026-11.md.gz §33, §35): up to dim 64, 4 CTAs at 64 registers, where
-// ptxas (nvcc 13.0, sm_90a, -Xptxas -v) spills up to 60 bytes in some
-// instantiations, beat 3 CTAs without spills; wider rows spill nothing.
+// (benchmarks/archive/NOTES-2026-11.md.gz §33, §35; benchmarks/NOTES.md, 2026-12-02): up to dim 64, 4 CTAs
+// at 64 registers, where ptxas (nvcc 13.0, sm_90a, -Xptxas -v) spills up to 32 bytes in some
+// instantiations, beat 3 CTAs without spills and 5 at 48 registers; wider rows spill nothing.
 template <int kColumns>
 struct WarpLanes {
   static constexpr int kCount = 32;

@@ -205,8 +205,8 @@ PGAS_UPDATE_FN AdamColumn adam_column(float w, float g, float m1, float m2, cons
 // where a shuffle moves 4, and no lane holds its position's fields while the
 // batch is walked). sum adds a value over the lanes, ballot gathers a flag per lane
 // (lane i: bit i), sync orders the lanes' reads of a row's state before a
-// write. kDepth: the ids whose gradient rows (and, at a run's start, weight
-// row) are loaded before the first of them is summed.
+// write. kDepth: the ids whose gradient rows are loaded before the first of
+// them is summed.
 
 // What the walk needs of sorted position q, read lane-per-position: its row
 // (table -1: a key outside every table's rows, whose run is skipped), whether it
@@ -260,11 +260,26 @@ PGAS_UPDATE_FN void prefetch_l2(const void* row, int64_t bytes) {
 }
 
 // The gradient row one position of a batch will be read for, asked of L2 as the batch starts: the walk then
-// loads rows kDepth ids at a time, so without it a walker has only those kDepth rows in flight from DRAM. The
-// weight and optimizer-state rows are not asked for: each is read once per run, by the run's first ids.
+// loads rows kDepth ids at a time, so without it a walker has only those kDepth rows in flight from DRAM.
 template <typename grad_t>
 PGAS_UPDATE_FN void prefetch_grad_row(const OwnerUpdateParams& p, const IdMeta& m) {
   if (m.src >= 0) prefetch_l2(static_cast<const grad_t*>(p.grad) + m.src, m.dim * int64_t{sizeof(grad_t)});
+}
+
+// The state a run's update reads and writes (its weight row and optimizer state), asked of L2 as the batch
+// that opens the run starts (or as phase 2 starts a crossing run's partials), for the same reason: the walk
+// loads it with the run's first id, and its first use waits on DRAM otherwise. `table` -1 asks nothing.
+template <typename weight_t, Optimizer kOptimizer>
+PGAS_UPDATE_FN void prefetch_state(const OwnerUpdateParams& p, int32_t table, int64_t row) {
+  if (table < 0) return;
+  const OwnerTable& t = p.tables[table];
+  const int64_t dim = t.dim;
+  prefetch_l2(static_cast<const weight_t*>(t.weights) + row * dim, dim * int64_t{sizeof(weight_t)});
+  if (kOptimizer == Optimizer::kRowwiseAdagrad) prefetch_l2(t.momentum1 + row, sizeof(float));
+  if (kOptimizer == Optimizer::kAdam) {
+    prefetch_l2(t.momentum1 + row * dim, dim * int64_t{sizeof(float)});
+    prefetch_l2(t.momentum2 + row * dim, dim * int64_t{sizeof(float)});
+  }
 }
 
 // a * b rounded to fp32 on its own: never contracted into a following add.
@@ -285,7 +300,7 @@ PGAS_UPDATE_FN void add_compensated(float& sum, float& carry, float term) {
 }
 
 // A row's weights (the lane's columns) and row-wise momentum as they were
-// before the update: loaded with the gradient rows of its run's first ids.
+// before the update: loaded as the run opens, once the run before it is applied.
 template <int kMaxColumns>
 struct RowBefore {
   float w[kMaxColumns];
@@ -503,9 +518,10 @@ PGAS_UPDATE_FN int64_t first_start(const OwnerUpdateParams& p, int64_t lo, int64
 // last one stored as the chunk's run partial instead where it runs on past hi. Positions before the chunk's
 // first run start belong to an earlier chunk's run: summed first, as the chunk's head partial, which phase 2
 // adds to that run. Then, from the first start, per batch of kCount positions: the fields lane-per-position
-// (id_meta); then, kDepth ids at a time, their gradient rows and their runs' weight rows are loaded before the
-// first is summed, so a walker keeps kDepth rows in flight. Every branch is uniform over the lanes (all of them
-// walk the same id), so they stay converged. Keys past every table's rows sort last and end every walk.
+// (id_meta); then, kDepth ids at a time, their gradient rows are loaded before the first is summed, so a walker
+// keeps kDepth rows in flight; a run's weight row and state are loaded as it opens, once the run before it is
+// applied. Every branch is uniform over the lanes (all of them walk the same id), so they stay converged. Keys
+// past every table's rows sort last and end every walk.
 template <typename Lanes, typename weight_t, typename grad_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_t size, int64_t used, Lanes lanes) {
   constexpr int kDepth = Lanes::kDepth, kColumns = Lanes::kMaxColumns;
@@ -525,6 +541,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
     const int64_t q = q0 + lanes.lane;
     const IdMeta mine = q < hi ? id_meta(p, q) : IdMeta{-1, 0.f, 0.f, 0, -1, 0, false, false};
     prefetch_grad_row<grad_t>(p, mine);
+    if (mine.starts) prefetch_state<weight_t, kOptimizer>(p, mine.table, mine.row);
     lanes.stage(mine);
     // The batch ends at hi (batches start at the first run start, so the last may overrun the chunk: a run open
     // there goes on into the next chunk) or at the first key past every table (the padding of a captured step's
@@ -537,7 +554,6 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
     const unsigned starts = lanes.ballot(mine.starts);
     for (int i0 = 0; i0 < end; i0 += kDepth) {
       float term[kDepth][kColumns];
-      RowBefore<kColumns> before[kDepth];
       int32_t tables[kDepth], dims[kDepth], rows[kDepth];
       bool adds[kDepth], opens[kDepth];
       PGAS_UNROLL
@@ -550,7 +566,6 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
         rows[k] = id.row;
         adds[k] = i0 + k < end && id.src >= 0;
         load_term<Lanes, grad_t>(p, adds[k] ? id.src : -1, dims[k], id.weight, id.inv_length, lanes, term[k]);
-        if (opens[k]) load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, before[k]);
       }
       PGAS_UNROLL
       for (int k = 0; k < kDepth; ++k) {  // the sums, in sorted order
@@ -559,7 +574,8 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
           run.table = tables[k];
           run.added = false;
           run.row = rows[k];
-          run.before = before[k];
+          // Loaded into the run itself (no slot an id: fewer registers), first used when the run closes.
+          load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, run.before);
           PGAS_UNROLL
           for (int j = 0; j < lanes.columns(dims[k]); ++j) run.g[j] = run.carry[j] = 0.f;
         }
@@ -601,6 +617,7 @@ PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_
   if (key_at(p, hi) != key || (lo > 0 && key_at(p, lo - 1) == key)) return;  // ends here, or starts before
   const IdMeta last = id_meta(p, hi - 1);
   if (last.table < 0) return;  // a key outside the tables: nothing was stored
+  prefetch_state<weight_t, kOptimizer>(p, last.table, last.row);
   const OwnerTable& table = p.tables[last.table];
   const int dim = static_cast<int>(table.dim);
   OpenRun<Lanes::kMaxColumns> run;
