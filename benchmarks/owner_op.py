@@ -1,7 +1,8 @@
 """The owner backward alone: the extension's ``owner_update`` op against FBGEMM's fused backward + optimizer on
 the same TBE, ids and gradient, at one device.
 
-    python -m benchmarks.owner_op --preset s000-weak --steps 20 [--optimizer rowwise_adagrad] [--side pgas]
+    python -m benchmarks.owner_op --preset s000-weak --steps 20 [--min-timed-ms 30] [--optimizer rowwise_adagrad]
+        [--side pgas]
 
 What the training benchmark (``benchmarks.embedding --mode train``) measures inside a whole DMP step, without the
 step: two TBEs of a preset's tables at W = 1 (the owner of every row), initialised alike. Per step, FBGEMM's
@@ -55,6 +56,7 @@ from torchrec_pgas.sharding.owner_backward import op_available, owner_backward
 
 SIDES = ("fbgemm", "pgas")
 INPUT_SEED = 7  # make_inputs' seed: one input set per workload
+MAX_TIMED_STEPS = 500  # --min-timed-ms's bound
 
 
 def make_tbe(w: Workload, optimizer: str, precision: SparseType, lr: float, device: torch.device) -> nn.Module:
@@ -107,6 +109,14 @@ def nvtx_range(name: str, cuda: bool) -> Iterator[None]:
             torch.cuda.nvtx.range_end(handle)
 
 
+def timed_steps(args: argparse.Namespace, warmup_ms: Dict[str, List[float]]) -> int:
+    """--steps, or more where the warmup's last step says they would time less than --min-timed-ms on either side:
+    a step of a small workload (0.2-0.8 ms) moves by tens of percent between runs, and 6 of them decide nothing."""
+    last = min(ms[-1] for ms in warmup_ms.values())
+    wanted = int(args.min_timed_ms / max(last, 1e-3)) + 1
+    return max(args.steps, min(wanted, MAX_TIMED_STEPS))
+
+
 def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
                  hbm_gbps: Optional[float]) -> Dict[str, Any]:
     """One preset workload: both backwards timed on the same ids and gradient."""
@@ -130,7 +140,8 @@ def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
     times: Dict[str, List[float]] = {side: [] for side in args.side}
     stages: List[Dict[str, float]] = []
     error = None
-    for i in range(args.warmup + args.steps):
+    total, i = args.warmup + args.steps, 0
+    while i < total:
         for side in args.side:
             backward = prepare[side](tbes[side])
             if i < args.warmup:
@@ -149,9 +160,13 @@ def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
             if error > 1:
                 raise RuntimeError(f"{w.name}: the op's states are {error:.1f}x the tolerance off FBGEMM's after "
                                    "one step")
+        if i == args.warmup - 1:
+            total = args.warmup + timed_steps(args, times)
+        i += 1
     row: Dict[str, Any] = {"preset": w.preset, "name": w.name, "tables": w.tables, "rows": w.rows, "dim": w.dim,
                            "batch_per_gpu": w.batch_per_gpu, "ids": int(values.numel()),
-                           "optimizer": args.optimizer, "weights": args.weights, "state_error": error}
+                           "optimizer": args.optimizer, "weights": args.weights, "state_error": error,
+                           "steps": total - args.warmup}
     for side in args.side:
         timed = times[side][args.warmup:]
         row[f"{side}_p50_ms"], row[f"{side}_p90_ms"] = p50(timed), p90(timed)
@@ -193,6 +208,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--min-timed-ms", type=float, default=30.0,
+                        help=f"time more steps than --steps (up to {MAX_TIMED_STEPS}) where they would take less "
+                        "than this a side (after the warmup's last step)")
     parser.add_argument("--side", action="append", choices=SIDES, help="repeatable; default both")
     parser.add_argument("--only", help="only the presets' workloads whose name contains this (e.g. hzipf1.2)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>-owner-op)")

@@ -1,6 +1,7 @@
 """benchmarks.embedding end to end on CPU (gloo + shm), the smoke preset, at 2, 4 and 8 ranks: the presets
 and the byte accounting hold for any world size (the 4- and 8-GPU runs use the same code)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.embedding import ID_HASH, PRESETS, _ids, make_inputs, own_models, shared_models
-from benchmarks.owner_op import INPUT_SEED
+from benchmarks.owner_op import INPUT_SEED, MAX_TIMED_STEPS, timed_steps
 from torchrec_pgas.sharding.owner_backward import op_available
 
 STOCK_STAGES = ["bucketize", "splits_a2a", "values_a2a", "lookup", "output_dist"]
@@ -155,6 +156,17 @@ def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: A
         assert row["distinct_rows"] == distinct and row["ids"] > distinct
         state_bytes = 4 if optimizer == "rowwise_adagrad" else 0
         assert row["hbm_bytes"] == row["ids"] * (4 * w.dim + 24) + distinct * 2 * (4 * w.dim + state_bytes)
+
+
+def test_owner_op_times_small_workloads_longer() -> None:
+    """A side whose warmup's last step took 0.25 ms gets --min-timed-ms' worth of steps (within the bound); one
+    that fills it with --steps keeps --steps; the slower side decides."""
+    args = argparse.Namespace(steps=6, min_timed_ms=30.0)
+    assert timed_steps(args, {"pgas": [3.0, 0.25]}) == 121
+    assert timed_steps(args, {"pgas": [9.0, 7.0]}) == 6
+    assert timed_steps(args, {"pgas": [0.25], "fbgemm": [1.0]}) == 121
+    assert timed_steps(args, {"pgas": [0.0]}) == MAX_TIMED_STEPS
+    assert timed_steps(argparse.Namespace(steps=6, min_timed_ms=0.0), {"pgas": [0.25]}) == 6
 
 
 @pytest.mark.parametrize("pair", ["rw", pytest.param("tw", marks=pytest.mark.matrix)])  # tw: ~9 s, as test_table_wise_pair
