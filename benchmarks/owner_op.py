@@ -111,7 +111,7 @@ def nvtx_range(name: str, cuda: bool) -> Iterator[None]:
 
 def timed_steps(args: argparse.Namespace, warmup_ms: Dict[str, List[float]]) -> int:
     """--steps, or more where the warmup's last step says they would time less than --min-timed-ms on either side:
-    a step of a small workload (0.2-0.8 ms) moves by tens of percent between runs, and 6 of them decide nothing."""
+    a step of a small workload (0.3-0.8 ms) moves by tens of percent between runs, and 6 of them decide nothing."""
     last = min(ms[-1] for ms in warmup_ms.values())
     wanted = int(args.min_timed_ms / max(last, 1e-3)) + 1
     return max(args.steps, min(wanted, MAX_TIMED_STEPS))
@@ -215,6 +215,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--only", help="only the presets' workloads whose name contains this (e.g. hzipf1.2)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>-owner-op)")
     args = parser.parse_args(argv)
+    if args.min_timed_ms > 0 and args.warmup < 1:
+        parser.error("--min-timed-ms counts from the warmup's last step: give --warmup 1 or more, or --min-timed-ms 0")
     args.side = args.side or list(SIDES)
     workloads = [w for p in (args.preset or ["s000-weak"]) for w in PRESETS[p](1)
                  if not args.only or args.only in w.name]
@@ -237,7 +239,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     meta = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": 1,
             "commit": git_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "benchmark": "owner_op", "sides": args.side, "optimizer": args.optimizer, "weights": args.weights,
-            "learning_rate": args.lr, "steps": args.steps, "warmup": args.warmup, "hbm_gbps": hbm_gbps,
+            "learning_rate": args.lr, "steps": args.steps, "warmup": args.warmup, "min_timed_ms": args.min_timed_ms,
+            "hbm_gbps": hbm_gbps,
             "argv": sys.argv}
     out_dir = args.out or os.path.join(
         "benchmarks", "results", f"{meta['date']}-{device_tag(device, 1)}-{meta['commit']}-owner-op")

@@ -267,8 +267,8 @@ PGAS_UPDATE_FN void prefetch_grad_row(const OwnerUpdateParams& p, const IdMeta& 
 }
 
 // The state a run's update reads and writes (its weight row and optimizer state), asked of L2 as the batch
-// that opens the run starts (or as phase 2 starts a crossing run's partials), for the same reason: the walk
-// loads it with the run's first id, and its first use waits on DRAM otherwise. `table` -1 asks nothing.
+// that opens the run starts (or as phase 2 starts a crossing run's partials): the walk loads it as the run
+// opens, right after the run before it is applied, and would wait on DRAM there. `table` -1 asks nothing.
 template <typename weight_t, Optimizer kOptimizer>
 PGAS_UPDATE_FN void prefetch_state(const OwnerUpdateParams& p, int32_t table, int64_t row) {
   if (table < 0) return;
@@ -300,7 +300,8 @@ PGAS_UPDATE_FN void add_compensated(float& sum, float& carry, float term) {
 }
 
 // A row's weights (the lane's columns) and row-wise momentum as they were
-// before the update: loaded as the run opens, once the run before it is applied.
+// before the update: loaded as the run opens, once the run before it is applied
+// (phase 2: after a crossing run's partials are added).
 template <int kMaxColumns>
 struct RowBefore {
   float w[kMaxColumns];
@@ -574,7 +575,7 @@ PGAS_UPDATE_FN void walk_chunk(const OwnerUpdateParams& p, int64_t chunk, int64_
           run.table = tables[k];
           run.added = false;
           run.row = rows[k];
-          // Loaded into the run itself (no slot an id: fewer registers), first used when the run closes.
+          // Loaded into the run itself, first used when the run closes.
           load_before<Lanes, weight_t, kOptimizer>(p, tables[k], rows[k], lanes, run.before);
           PGAS_UNROLL
           for (int j = 0; j < lanes.columns(dims[k]); ++j) run.g[j] = run.carry[j] = 0.f;

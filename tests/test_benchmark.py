@@ -130,16 +130,20 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
 
 
 @pytest.mark.skipif(not op_available(), reason="the owner_update op is not built (no nvcc here)")
-@pytest.mark.parametrize("optimizer,only", [pytest.param("sgd", "zipf1.2", marks=pytest.mark.matrix),  # sgd: ~4 s
-                                            ("rowwise_adagrad", None)])
+@pytest.mark.parametrize("optimizer,only,min_timed_ms,steps", [
+    pytest.param("sgd", "zipf1.2", 0, 3, marks=pytest.mark.matrix),  # sgd: ~4 s
+    ("rowwise_adagrad", None, 1e6, MAX_TIMED_STEPS)])
 def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: Any, optimizer: str,
-                                                                     only: Optional[str]) -> None:
+                                                                     only: Optional[str], min_timed_ms: float,
+                                                                     steps: int) -> None:
     """benchmarks.owner_op on CPU: both backwards on the same ids, states compared after the first step (within
     the training benchmark's tolerance of FBGEMM's CPU kernel), the op's two stages and the backward's bytes;
-    ``--only`` keeps the preset's workloads whose name holds it."""
+    ``--only`` keeps the preset's workloads whose name holds it; --min-timed-ms past every step's time times
+    the bound's steps, 0 times --steps."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
     cmd = [sys.executable, "-m", "benchmarks.owner_op", "--preset", "smoke", "--steps", "3", "--warmup", "1",
-           "--optimizer", optimizer, "--out", str(tmp_path)] + (["--only", only] if only else [])
+           "--min-timed-ms", str(min_timed_ms), "--optimizer", optimizer, "--out", str(tmp_path)]
+    cmd += ["--only", only] if only else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(tmp_path, "results.json")) as f:
@@ -148,7 +152,7 @@ def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: A
     workloads = [w for w in PRESETS["smoke"](1) if only is None or only in w.name]
     assert workloads and [r["name"] for r in out["rows"]] == [w.name for w in workloads]
     for row, w in zip(out["rows"], workloads):
-        assert 0 <= row["state_error"] <= 1
+        assert 0 <= row["state_error"] <= 1 and row["steps"] == steps
         assert list(row["pgas_stages_ms"]) == ["owner_sort", "owner_update"]
         assert 0 < row["fbgemm_p50_ms"] <= row["fbgemm_p90_ms"] and 0 < row["pgas_p50_ms"] <= row["pgas_p90_ms"]
         x = make_inputs(w, w.tables, w.batch_per_gpu, 1, INPUT_SEED, torch.device("cpu"))[0]
@@ -160,7 +164,7 @@ def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: A
 
 def test_owner_op_times_small_workloads_longer() -> None:
     """A side whose warmup's last step took 0.25 ms gets --min-timed-ms' worth of steps (within the bound); one
-    that fills it with --steps keeps --steps; the slower side decides."""
+    that fills it with --steps keeps --steps; the faster side decides."""
     args = argparse.Namespace(steps=6, min_timed_ms=30.0)
     assert timed_steps(args, {"pgas": [3.0, 0.25]}) == 121
     assert timed_steps(args, {"pgas": [9.0, 7.0]}) == 6

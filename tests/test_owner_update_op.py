@@ -499,12 +499,13 @@ def test_owner_keys_on_the_gpu_writes_what_the_cpu_path_writes(ids_dtype: torch.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("n,key_limit", [(5000, 777), (70_000, 2 ** 17 + 3), (70_000, 2 ** 26 + 7)])
+@pytest.mark.parametrize("n,key_limit", [(5000, 777), (70_000, 2 ** 17 + 3), (70_000, 2 ** 24 + 5),
+                                         (70_000, 2 ** 26 + 7)])
 def test_sort_owner_keys_is_a_stable_sort_of_the_clamped_keys(device: str, key_dtype: torch.dtype, weighted: bool,
                                                               n: int, key_limit: int) -> None:
     """Keys outside [0, key_limit] become key_limit; equal keys keep their order (a hot key of 500 ids among
-    them), each with its bag and weight: as torch.sort(stable=True) of the clamped keys. Key limits of 10, 18 and
-    27 bits over one tile and over many (the GPU's radix passes, the last of them partial)."""
+    them), each with its bag and weight: as torch.sort(stable=True) of the clamped keys. Key limits of 10, 18, 25
+    and 27 bits over one tile and over many (the GPU's radix passes, whole digits and a partial last one)."""
     gen = torch.Generator().manual_seed(3)
     keys = torch.randint(-50, key_limit + 50, (n,), generator=gen).to(key_dtype)
     keys[torch.randperm(n, generator=gen)[:500]] = 3
