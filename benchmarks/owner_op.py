@@ -240,8 +240,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "commit": git_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "benchmark": "owner_op", "sides": args.side, "optimizer": args.optimizer, "weights": args.weights,
             "learning_rate": args.lr, "steps": args.steps, "warmup": args.warmup, "min_timed_ms": args.min_timed_ms,
-            "hbm_gbps": hbm_gbps,
-            "argv": sys.argv}
+            "hbm_gbps": hbm_gbps, "argv": sys.argv}
     out_dir = args.out or os.path.join(
         "benchmarks", "results", f"{meta['date']}-{device_tag(device, 1)}-{meta['commit']}-owner-op")
     write_results(out_dir, meta, rows, [])

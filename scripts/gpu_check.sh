@@ -259,7 +259,8 @@ if has owner-op; then
     mkdir -p "$OUT/ncu"
     CUDA_VISIBLE_DEVICES=0 timeout "${NCU_TIMEOUT:-400}" "$NCU" -f --import-source yes "${pick[@]}" --set full \
       ${NCU_EXTRA:-} -o "/tmp/$name" "$PY" -m benchmarks.owner_op --side "$side" \
-      --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" "${only[@]}" --steps 1 --warmup 1 --min-timed-ms 0 --out "/tmp/${name}_run" \
+      --preset "${OWNER_OP_NCU_PRESET:-s000-weak}" "${only[@]}" --steps 1 --warmup 1 --min-timed-ms 0 \
+      --out "/tmp/${name}_run" \
       > "$OUT/ncu/${name}_run.log" 2>&1
     echo "ncu owner-op exit $?" | tee -a "$OUT/summary.txt"
     ncu_export "/tmp/$name.ncu-rep" "$name" "owner_|backward|Sort|sort|Stall"
