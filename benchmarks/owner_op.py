@@ -2,7 +2,7 @@
 the same TBE, ids and gradient, at one device.
 
     python -m benchmarks.owner_op --preset s000-weak --steps 20 [--min-timed-ms 30] [--optimizer rowwise_adagrad]
-        [--side pgas]
+        [--side pgas] [--counted]
 
 What the training benchmark (``benchmarks.embedding --mode train``) measures inside a whole DMP step, without the
 step: two TBEs of a preset's tables at W = 1 (the owner of every row), initialised alike. Per step, FBGEMM's
@@ -17,6 +17,9 @@ It holds the tables twice and nothing else (s000-weak: 2 x 16.4 GB fp32), where 
 models and the symmetric heap; ``--side pgas`` builds ours alone (ncu's kernel replay saves and restores the
 device memory a kernel may write: ``scripts/gpu_check.sh owner-op``). On CPU both sides run their CPU paths
 (FBGEMM's CPU TBE takes SGD and the Adagrads).
+
+An eager step's ids are counted on the host, and CUB's onesweep sorts them; a captured step's count is a device
+word, which ``counted_sort`` sorts up to (``--counted``: our side as a replayed step runs it).
 """
 
 import argparse
@@ -134,7 +137,7 @@ def run_workload(w: Workload, args: argparse.Namespace, device: torch.device,
 
     def pgas(tbe: nn.Module) -> Callable[[], None]:
         iteration = int(tbe.iter.add_(1))  # what its forward would count (Adam's bias correction reads it)
-        return lambda: owner_backward([tbe], x, grad, [iteration])
+        return lambda: owner_backward([tbe], x, grad, [iteration], counted=args.counted)
 
     prepare = {"fbgemm": fbgemm, "pgas": pgas}
     times: Dict[str, List[float]] = {side: [] for side in args.side}
@@ -212,6 +215,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help=f"time more steps than --steps (up to {MAX_TIMED_STEPS}) where they would take less "
                         "than this a side (after the warmup's last step)")
     parser.add_argument("--side", action="append", choices=SIDES, help="repeatable; default both")
+    parser.add_argument("--counted", action="store_true",
+                        help="our side as a captured step runs it: the keys at twice the ids' positions, sorted and "
+                        "walked up to a device word counting the ids (the counted sort, not CUB's)")
     parser.add_argument("--only", help="only the presets' workloads whose name contains this (e.g. hzipf1.2)")
     parser.add_argument("--out", help="results folder (default benchmarks/results/<date>-<device>-<commit>-owner-op)")
     args = parser.parse_args(argv)
@@ -240,6 +246,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "commit": git_commit(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "benchmark": "owner_op", "sides": args.side, "optimizer": args.optimizer, "weights": args.weights,
             "learning_rate": args.lr, "steps": args.steps, "warmup": args.warmup, "min_timed_ms": args.min_timed_ms,
+            "counted": args.counted,
             "hbm_gbps": hbm_gbps, "argv": sys.argv}
     out_dir = args.out or os.path.join(
         "benchmarks", "results", f"{meta['date']}-{device_tag(device, 1)}-{meta['commit']}-owner-op")

@@ -130,25 +130,26 @@ def test_train_mode_with_the_owner_backward(tmp_path: Any) -> None:
 
 
 @pytest.mark.skipif(not op_available(), reason="the owner_update op is not built (no nvcc here)")
-@pytest.mark.parametrize("optimizer,only,min_timed_ms,steps", [
-    pytest.param("sgd", "zipf1.2", 0, 3, marks=pytest.mark.matrix),  # sgd: ~4 s
-    ("rowwise_adagrad", None, 1e6, MAX_TIMED_STEPS)])
+@pytest.mark.parametrize("optimizer,only,min_timed_ms,steps,counted", [
+    pytest.param("sgd", "zipf1.2", 0, 3, True, marks=pytest.mark.matrix),  # sgd: ~4 s
+    ("rowwise_adagrad", None, 1e6, MAX_TIMED_STEPS, False)])
 def test_owner_op_benchmark_times_both_backwards_after_checking_them(tmp_path: Any, optimizer: str,
                                                                      only: Optional[str], min_timed_ms: float,
-                                                                     steps: int) -> None:
+                                                                     steps: int, counted: bool) -> None:
     """benchmarks.owner_op on CPU: both backwards on the same ids, states compared after the first step (within
     the training benchmark's tolerance of FBGEMM's CPU kernel), the op's two stages and the backward's bytes;
     ``--only`` keeps the preset's workloads whose name holds it; --min-timed-ms past every step's time times
-    the bound's steps, 0 times --steps."""
+    the bound's steps, 0 times --steps; ``--counted`` (a captured step's sort and walk) recorded."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GIT_COMMIT="testsha")
     cmd = [sys.executable, "-m", "benchmarks.owner_op", "--preset", "smoke", "--steps", "3", "--warmup", "1",
            "--min-timed-ms", str(min_timed_ms), "--optimizer", optimizer, "--out", str(tmp_path)]
-    cmd += ["--only", only] if only else []
+    cmd += (["--only", only] if only else []) + (["--counted"] if counted else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(tmp_path, "results.json")) as f:
         out = json.load(f)
     assert out["meta"]["commit"] == "testsha" and out["meta"]["sides"] == ["fbgemm", "pgas"]
+    assert out["meta"]["counted"] is counted
     workloads = [w for w in PRESETS["smoke"](1) if only is None or only in w.name]
     assert workloads and [r["name"] for r in out["rows"]] == [w.name for w in workloads]
     for row, w in zip(out["rows"], workloads):

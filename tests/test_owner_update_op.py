@@ -9,7 +9,7 @@ FBGEMM's own update is ``tests/test_owner_backward.py``.
 """
 
 from types import SimpleNamespace
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -542,6 +542,34 @@ def test_sort_owner_keys_sorts_the_positions_its_count_word_says_only(device: st
         assert torch.equal(got[0][:kept].cpu(), head[order]) and got[0].numel() == n
         assert torch.equal(got[1][:kept].cpu(), bags[order])
         assert torch.equal(got[2][:kept].cpu(), weights[order] if weights.numel() else weights)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_counted_update_sorts_and_walks_to_its_count_word_alike(device: str, monkeypatch: Any) -> None:
+    """``op_update(counted=True)`` (the owner op benchmark's ``--counted``: a captured step's sort and walk)
+    lays the ids out at twice their positions and sorts them up to a device word holding their count, and its
+    update is the uncounted one's bit for bit (both sorts are stable; the chunks follow the count)."""
+    dev, batch, feature_tables = torch.device(device), 6, LAYOUTS["dim64"]
+    tables = TABLES[:max(feature_tables) + 1]
+    plain, counted = (FlatTables(tables, feature_tables, EmbOptimType.EXACT_ROWWISE_ADAGRAD, torch.float32,
+                                 PoolingMode.SUM, WeightDecayMode.NONE, dev) for _ in range(2))
+    sort, calls = torch.ops.torchrec_pgas.sort_owner_keys, []
+
+    def recording(keys: torch.Tensor, bags: torch.Tensor, psw: torch.Tensor, key_limit: int,
+                  count: Optional[torch.Tensor] = None) -> Any:
+        calls.append((keys.numel(), None if count is None else int(count.item())))
+        return sort(keys, bags, psw, key_limit, count)
+
+    monkeypatch.setattr(torch.ops.torchrec_pgas, "sort_owner_keys", recording)
+    dim_sum = sum(tables[t][1] for t in feature_tables)
+    for step in range(2):
+        kjt = _kjt(tables, feature_tables, batch, True, seed=step, device=dev)
+        grad = (torch.randn(batch, dim_sum, generator=torch.Generator().manual_seed(step)) * 0.1).to(dev)
+        assert op_update(plain, kjt, grad, 0, step + 1) and op_update(counted, kjt, grad, 0, step + 1, counted=True)
+        ids = kjt.values().numel()
+        assert calls[-2:] == [(ids, None), (2 * ids, ids)]
+        for got, want in zip(counted.state(), plain.state()):
+            assert torch.equal(got, want), f"step {step}"
 
 
 # Two sources' index blocks of 4096 bytes (3 features of up to 8 samples) after a 1024-byte slot gap:

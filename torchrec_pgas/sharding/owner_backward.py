@@ -259,9 +259,11 @@ def _build_layout(tbe: nn.Module, grads: torch.Tensor, first_col: int) -> Option
 
 
 def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first_col: int,
-              iteration: Optional[int]) -> bool:
+              iteration: Optional[int], counted: bool = False) -> bool:
     """Steps 1-3 for one TBE in the extension's op (arguments as :func:`reference_update`); False where the
-    op does not take the TBE's tables or this gradient (nothing applied then)."""
+    op does not take the TBE's tables or this gradient (nothing applied then). ``counted``: as a captured step
+    runs it, the keys laid out at twice the ids' positions (the rest unwritten) and sorted and walked up to a
+    device word counting the ids, not to their number known on the host (the same update)."""
     layout = _op_layout(tbe, grads, first_col)
     batch, values, lengths = kjt.stride(), kjt.values(), kjt.lengths().long()
     if not _op_takes(layout, grads, lengths.numel(), len(tbe.feature_table_map) * batch):
@@ -272,9 +274,9 @@ def op_update(tbe: nn.Module, kjt: KeyedJaggedTensor, grads: torch.Tensor, first
     # each bag's ids start at its offset in the KJT's values (and weights)
     keys, bags, psw = _owner_keys(layout, values.contiguous(), weights, offsets[:-1],
                                   None if weights is None else offsets[:-1], offsets, 0, lengths.numel(), batch,
-                                  values.numel())
+                                  values.numel() * (2 if counted else 1))
     _sort_and_update(tbe, layout, keys, bags, psw if weights is not None else None, offsets, grads, batch,
-                     _eager_hyper(tbe, grads.device, iteration))
+                     _eager_hyper(tbe, grads.device, iteration), used=offsets[-1:] if counted else None)
     return True
 
 
@@ -415,13 +417,14 @@ def _upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 
 def owner_backward(tbes: Sequence[nn.Module], kjt: KeyedJaggedTensor, grads: torch.Tensor,
-                   iterations: Sequence[Optional[int]], reference: bool = False) -> None:
+                   iterations: Sequence[Optional[int]], reference: bool = False, counted: bool = False) -> None:
     """Apply one step's gradients to the TBEs of a stock lookup (``GroupedPooledEmbeddingsLookup``: the KJT's
     features split over the TBEs in order, their pooled outputs side by side in ``grads``): in the
-    extension's op where it is built and takes the TBE, else (or with ``reference``) in torch ops."""
+    extension's op where it is built and takes the TBE (``counted``: as :func:`op_update` takes it), else (or
+    with ``reference``) in torch ops."""
     subs = kjt.split([len(t.feature_table_map) for t in tbes])
     for tbe, sub, first_col, iteration in zip(tbes, subs, _first_columns(tbes), iterations):
-        if reference or not op_available() or not op_update(tbe, sub, grads, first_col, iteration):
+        if reference or not op_available() or not op_update(tbe, sub, grads, first_col, iteration, counted):
             reference_update(tbe, sub, grads, first_col, iteration)
 
 
