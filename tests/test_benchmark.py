@@ -174,7 +174,8 @@ def test_owner_op_times_small_workloads_longer() -> None:
     assert timed_steps(argparse.Namespace(steps=6, min_timed_ms=0.0), {"pgas": [0.25]}) == 6
 
 
-@pytest.mark.parametrize("pair", ["rw", pytest.param("tw", marks=pytest.mark.matrix)])  # tw: ~9 s, as test_table_wise_pair
+@pytest.mark.matrix  # ~15 s a pair: make test's budget; test_train_mode_with_the_owner_backward trains there
+@pytest.mark.parametrize("pair", ["rw", "tw"])
 def test_train_mode_verifies_states_and_accounts_the_backward(tmp_path: Any, pair: str) -> None:
     """--mode train with FBGEMM's owner backward: both sides' weights and optimizer states agree after the
     warm-up and after the timed steps (bit-exact on CPU), the training step's stages in order, and the

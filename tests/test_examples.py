@@ -28,6 +28,7 @@ def torchrun(*args: str, nproc: int = 2) -> List[str]:
     return proc.stdout.splitlines()
 
 
+@pytest.mark.matrix  # ~13 s: make test's budget; make demo runs a 2-process sharded model against stock
 def test_minimal_example() -> None:
     lines = sorted(line for line in torchrun("examples/minimal.py") if line.startswith("rank"))
     assert lines == [
@@ -35,6 +36,7 @@ def test_minimal_example() -> None:
     ]
 
 
+@pytest.mark.matrix  # ~17 s: make test's budget; make test trains the example (below), checked against stock
 def test_dlrm_inference_with_pgas_matches_stock() -> None:
     out = torchrun("-m", "examples.dlrm.run", "--sharding", "pgas", "--batch-size", "32",
                    "--steps", "6", "--max-rows", "2000", "--validate")
