@@ -637,9 +637,10 @@ PGAS_UPDATE_FN void finish_run(const OwnerUpdateParams& p, int64_t chunk, int64_
   update_row<Lanes, weight_t, kOptimizer>(table, last.row, *p.hyper, p.config, lanes, run.g, run.before);
 }
 
-// The GPU update (owner_update.cu): both phases on `stream`, for tables up to `max_dim` wide, the partials in
-// the floats that `alloc_partials(count)` allocates (the host's: the stream's caching allocator, a capture's graph
-// pool). Raw pointers only: the kernel file includes no tensor header.
+// The GPU update (owner_update.cu): both phases on `stream`, for tables up to `max_dim` wide, the phases' chunk
+// counters (16 bytes) and the partials in the floats that `alloc_partials(count)` allocates, 8-byte aligned (the
+// host's: the stream's caching allocator, a capture's graph pool). Raw pointers only: the kernel file includes no
+// tensor header.
 void launch_owner_update(OwnerUpdateParams p, c10::ScalarType grad, c10::ScalarType weights, int64_t max_dim,
                          const std::function<float*(int64_t)>& alloc_partials, cudaStream_t stream);
 
