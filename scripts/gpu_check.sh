@@ -172,14 +172,15 @@ scratch_copy() {
 ab_build() { (cd "$1" && "$PY" setup.py -q build_ext --inplace) >> /tmp/setup.log 2>&1; }
 
 # variant_dir VARIANT: where a step runs for VARIANT ("tree": the tree itself; else a scratch copy of the tree,
-# /tmp/ab-<name>, with VARIANT's csrc/ files copied over its csrc/, built there once per content of the tree's
-# and the variant's sources); fails if the build does.
+# /tmp/ab-<name>, with VARIANT's csrc/ files copied over its csrc/, and its tests/ files over tests/ where it has
+# some, built there once per content of the tree's and the variant's files); fails if the build does.
 variant_dir() {
   if [ "$1" = tree ]; then echo .; return; fi
   local dir=/tmp/ab-$(basename "$1") stamp
-  stamp=$(cat setup.py csrc/* "$1"/csrc/* | sha1sum | cut -c1-16)
+  stamp=$(cat setup.py csrc/* "$1"/csrc/* "$1"/tests/* 2> /dev/null | sha1sum | cut -c1-16)
   if [ "$(cat "$dir/.variant_stamp" 2>/dev/null)" != "$stamp" ]; then
-    { scratch_copy "$dir" && cp "$1"/csrc/* "$dir/csrc/" && ab_build "$dir" && echo "$stamp" > "$dir/.variant_stamp"; } \
+    { scratch_copy "$dir" && cp "$1"/csrc/* "$dir/csrc/" && { [ ! -d "$1/tests" ] || cp "$1"/tests/* "$dir/tests/"; } \
+        && ab_build "$dir" && echo "$stamp" > "$dir/.variant_stamp"; } \
       || { echo "build of $1 failed" | tee -a "$OUT/summary.txt" >&2; tail -20 /tmp/setup.log >> "$OUT/summary.txt"; return 1; }
   fi
   echo "$dir"
