@@ -254,11 +254,21 @@ FULL += [Case(kind, EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01, mode, pooling, dat
          if kind != "mixed" or out == SparseType.FP32]
 
 
+# At three ranks (row blocks of unequal sizes, a third source of every owner's ids, table-wise tables on three
+# ranks), the cases where that changes what our code does: every plan x pooling x dtypes x loop with row-wise
+# Adagrad; each other optimizer once a plan and dtype (its states' shapes over the uneven row blocks), plain loop;
+# and the owner update against its reference (it sums every source's ids itself). Elsewhere the optimizer's math
+# is FBGEMM's on both sides (owner_backward="fbgemm"), and the world size leaves it as the two-rank matrix ran it.
+THREE_RANKS = [c for c in FULL if c.owner_backward == "pgas" or (c.optimizer, c.weight_decay) == (
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.0) or (c.loop, c.pooling) == ("plain", "mixed")]
+
+
 @pytest.mark.slow
 @pytest.mark.matrix
-@pytest.mark.timeout(1500)  # about 3 minutes at W = 3 on an idle 2-core machine
-@pytest.mark.parametrize("world", [2, 3])
-def test_training_matrix_matches_stock(world: int) -> None:
-    """Every sharding x optimizer x pooling x dtypes x loop (120 cases), and the owner update's weight decay against
-    its reference (20), at 2 and 3 ranks (CI, after make test)."""
-    _assert_equal(run_distributed(_train_cases, world, FULL, "cpu", MATRIX_STEPS))
+@pytest.mark.timeout(1500)  # about 1.5 minutes at W = 2 on an idle 2-core machine, 1.3 at W = 3
+@pytest.mark.parametrize("world,cases", [(2, FULL), (3, THREE_RANKS)], ids=["2", "3"])
+def test_training_matrix_matches_stock(world: int, cases: List[Case]) -> None:
+    """Every sharding x optimizer x pooling x dtypes x loop (120 cases) and the owner update's weight decay against
+    its reference (20) at 2 ranks; at 3, the 65 of them where the world size matters (THREE_RANKS). CI, after make
+    test."""
+    _assert_equal(run_distributed(_train_cases, world, cases, "cpu", MATRIX_STEPS))
