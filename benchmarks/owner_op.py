@@ -18,8 +18,8 @@ models and the symmetric heap; ``--side pgas`` builds ours alone (ncu's kernel r
 device memory a kernel may write: ``scripts/gpu_check.sh owner-op``). On CPU both sides run their CPU paths
 (FBGEMM's CPU TBE takes SGD and the Adagrads).
 
-An eager step's ids are counted on the host, and CUB's onesweep sorts them; a captured step's count is a device
-word, which ``counted_sort`` sorts up to (``--counted``: our side as a replayed step runs it).
+An eager step's ids are counted on the host; a captured step's count is a device word, which the same sort
+(CUB's onesweep agents, ``csrc/counted_sort.cuh``) reads (``--counted``: our side as a replayed step runs it).
 """
 
 import argparse

@@ -1,39 +1,37 @@
 // A stable LSD radix sort of (key, value) pairs whose item count is a word
-// on the device: the first *count of `capacity` positions are sorted, and
-// no kernel touches a position past them. An eager step and a captured one
-// then sort only the ids they hold, with no host read of the count and
-// fixed shapes for a capture (the capacity stays a maximum).
+// on the device (or the whole capacity, without one): CUB's onesweep sort,
+// its block agents launched by kernels of our own that read the count as
+// they start, over grids sized for the capacity. An eager step and a
+// captured one then sort only the ids they hold, with no host read of the
+// count, fixed shapes for a capture (the capacity stays a maximum), and
+// CUB's speed per key.
 //
-// Each 8-bit digit pass is two kernels over a fixed grid of `ctas` CTAs
-// (a few per SM, at most one tile each when the capacity is small), with
-// CUB's device scan between them:
-//   1. digit_counts: CTA c takes items [lo_c, hi_c), a contiguous range of
-//      whole tiles (the same split of the count in both kernels), and writes
-//      how many of them hold each digit to counts[digit * ctas + c]
-//      (digit-major, so one exclusive scan gives every (digit, CTA) pair its
-//      first output position: the digits in order, and inside a digit the
-//      CTAs in the order of their ranges);
-//   2. scatter: CTA c walks its range a tile (kTile items) at a time, loads
-//      it warp-striped (warp w's lane l holds items w * 32 * kItems + 32 k +
-//      l: coalesced), ranks the keys by the digit with
-//      cub::BlockRadixRankMatch (its ranks follow the digit, then the warp,
-//      item and lane: the tile's order), exchanges the tile through shared
-//      memory in rank order, and writes item j of digit d to next[d] + (j -
-//      first rank of d), then advances next[d] by the tile's count of d.
-// Ranges, tiles and ranks all keep input order, so the pass is stable, and
-// the passes (least significant digit first) sort by the whole key.
-// Positions past the count in a tile are loaded as all-ones keys: they rank
-// after every item (digit 255, last in the tile) and are never written.
+// One sort: a histogram kernel (every digit pass's counts in one read of the
+// counted keys: a fixed grid, grid-stride), CUB's exclusive sum over each
+// pass's digits (the digits' first output positions), then per pass and
+// portion (at most 2^28 items, CUB's lookback limit) one onesweep kernel.
+// Its CTAs past the counted tiles return before they take a tile; the others
+// take tile indices from the pass's counter in the order they start (as
+// many CTAs as counted tiles take one, so the indices are exactly the
+// counted tiles), rank their tile by the digit, look back over the earlier
+// tiles' digit counts (decoupled lookback) and write each item to its
+// digit's next place, in input order within a digit: stable. The last tile
+// of a portion writes the next portion's digit starts. The pairs go from
+// (keys, values) to the alternates and back, a pass each: no copy in the
+// scratch.
 //
-// Synchronization: the kernels of a pass and the passes are ordered on one
-// stream; inside scatter, __syncthreads separates the rank's shared storage
-// from the exchange that reuses it, and the exchange from the next tile.
+// Synchronization: every kernel and memset is ordered on one stream; a
+// onesweep kernel's lookback words (its counted tiles') are zeroed by a
+// kernel before it, every pass's tile counter and digit counts by memsets
+// before the histogram. Only the grids (CTAs past the count return at once)
+// and the scratch follow the capacity. Each kernel re-reads the count word: a caller
+// must not change it while the sort runs.
 #pragma once
 
-#include <cub/block/block_load.cuh>
-#include <cub/block/block_radix_rank.cuh>
-#include <cub/block/radix_rank_sort_operations.cuh>
-#include <cub/device/device_scan.cuh>
+#include <cub/agent/agent_radix_sort_histogram.cuh>
+#include <cub/agent/agent_radix_sort_onesweep.cuh>
+#include <cub/detail/choose_offset.cuh>
+#include <cub/device/dispatch/dispatch_radix_sort.cuh>
 
 #include <algorithm>
 #include <cstdint>
@@ -45,15 +43,6 @@
 namespace torchrec_pgas {
 namespace counted_sort {
 
-constexpr int kThreads = 256;
-constexpr int kDigitBits = 8;
-constexpr int kDigits = 1 << kDigitBits;  // == kThreads: thread t owns digit t's counters
-constexpr int kItems = 8;  // a thread's keys in a tile (warp-striped)
-constexpr int kTile = kThreads * kItems;
-constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;  // keys a thread reads before it counts them (digit_counts)
-static_assert(kDigits == kThreads, "each thread owns one digit's counters");
-
 // The items to sort: *count clamped to [0, capacity] (the whole capacity without a count word).
 __device__ __forceinline__ int64_t items(const int64_t* count, int64_t capacity) {
   if (count == nullptr) return capacity;
@@ -61,137 +50,147 @@ __device__ __forceinline__ int64_t items(const int64_t* count, int64_t capacity)
   return n < 0 ? 0 : n < capacity ? n : capacity;
 }
 
-// This CTA's items [lo, hi): whole tiles, the tiles of `n` in runs of ceil(tiles / grid) a CTA, in order.
-struct Range {
-  int64_t lo, hi;
-};
-__device__ __forceinline__ Range cta_range(int64_t n) {
-  const int64_t tiles = (n + kTile - 1) / kTile, per_cta = (tiles + gridDim.x - 1) / gridDim.x;
-  const int64_t lo = std::min<int64_t>(n, static_cast<int64_t>(blockIdx.x) * per_cta * kTile);
-  return {lo, std::min<int64_t>(n, lo + per_cta * kTile)};
-}
-
-template <typename K>
-__device__ __forceinline__ int digit_of(K key, int shift) {
-  return static_cast<int>((key >> shift) & (kDigits - 1));
-}
-
-// counts[d * gridDim.x + c]: how many of CTA c's items have digit d. A warp's equal digits are counted by
-// one shared atomic (__match_any_sync), so a hot key (a skewed id) costs no more than spread ones; each warp
-// has its own histogram.
-template <typename K>
-__global__ void __launch_bounds__(kThreads) digit_counts(const K* keys, const int64_t* count, int64_t capacity,
-                                                         int shift, int32_t* counts) {
-  __shared__ int32_t hist[kWarps][kDigits];
-  for (int i = threadIdx.x; i < kWarps * kDigits; i += kThreads) hist[i / kDigits][i % kDigits] = 0;
-  __syncthreads();
-  const Range r = cta_range(items(count, capacity));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t base = r.lo; base < r.hi; base += kThreads * kUnroll) {  // uniform over the CTA
-    int digit[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int64_t i = base + k * kThreads + threadIdx.x;
-      digit[k] = i < r.hi ? digit_of(keys[i], shift) : -1;
-    }
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const unsigned active = __ballot_sync(0xffffffffu, digit[k] >= 0);
-      if (digit[k] < 0) continue;
-      const unsigned peers = __match_any_sync(active, digit[k]);
-      if (lane == __ffs(peers) - 1) atomicAdd(&hist[warp][digit[k]], __popc(peers));
-    }
-  }
-  __syncthreads();
-  int32_t total = 0;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += hist[w][threadIdx.x];
-  counts[threadIdx.x * gridDim.x + blockIdx.x] = total;
-}
-
-// One pass's writes: CTA c's items of digit d go to starts[d * gridDim.x + c] onwards, in input order.
-template <typename K, typename V>
-__global__ void __launch_bounds__(kThreads) scatter(const K* keys_in, const V* values_in, K* keys_out, V* values_out,
-                                                    const int64_t* count, int64_t capacity, int shift,
-                                                    const int32_t* starts) {
-  using Rank = cub::BlockRadixRankMatch<kThreads, kDigitBits, /*IS_DESCENDING=*/false>;
-  static_assert(Rank::BINS_TRACKED_PER_THREAD == 1, "thread t's digit prefix is digit t's");
-  struct Exchange {
-    K keys[kTile];
-    V values[kTile];
+// CUB's sm_90 radix sort policy with onesweep digits of kDigitBits (CUB's own: 8): the same tiles, ranking and
+// lookback, over 2^kDigitBits bins. 9-bit digits sort 25-27 key bits (s000's keys) in 3 passes instead of 4.
+// One policy, chained to itself: host and device see the same tile (the extension builds for sm_90 alone).
+template <typename key_t, typename value_t, typename offset_t, int kDigitBits>
+struct DigitPolicyHub {
+  using Base = cub::detail::radix::policy_hub<key_t, value_t, offset_t>;
+  using Tuned = typename Base::template OnesweepSmallKeyTunedPolicy<
+      cub::detail::radix::sm90_small_key_tuning<sizeof(key_t), sizeof(value_t), sizeof(offset_t)>>;
+  // The tuned tile as it is (its own scaling type): passed as nominal 4-byte sizes, an 8-byte key or value
+  // would scale it a second time.
+  struct TunedTile {
+    static constexpr int BLOCK_THREADS = Tuned::OnesweepPolicy::BLOCK_THREADS;
+    static constexpr int ITEMS_PER_THREAD = Tuned::OnesweepPolicy::ITEMS_PER_THREAD;
   };
-  __shared__ union {
-    typename Rank::TempStorage rank;
-    Exchange tile;
-  } smem;
-  __shared__ int64_t next[kDigits];  // the output position of this CTA's next item of each digit
-  __shared__ int32_t first[kDigits];  // the tile's first rank of each digit
-  const Range r = cta_range(items(count, capacity));
-  const int t = threadIdx.x;
-  next[t] = starts[t * gridDim.x + blockIdx.x];
-  const cub::BFEDigitExtractor<K> digits(shift, kDigitBits);
-  for (int64_t lo = r.lo; lo < r.hi; lo += kTile) {
-    const int valid = static_cast<int>(std::min<int64_t>(kTile, r.hi - lo));
-    K key[kItems];
-    V value[kItems];
-    cub::LoadDirectWarpStriped(t, keys_in + lo, key, valid, ~K{0});
-    cub::LoadDirectWarpStriped(t, values_in + lo, value, valid, V{0});
-    int rank[kItems], prefix[1];
-    __syncthreads();  // the last tile's exchange has been read; next[] is current
-    Rank(smem.rank).RankKeys(key, rank, digits, prefix);
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      smem.tile.keys[rank[k]] = key[k];
-      smem.tile.values[rank[k]] = value[k];
-    }
-    first[t] = prefix[0];
-    __syncthreads();
-    for (int j = t; j < valid; j += kThreads) {
-      const K k = smem.tile.keys[j];
-      const int d = digit_of(k, shift);
-      const int64_t at = next[d] + j - first[d];
-      keys_out[at] = k;
-      values_out[at] = smem.tile.values[j];
-    }
-    __syncthreads();
-    // the positions past the count rank last, as digit 255: that digit's count ends at `valid`
-    next[t] += (t + 1 < kDigits ? first[t + 1] : valid) - first[t];
+  struct Policy900 : cub::ChainedPolicy<900, Policy900, Policy900>, Tuned {
+    static constexpr int ONESWEEP_RADIX_BITS = kDigitBits;
+    using HistogramPolicy = cub::AgentRadixSortHistogramPolicy<128, 16, 1, key_t, kDigitBits>;
+    using ExclusiveSumPolicy = cub::AgentRadixSortExclusiveSumPolicy<256, kDigitBits>;
+    using OnesweepPolicy = cub::AgentRadixSortOnesweepPolicy<
+        TunedTile::BLOCK_THREADS, TunedTile::ITEMS_PER_THREAD, typename Base::DominantT, 1,
+        cub::RADIX_RANK_MATCH_EARLY_COUNTS_ANY, cub::BLOCK_SCAN_RAKING_MEMOIZE, cub::RADIX_SORT_STORE_DIRECT,
+        kDigitBits, TunedTile>;
+  };
+  using MaxPolicy = Policy900;
+};
+static_assert(CUB_VERSION / 100000 == 3, "DigitPolicyHub builds on CCCL 3's radix sort agents (cub::detail)");
+
+// One sort's types and shapes: unsigned keys K, values V, digits of kDigitBits.
+template <typename K, typename V, int kDigitBits>
+struct Onesweep {
+  using Key = K;
+  using Value = V;
+  using Offset = cub::detail::choose_offset_t<int>;  // the digits' output positions (CUB's for int counts)
+  using Portion = int;  // positions inside a portion, and the lookback words (signed: CUB's)
+  using Policy = typename DigitPolicyHub<K, V, Offset, kDigitBits>::MaxPolicy;
+  using Decomposer = cub::detail::identity_decomposer_t;
+  static constexpr int kDigits = 1 << kDigitBits;
+  static constexpr int kHistogramThreads = Policy::HistogramPolicy::BLOCK_THREADS;
+  static constexpr int kScanThreads = Policy::ExclusiveSumPolicy::BLOCK_THREADS;
+  static constexpr int kThreads = Policy::OnesweepPolicy::BLOCK_THREADS;
+  static constexpr int kTile = kThreads * Policy::OnesweepPolicy::ITEMS_PER_THREAD;
+  static constexpr Portion kPortion = ((1 << 28) - 1) / kTile * kTile;
+};
+
+// Every pass's digit counts of the counted keys, added into bins[pass * kDigits + digit] (zeroed before).
+template <typename S>
+__global__ void __launch_bounds__(S::kHistogramThreads)
+    histogram_kernel(typename S::Offset* bins, const typename S::Key* keys, const int64_t* count, int64_t capacity,
+                     int bits) {
+  using Agent = cub::detail::radix_sort::AgentRadixSortHistogram<typename S::Policy::HistogramPolicy, false,
+                                                                 typename S::Key, typename S::Offset,
+                                                                 typename S::Decomposer>;
+  __shared__ typename Agent::TempStorage temp;
+  const auto n = static_cast<typename S::Offset>(items(count, capacity));
+  Agent(temp, bins, keys, n, 0, bits, typename S::Decomposer{}).Process();
+}
+
+// The counted items of the portion that starts at item `start` (at most kPortion).
+template <typename S>
+__device__ __forceinline__ typename S::Portion portion_items(const int64_t* count, int64_t capacity, int64_t start) {
+  const int64_t left = items(count, capacity) - start;
+  return static_cast<typename S::Portion>(left < 0 ? 0 : left < S::kPortion ? left : S::kPortion);
+}
+
+// Zeroes the lookback words of one portion's counted tiles, before its onesweep kernel (its CTAs past them read
+// none): the work follows the count, not the capacity.
+template <typename S>
+__global__ void __launch_bounds__(256)
+    zero_lookback_kernel(typename S::Portion* lookback, const int64_t* count, int64_t capacity, int64_t start) {
+  const int64_t tiles = (portion_items<S>(count, capacity, start) + S::kTile - 1) / S::kTile;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < tiles * S::kDigits;
+       i += static_cast<int64_t>(gridDim.x) * 256) {
+    lookback[i] = 0;
   }
 }
 
-// The grid of every pass: a few CTAs per SM, no more CTAs than the capacity has tiles.
-inline int grid_ctas(int64_t capacity) {
-  const int sms = device_sms();
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(4 * sms, (capacity + kTile - 1) / kTile)));
+// One pass over one portion's counted items: items [start, start + kPortion) of the input.
+template <typename S>
+__global__ void __launch_bounds__(S::kThreads)
+    onesweep_kernel(typename S::Portion* lookback, typename S::Portion* tiles, typename S::Offset* next_bins,
+                    const typename S::Offset* bins, typename S::Key* keys_out, const typename S::Key* keys_in,
+                    typename S::Value* values_out, const typename S::Value* values_in, const int64_t* count,
+                    int64_t capacity, int64_t start, int bit, int num_bits) {
+  const typename S::Portion n = portion_items<S>(count, capacity, start);
+  if (static_cast<int64_t>(blockIdx.x) * S::kTile >= n) return;  // past the counted tiles: takes no tile index
+  using Agent = cub::detail::radix_sort::AgentRadixSortOnesweep<typename S::Policy::OnesweepPolicy, false,
+                                                                typename S::Key, typename S::Value,
+                                                                typename S::Offset, typename S::Portion,
+                                                                typename S::Decomposer>;
+  __shared__ typename Agent::TempStorage temp;
+  Agent(temp, lookback, tiles, next_bins, bins, keys_out, keys_in + start, values_out, values_in + start, n, bit,
+        num_bits, typename S::Decomposer{})
+      .Process();
 }
 
 // Sorts the first `count` (a device word; null: all) of `capacity` pairs by their low `bits` key bits,
-// ping-ponging between (keys, values) and (keys_alt, values_alt), its counters and the scan's storage from
-// `scratch(bytes)`. True when the result is in the alternates.
-template <typename K, typename V>
+// ping-ponging between (keys, values) and (keys_alt, values_alt), its digit counts, lookback words and tile
+// counters from `scratch(bytes)`. True when the result is in the alternates.
+template <typename K, typename V, int kDigitBits>
 bool sort_pairs(K* keys, V* values, K* keys_alt, V* values_alt, const int64_t* count, int64_t capacity, int bits,
                 const std::function<void*(size_t)>& scratch, cudaStream_t stream) {
-  PGAS_CHECK(capacity < (int64_t{1} << 31), "counted_sort: %lld positions exceed int32 counters",
+  using S = Onesweep<K, V, kDigitBits>;
+  PGAS_CHECK(capacity < (int64_t{1} << 31), "counted_sort: %lld positions exceed int32 offsets",
              static_cast<long long>(capacity));
   PGAS_CHECK(bits >= 0 && bits <= static_cast<int>(8 * sizeof(K)), "counted_sort: %d key bits for %d-bit keys", bits,
              static_cast<int>(8 * sizeof(K)));
-  const int ctas = grid_ctas(capacity), slots = kDigits * ctas;
-  int32_t* per_cta = static_cast<int32_t*>(scratch(2 * static_cast<size_t>(slots) * sizeof(int32_t)));
-  int32_t* starts = per_cta + slots;
-  size_t temp_bytes = 0;
-  PGAS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, per_cta, starts, slots, stream));
-  void* temp = scratch(std::max<size_t>(temp_bytes, 1));
+  const int passes = (bits + kDigitBits - 1) / kDigitBits;
+  if (passes == 0 || capacity == 0) return false;
+  const int64_t portions = (capacity + S::kPortion - 1) / S::kPortion;
+  const int64_t portion_tiles = (std::min<int64_t>(capacity, S::kPortion) + S::kTile - 1) / S::kTile;
+  const size_t bin_count = static_cast<size_t>(portions) * passes * S::kDigits;
+  auto* bins = static_cast<typename S::Offset*>(scratch(bin_count * sizeof(typename S::Offset)));
+  auto* lookback = static_cast<typename S::Portion*>(scratch(portion_tiles * S::kDigits * sizeof(typename S::Portion)));
+  auto* tiles = static_cast<typename S::Portion*>(scratch(portions * passes * sizeof(typename S::Portion)));
+  PGAS_CUDA_CHECK(cudaMemsetAsync(tiles, 0, portions * passes * sizeof(typename S::Portion), stream));
+  PGAS_CUDA_CHECK(cudaMemsetAsync(bins, 0, bin_count * sizeof(typename S::Offset), stream));
+  int per_sm = 1;
+  PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, histogram_kernel<S>, S::kHistogramThreads, 0));
+  histogram_kernel<S><<<std::max(1, per_sm) * device_sms(), S::kHistogramThreads, 0, stream>>>(bins, keys, count,
+                                                                                                  capacity, bits);
+  PGAS_CUDA_CHECK(cudaGetLastError());
+  cub::detail::radix_sort::DeviceRadixSortExclusiveSumKernel<typename S::Policy, typename S::Offset>
+      <<<passes, S::kScanThreads, 0, stream>>>(bins);
+  PGAS_CUDA_CHECK(cudaGetLastError());
+  const int64_t zero_ctas = 4 * static_cast<int64_t>(device_sms());
   bool in_alt = false;
-  for (int shift = 0; shift < bits; shift += kDigitBits) {
-    const K* ki = in_alt ? keys_alt : keys;
-    const V* vi = in_alt ? values_alt : values;
-    digit_counts<K><<<ctas, kThreads, 0, stream>>>(ki, count, capacity, shift, per_cta);
-    PGAS_CUDA_CHECK(cudaGetLastError());
-    PGAS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, per_cta, starts, slots, stream));
-    scatter<K, V><<<ctas, kThreads, 0, stream>>>(ki, vi, in_alt ? keys : keys_alt, in_alt ? values : values_alt,
-                                                 count, capacity, shift, starts);
-    PGAS_CUDA_CHECK(cudaGetLastError());
+  for (int pass = 0; pass < passes; ++pass) {
+    const int bit = pass * kDigitBits, num_bits = std::min(bits - bit, kDigitBits);
+    for (int64_t portion = 0; portion < portions; ++portion) {
+      const int64_t start = portion * S::kPortion;
+      const int64_t tiles_here = (std::min<int64_t>(capacity - start, S::kPortion) + S::kTile - 1) / S::kTile;
+      const int zero_grid = static_cast<int>(std::min<int64_t>((tiles_here * S::kDigits + 255) / 256, zero_ctas));
+      zero_lookback_kernel<S><<<zero_grid, 256, 0, stream>>>(lookback, count, capacity, start);
+      PGAS_CUDA_CHECK(cudaGetLastError());
+      auto* here = bins + (portion * passes + pass) * S::kDigits;
+      auto* next = portion + 1 < portions ? bins + ((portion + 1) * passes + pass) * S::kDigits : nullptr;
+      onesweep_kernel<S><<<static_cast<int>(tiles_here), S::kThreads, 0, stream>>>(
+          lookback, tiles + portion * passes + pass, next, here, in_alt ? keys : keys_alt, in_alt ? keys_alt : keys,
+          in_alt ? values : values_alt, in_alt ? values_alt : values, count, capacity, start, bit, num_bits);
+      PGAS_CUDA_CHECK(cudaGetLastError());
+    }
     in_alt = !in_alt;
   }
   return in_alt;

@@ -2,10 +2,8 @@
 // thread each; the keys at a capacity in one kernel whose warps take 32 bags a group
 // (the positions past the kept ids are not written); their sort over the key
 // limit's bits, carrying each key's bag (and per-sample weight: the two
-// packed in one 64-bit value): with a count word, counted_sort.cuh over the
-// positions it counts; without, CUB's onesweep radix sort over all of them.
-#include <cub/device/device_radix_sort.cuh>
-
+// packed in one 64-bit value): counted_sort.cuh (CUB's onesweep) over the
+// positions a count word counts, or over all of them without one.
 #include <algorithm>
 #include <type_traits>
 
@@ -138,65 +136,6 @@ int key_bits(int64_t key_limit) {
   return bits;
 }
 
-// CUB's sm_90 radix sort policy with onesweep digits of kDigitBits (CUB's own: 8): the same tiles, ranking and
-// lookback, over 2^kDigitBits bins. 9-bit digits sort 25-27 key bits (s000's keys) in 3 passes instead of 4.
-template <typename key_t, typename value_t, typename offset_t, int kDigitBits>
-struct DigitPolicyHub {
-  using Base = cub::detail::radix::policy_hub<key_t, value_t, offset_t>;
-  using Tuned = typename Base::template OnesweepSmallKeyTunedPolicy<
-      cub::detail::radix::sm90_small_key_tuning<sizeof(key_t), sizeof(value_t), sizeof(offset_t)>>;
-  // The tuned tile as it is (its own scaling type): passed as nominal 4-byte sizes, an 8-byte key or value
-  // would scale it a second time.
-  struct TunedTile {
-    static constexpr int BLOCK_THREADS = Tuned::OnesweepPolicy::BLOCK_THREADS;
-    static constexpr int ITEMS_PER_THREAD = Tuned::OnesweepPolicy::ITEMS_PER_THREAD;
-  };
-  struct Policy900 : cub::ChainedPolicy<900, Policy900, Policy900>, Tuned {
-    static constexpr int ONESWEEP_RADIX_BITS = kDigitBits;
-    using HistogramPolicy = cub::AgentRadixSortHistogramPolicy<128, 16, 1, key_t, kDigitBits>;
-    using ExclusiveSumPolicy = cub::AgentRadixSortExclusiveSumPolicy<256, kDigitBits>;
-    using OnesweepPolicy = cub::AgentRadixSortOnesweepPolicy<
-        TunedTile::BLOCK_THREADS, TunedTile::ITEMS_PER_THREAD, typename Base::DominantT, 1,
-        cub::RADIX_RANK_MATCH_EARLY_COUNTS_ANY, cub::BLOCK_SCAN_RAKING_MEMOIZE, cub::RADIX_SORT_STORE_DIRECT,
-        kDigitBits, TunedTile>;
-  };
-  using MaxPolicy = Policy900;
-};
-static_assert(CUB_VERSION / 100000 == 3, "DigitPolicyHub builds on CCCL 3's radix sort tuning (cub::detail)");
-
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// The pairs in keys[0] / values[0] sorted by their low `bits` bits with CUB's onesweep sort, ping-ponging between
-// the two buffers (no copy of its own in the scratch); returns the buffer that holds the result. 9-bit digits
-// where they take a pass fewer than 8-bit ones.
-template <typename ukey_t, typename value_t>
-int onesweep_sort(ukey_t* const keys[2], value_t* const values[2], int64_t n, int bits,
-                  const std::function<void*(size_t)>& scratch, cudaStream_t stream) {
-  using offset_t = cub::detail::choose_offset_t<int>;
-  cub::DoubleBuffer<ukey_t> key_buffers(keys[0], keys[1]);
-  cub::DoubleBuffer<value_t> value_buffers(values[0], values[1]);
-  const auto sort = [&](auto tag) {
-    using Dispatch = typename decltype(tag)::type;
-    size_t temp_bytes = 0;
-    PGAS_CUDA_CHECK(Dispatch::Dispatch(nullptr, temp_bytes, key_buffers, value_buffers, static_cast<offset_t>(n), 0,
-                                      bits, /*is_overwrite_okay=*/true, stream));
-    PGAS_CUDA_CHECK(Dispatch::Dispatch(scratch(std::max<size_t>(temp_bytes, 1)), temp_bytes, key_buffers,
-                                      value_buffers, static_cast<offset_t>(n), 0, bits, true, stream));
-  };
-  using Order = cub::SortOrder;
-  if ((bits + 8) / 9 < (bits + 7) / 8) {
-    sort(TypeTag<cub::DispatchRadixSort<Order::Ascending, ukey_t, value_t, offset_t,
-                                        cub::detail::identity_decomposer_t,
-                                        DigitPolicyHub<ukey_t, value_t, offset_t, 9>>>{});
-  } else {
-    sort(TypeTag<cub::DispatchRadixSort<Order::Ascending, ukey_t, value_t, offset_t>>{});
-  }
-  return key_buffers.selector;
-}
-
 template <typename key_t, typename value_t>
 int sort_typed(const SortPairs& s, const std::function<void*(size_t)>& scratch, cudaStream_t stream) {
   using ukey_t = std::make_unsigned_t<key_t>;
@@ -206,12 +145,13 @@ int sort_typed(const SortPairs& s, const std::function<void*(size_t)>& scratch, 
       static_cast<const key_t*>(s.keys), s.bags, s.psw, s.count, s.n, s.key_limit, keys[0], values[0]);
   PGAS_CUDA_CHECK(cudaGetLastError());
   const int bits = key_bits(s.key_limit);
-  if (s.count != nullptr) {  // the count on the device: sort only its positions
-    return counted_sort::sort_pairs<ukey_t, value_t>(keys[0], values[0], keys[1], values[1], s.count, s.n, bits,
-                                                     scratch, stream) ? 1 : 0;
-  }
-  // every position: CUB's onesweep sort, faster per key (the host knows their number)
-  return onesweep_sort<ukey_t, value_t>(keys, values, s.n, bits, scratch, stream);
+  // 9-bit digits where they take a pass fewer than 8-bit ones (CUB's)
+  const bool in_alt = (bits + 8) / 9 < (bits + 7) / 8
+                          ? counted_sort::sort_pairs<ukey_t, value_t, 9>(keys[0], values[0], keys[1], values[1],
+                                                                         s.count, s.n, bits, scratch, stream)
+                          : counted_sort::sort_pairs<ukey_t, value_t, 8>(keys[0], values[0], keys[1], values[1],
+                                                                         s.count, s.n, bits, scratch, stream);
+  return in_alt ? 1 : 0;
 }
 
 }  // namespace

@@ -3,8 +3,8 @@
 // an eager step's id count), then their stable sort. One algorithm, written
 // once (write_kept_bag, bag_span, read_position, write_position, pad_position,
 // clamped_key): owner_keys.cu runs it on the GPU (a thread per kept bag; a
-// warp per 32 bags' keys; a radix sort of the positions a device word counts,
-// counted_sort.cuh), owner_keys_host.cpp on the CPU.
+// warp per 32 bags' keys; CUB's onesweep radix sort of the positions a device
+// word counts, counted_sort.cuh), owner_keys_host.cpp on the CPU.
 //
 // The kept bags (kept_bags; ReceivedBlocks.kept_ids reads them too): bag i of the
 // bags read (feature-major, then source, then sample; KeptBagsConfig) is

@@ -520,12 +520,13 @@ def test_sort_owner_keys_is_a_stable_sort_of_the_clamped_keys(device: str, key_d
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("count", [0, 1, 2047, 2048, 2049, 30000, 40000, 10 ** 9, -5])
+@pytest.mark.parametrize("count", [0, 1, 2047, 4608, 4609, 5760, 5761, 11520, 30000, 40000, 10 ** 9, -5])
 def test_sort_owner_keys_sorts_the_positions_its_count_word_says_only(device: str, count: int) -> None:
     """With a count (a device word, clamped to [0, keys]): the first count positions are the stable sort of the
     first count keys, although the positions past it hold smaller keys (a sort that covered the capacity
-    would move them in front), weighted and not; a hot key of a third of the ids included. Counts across
-    the GPU sort's tiles (2048 keys) and its grid (several tiles a CTA)."""
+    would move them in front), weighted and not; a hot key of a third of the ids included. Counts inside one
+    of the GPU sort's tiles and at their ends (CUB's onesweep tiles: 5,760 keys here, 4,608 weighted), and
+    over several tiles (those past the count take no tile)."""
     gen, n, key_limit = torch.Generator().manual_seed(4), 40000, (1 << 20) + 3
     keys = torch.randint(1000, key_limit + 9, (n,), generator=gen)
     keys[torch.randperm(n, generator=gen)[: n // 3]] = 77777
