@@ -22,7 +22,7 @@
 //
 // Synchronization: every kernel and memset is ordered on one stream; a
 // onesweep kernel's lookback words (its counted tiles') are zeroed by a
-// kernel before it, every pass's tile counter and digit counts by memsets
+// kernel before it, every pass's tile counter and digit counts by one memset
 // before the histogram. Only the grids (CTAs past the count return at once)
 // and the scratch follow the capacity. Each kernel re-reads the count word: a caller
 // must not change it while the sort runs.
@@ -160,16 +160,16 @@ bool sort_pairs(K* keys, V* values, K* keys_alt, V* values_alt, const int64_t* c
   if (passes == 0 || capacity == 0) return false;
   const int64_t portions = (capacity + S::kPortion - 1) / S::kPortion;
   const int64_t portion_tiles = (std::min<int64_t>(capacity, S::kPortion) + S::kTile - 1) / S::kTile;
+  // the digit counts, then the tile counters: one allocation, zeroed by one memset
+  static_assert(sizeof(typename S::Offset) == sizeof(typename S::Portion), "bins and tile counters share a buffer");
   const size_t bin_count = static_cast<size_t>(portions) * passes * S::kDigits;
-  auto* bins = static_cast<typename S::Offset*>(scratch(bin_count * sizeof(typename S::Offset)));
+  const size_t counters = bin_count + static_cast<size_t>(portions) * passes;
+  auto* bins = static_cast<typename S::Offset*>(scratch(counters * sizeof(typename S::Offset)));
+  auto* tiles = reinterpret_cast<typename S::Portion*>(bins + bin_count);
   auto* lookback = static_cast<typename S::Portion*>(scratch(portion_tiles * S::kDigits * sizeof(typename S::Portion)));
-  auto* tiles = static_cast<typename S::Portion*>(scratch(portions * passes * sizeof(typename S::Portion)));
-  PGAS_CUDA_CHECK(cudaMemsetAsync(tiles, 0, portions * passes * sizeof(typename S::Portion), stream));
-  PGAS_CUDA_CHECK(cudaMemsetAsync(bins, 0, bin_count * sizeof(typename S::Offset), stream));
-  int per_sm = 1;
-  PGAS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, histogram_kernel<S>, S::kHistogramThreads, 0));
-  histogram_kernel<S><<<std::max(1, per_sm) * device_sms(), S::kHistogramThreads, 0, stream>>>(bins, keys, count,
-                                                                                                  capacity, bits);
+  PGAS_CUDA_CHECK(cudaMemsetAsync(bins, 0, counters * sizeof(typename S::Offset), stream));
+  histogram_kernel<S><<<resident_ctas(histogram_kernel<S>, S::kHistogramThreads), S::kHistogramThreads, 0, stream>>>(
+      bins, keys, count, capacity, bits);
   PGAS_CUDA_CHECK(cudaGetLastError());
   cub::detail::radix_sort::DeviceRadixSortExclusiveSumKernel<typename S::Policy, typename S::Offset>
       <<<passes, S::kScanThreads, 0, stream>>>(bins);
