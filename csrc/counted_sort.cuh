@@ -168,8 +168,8 @@ bool sort_pairs(K* keys, V* values, K* keys_alt, V* values_alt, const int64_t* c
   auto* tiles = reinterpret_cast<typename S::Portion*>(bins + bin_count);
   auto* lookback = static_cast<typename S::Portion*>(scratch(portion_tiles * S::kDigits * sizeof(typename S::Portion)));
   PGAS_CUDA_CHECK(cudaMemsetAsync(bins, 0, counters * sizeof(typename S::Offset), stream));
-  histogram_kernel<S><<<resident_ctas(histogram_kernel<S>, S::kHistogramThreads), S::kHistogramThreads, 0, stream>>>(
-      bins, keys, count, capacity, bits);
+  static const int histogram_ctas = resident_ctas(histogram_kernel<S>, S::kHistogramThreads);  // asked once
+  histogram_kernel<S><<<histogram_ctas, S::kHistogramThreads, 0, stream>>>(bins, keys, count, capacity, bits);
   PGAS_CUDA_CHECK(cudaGetLastError());
   cub::detail::radix_sort::DeviceRadixSortExclusiveSumKernel<typename S::Policy, typename S::Offset>
       <<<passes, S::kScanThreads, 0, stream>>>(bins);
